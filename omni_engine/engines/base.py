@@ -1,0 +1,61 @@
+"""The interface every stage engine implements.
+
+A stage process (``StageEngineCoreProc``) hosts exactly one ``StageEngine``.
+The process owns the sockets and the event loop; the engine owns the model.
+Keeping this interface small is what lets an LLM, a speech synthesizer and a
+diffusion model sit behind the same wire protocol.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import AsyncIterator, Sequence
+from typing import Any, ClassVar
+
+from omni_engine.outputs import OmniRequestOutput
+
+
+class StageEngineError(Exception):
+    """An engine failure that is fatal for the whole stage (the stage sends DEAD)."""
+
+
+class StageEngine(abc.ABC):
+    """One model behind one stage process."""
+
+    # Methods a client may call through UTILITY messages; nothing else is
+    # reachable from the wire.
+    UTILITY_METHODS: ClassVar[frozenset[str]] = frozenset({"info", "num_unfinished_requests"})
+
+    def __init__(self, stage_id: int) -> None:
+        self.stage_id = stage_id
+
+    async def start(self) -> None:
+        """Load the model. Runs inside the stage's event loop, before READY."""
+
+    @abc.abstractmethod
+    def generate(
+        self, request_id: str, prompt: Any, sampling_params: Any
+    ) -> AsyncIterator[OmniRequestOutput]:
+        """Stream the outputs of one request; the last one has ``finished=True``.
+
+        An exception raised here fails this request only (the stage sends
+        ERROR for it); raise ``StageEngineError`` when the engine as a whole
+        can no longer serve.
+        """
+
+    @abc.abstractmethod
+    async def abort(self, request_ids: Sequence[str]) -> None:
+        """Stop the given requests; unknown ids are ignored."""
+
+    def info(self) -> dict[str, Any]:
+        """Facts sent to the client in READY (model name, sample rate, ...)."""
+        return {}
+
+    def num_unfinished_requests(self) -> int:
+        return 0
+
+    async def check_health(self) -> None:
+        """Raise if the engine cannot serve."""
+
+    async def shutdown(self) -> None:
+        """Release the model; idempotent."""

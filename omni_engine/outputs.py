@@ -1,0 +1,88 @@
+"""Outputs of a pipeline stage.
+
+``OmniRequestOutput`` *is* a vLLM ``RequestOutput`` so vLLM's serving code reads
+text-stage outputs unchanged; audio, images and tensors ride along in
+``multimodal_output``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from vllm.outputs import CompletionOutput, RequestOutput
+
+# The RequestOutput attributes that travel on the wire, in wire order. Adding
+# a field means appending here; never reorder (older peers decode by position).
+REQUEST_OUTPUT_FIELDS: tuple[str, ...] = (
+    "request_id",
+    "prompt",
+    "prompt_token_ids",
+    "prompt_logprobs",
+    "outputs",
+    "finished",
+    "metrics",
+    "lora_request",
+    "encoder_prompt",
+    "encoder_prompt_token_ids",
+    "num_cached_tokens",
+    "num_cache_creation_tokens",
+    "prompt_token_id_logprobs",
+    "kv_transfer_params",
+    "ec_transfer_params",
+)
+
+
+class OmniRequestOutput(RequestOutput):
+    """A stage's output for one request.
+
+    ``final_output_type`` says what the caller should look at: "text" (the
+    ``outputs`` of the RequestOutput), "audio" (``multimodal_output["audio"]``
+    and ``["sample_rate"]``), "image", or "latent"/"tensor".
+    """
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt: str | None = None,
+        prompt_token_ids: list[int] | None = None,
+        prompt_logprobs: Any = None,
+        outputs: list[CompletionOutput] | None = None,
+        finished: bool = False,
+        *args: Any,
+        stage_id: int = 0,
+        final_output_type: str = "text",
+        multimodal_output: dict[str, Any] | None = None,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(
+            request_id, prompt, prompt_token_ids, prompt_logprobs,
+            outputs if outputs is not None else [], finished, *args, **kwargs,
+        )
+        self.stage_id = stage_id
+        self.final_output_type = final_output_type
+        self.multimodal_output = multimodal_output if multimodal_output is not None else {}
+
+    @classmethod
+    def from_request_output(
+        cls, output: RequestOutput, *, stage_id: int, final_output_type: str = "text"
+    ) -> "OmniRequestOutput":
+        """Wrap a vLLM output without copying its token lists."""
+        new = cls.__new__(cls)
+        new.__dict__.update(output.__dict__)
+        new.stage_id = stage_id
+        new.final_output_type = final_output_type
+        new.multimodal_output = getattr(output, "multimodal_output", None) or {}
+        return new
+
+    @property
+    def text(self) -> str:
+        """Text of the first completion ('' for non-text stages)."""
+        return self.outputs[0].text if self.outputs else ""
+
+    def __repr__(self) -> str:
+        mm = {k: type(v).__name__ for k, v in self.multimodal_output.items()}
+        return (
+            f"OmniRequestOutput(request_id={self.request_id!r}, stage_id={self.stage_id}, "
+            f"final_output_type={self.final_output_type!r}, finished={self.finished}, "
+            f"outputs={self.outputs!r}, multimodal_output={mm})"
+        )

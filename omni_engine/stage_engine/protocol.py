@@ -1,0 +1,123 @@
+"""Message types and structs of the client ⇄ stage-process protocol.
+
+Frames: request ``[identity, type, body, *aux]`` on the client's ROUTER (the
+stage's DEALER sees ``[type, body, *aux]``); response ``[type, body, *aux]``
+on the stage's PUSH. ``type`` is one byte, so a peer can dispatch before
+decoding the body.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Any
+
+import msgspec
+
+
+class StageRequestType(bytes, enum.Enum):
+    GENERATE = b"\x00"
+    ABORT = b"\x01"
+    HEALTH_CHECK = b"\x02"
+    UTILITY = b"\x03"
+    SHUTDOWN = b"\x04"
+    # Shared-memory slots whose views the client no longer holds.
+    RELEASE = b"\x05"
+
+
+class StageResponseType(bytes, enum.Enum):
+    READY = b"\x10"
+    OUTPUT = b"\x11"
+    ERROR = b"\x12"
+    HEALTH = b"\x13"
+    UTILITY_RESULT = b"\x14"
+    DEAD = b"\x15"
+
+
+class StageGenerateRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    request_id: str
+    prompt: Any
+    sampling_params: Any = None
+    arrival_time: float = 0.0
+
+
+class StageAbortRequest(msgspec.Struct, array_like=True, gc=False):
+    request_ids: list[str]
+
+
+class StageHealthCheck(msgspec.Struct, array_like=True, gc=False):
+    call_id: int
+
+
+class StageUtilityRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    call_id: int
+    method: str
+    args: list[Any] = []
+    kwargs: dict[str, Any] = {}
+
+
+class StageReleaseRequest(msgspec.Struct, array_like=True, gc=False):
+    segments: list[str]
+
+
+class StageShutdown(msgspec.Struct, array_like=True, gc=False):
+    reason: str = ""
+
+
+class StageReady(msgspec.Struct, array_like=True, gc=False):
+    stage_id: int
+    pid: int
+    # Segments this stage creates start with this; the client unlinks them by
+    # it if the stage dies.
+    shm_prefix: str
+    engine_info: dict[str, Any]
+
+
+class StageOutputs(msgspec.Struct, array_like=True, gc=False):
+    """Every output ready at once, in one message (as vLLM's EngineCoreOutputs)."""
+
+    outputs: list[Any]
+    timestamp: float = 0.0
+
+
+class StageError(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """A failure of one request (request_id set) or of one message (None)."""
+
+    message: str
+    request_id: str | None = None
+    error_type: str = "Error"
+
+
+class StageHealth(msgspec.Struct, array_like=True, gc=False):
+    call_id: int
+    healthy: bool
+    num_running: int
+    pid: int
+
+
+class StageUtilityResult(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    call_id: int
+    result: Any = None
+    error: str | None = None
+
+
+class StageDead(msgspec.Struct, array_like=True, gc=False):
+    message: str
+
+
+REQUEST_STRUCTS: dict[StageRequestType, type[msgspec.Struct]] = {
+    StageRequestType.GENERATE: StageGenerateRequest,
+    StageRequestType.ABORT: StageAbortRequest,
+    StageRequestType.HEALTH_CHECK: StageHealthCheck,
+    StageRequestType.UTILITY: StageUtilityRequest,
+    StageRequestType.SHUTDOWN: StageShutdown,
+    StageRequestType.RELEASE: StageReleaseRequest,
+}
+
+RESPONSE_STRUCTS: dict[StageResponseType, type[msgspec.Struct]] = {
+    StageResponseType.READY: StageReady,
+    StageResponseType.OUTPUT: StageOutputs,
+    StageResponseType.ERROR: StageError,
+    StageResponseType.HEALTH: StageHealth,
+    StageResponseType.UTILITY_RESULT: StageUtilityResult,
+    StageResponseType.DEAD: StageDead,
+}

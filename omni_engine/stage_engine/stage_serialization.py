@@ -1,0 +1,438 @@
+"""Msgpack wire format between the client and stage processes (msgspec).
+
+Modelled on vLLM's ``serial_utils.MsgpackEncoder``: ``encode`` returns a list
+of buffers, the msgpack body first and then auxiliary buffers that ZMQ sends
+as separate zero-copy frames. Foreign types travel as msgpack ext types with
+fixed codes (``CustomType``), so fields typed ``Any`` still decode to the right
+Python type. Tensor data travels one of three ways, by size:
+
+* inline in the body (tiny tensors: a separate frame costs more than a copy);
+* as its own ZMQ frame, sent and received without a copy;
+* in a shared-memory slot leased from the producer's ``ShmPool``, sent as a
+  handle. A tensor that already lives in a mapped segment (a slot the
+  producer wrote into, or a view this process decoded) is sent as a handle
+  to the same bytes, never copied: that is how a large output crosses from
+  one stage to the next without the client touching it.
+
+Pickle is off unless explicitly allowed on both ends; an unsupported type is a
+``TypeError`` naming it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import logging
+import math
+import pickle
+import warnings
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import msgspec
+import numpy as np
+import torch
+from msgspec.msgpack import Ext
+from PIL import Image
+from vllm import SamplingParams
+from vllm.logprobs import FlatLogprobs, Logprob
+from vllm.lora.request import LoRARequest
+from vllm.outputs import CompletionOutput, RequestOutput
+from vllm.v1.metrics.stats import RequestStateStats
+
+from omni_engine import envs
+from omni_engine.connectors.shm import SEGMENT_INDEX, ShmAttachments, ShmPool
+from omni_engine.engines.tts import SpeechParams
+from omni_engine.inputs import OmniDiffusionSamplingParams, OmniTextPrompt
+from omni_engine.outputs import REQUEST_OUTPUT_FIELDS, OmniRequestOutput
+
+logger = logging.getLogger(__name__)
+
+# Frames arrive read-only; tensors decoded from them are views, as in vLLM.
+warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+
+
+class CustomType(enum.IntEnum):
+    """Msgpack ext codes. Wire-visible: never renumber, only append."""
+
+    OMNI_REQUEST_OUTPUT = 100
+    OMNI_DIFFUSION_SAMPLING_PARAMS = 101
+    OMNI_TEXT_PROMPT = 102
+    TORCH_TENSOR = 103
+    NDARRAY = 104
+    SAMPLING_PARAMS = 105
+    PIL_IMAGE = 106
+    LORA_REQUEST = 107
+    REQUEST_OUTPUT = 108
+    COMPLETION_OUTPUT = 109
+    OMNI_STRUCT = 110  # a msgspec.Struct registered with register_wire_struct
+    PICKLE = 111  # only when pickle is allowed on both ends
+    LOGPROB = 112
+    FLAT_LOGPROBS = 113
+    REQUEST_STATE_STATS = 114
+
+
+# Plain ints for the hot path (msgspec.msgpack.Ext requires int codes).
+_CODE_OMNI_REQUEST_OUTPUT = int(CustomType.OMNI_REQUEST_OUTPUT)
+_CODE_REQUEST_OUTPUT = int(CustomType.REQUEST_OUTPUT)
+_CODE_TORCH_TENSOR = int(CustomType.TORCH_TENSOR)
+_CODE_NDARRAY = int(CustomType.NDARRAY)
+_CODE_PIL_IMAGE = int(CustomType.PIL_IMAGE)
+_CODE_OMNI_STRUCT = int(CustomType.OMNI_STRUCT)
+_CODE_PICKLE = int(CustomType.PICKLE)
+
+
+class DataLocation(enum.IntEnum):
+    INLINE = 0
+    FRAME = 1
+    SHM = 2
+
+
+# Structs with their own code. msgspec encodes Structs natively (no enc_hook),
+# which would lose their type inside ``Any`` fields, so the encoder wraps them
+# in ext types explicitly wherever it walks fields (see ``_wrap``).
+_STRUCT_CODES: dict[type, CustomType] = {
+    OmniDiffusionSamplingParams: CustomType.OMNI_DIFFUSION_SAMPLING_PARAMS,
+    OmniTextPrompt: CustomType.OMNI_TEXT_PROMPT,
+    SamplingParams: CustomType.SAMPLING_PARAMS,
+    LoRARequest: CustomType.LORA_REQUEST,
+}
+_CODE_STRUCTS = {code: cls for cls, code in _STRUCT_CODES.items()}
+
+# Dataclasses sent as a tuple of their fields (both ends run the same vLLM).
+_DATACLASS_CODES: dict[type, CustomType] = {
+    CompletionOutput: CustomType.COMPLETION_OUTPUT,
+    Logprob: CustomType.LOGPROB,
+    FlatLogprobs: CustomType.FLAT_LOGPROBS,
+    RequestStateStats: CustomType.REQUEST_STATE_STATS,
+}
+_CODE_DATACLASSES = {code: cls for cls, code in _DATACLASS_CODES.items()}
+_DATACLASS_FIELDS = {cls: tuple(f.name for f in dataclasses.fields(cls)) for cls in _DATACLASS_CODES}
+
+_SCALARS = frozenset({int, float, str, bytes, bool, type(None)})
+
+_OMNI_EXTRA_FIELDS = ("stage_id", "final_output_type", "multimodal_output")
+
+# Our own structs that may appear in Any fields (e.g. SpeechParams), by name.
+_WIRE_STRUCTS: dict[str, type[msgspec.Struct]] = {}
+_WIRE_STRUCT_NAMES: dict[type, str] = {}
+
+
+def register_wire_struct(cls: type[msgspec.Struct]) -> type[msgspec.Struct]:
+    """Let ``cls`` travel in ``Any`` fields with its type (ext 110). Decorator."""
+    name = f"{cls.__module__}.{cls.__qualname__}"
+    _WIRE_STRUCTS[name] = cls
+    _WIRE_STRUCT_NAMES[cls] = name
+    return cls
+
+
+register_wire_struct(SpeechParams)
+
+
+def _torch_dtype(name: str) -> torch.dtype:
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"unknown torch dtype {name!r} in tensor header")
+    return dtype
+
+
+def _check_shape(shape: Any, itemsize: int, nbytes: int, what: str) -> tuple[int, ...]:
+    if not isinstance(shape, list) or not all(isinstance(d, int) and d >= 0 for d in shape):
+        raise ValueError(f"{what} header has an invalid shape {shape!r}")
+    need = math.prod(shape) * itemsize
+    if need != nbytes:
+        raise ValueError(f"{what} data is {nbytes} bytes but shape {shape} needs {need}")
+    return tuple(shape)
+
+
+class StageMsgpackEncoder:
+    """Encodes messages into ``[body, *aux_frames]``. One per thread."""
+
+    def __init__(
+        self,
+        *,
+        shm_pool: ShmPool | None = None,
+        inline_threshold: int | None = None,
+        shm_threshold: int | None = None,
+        allow_pickle: bool | None = None,
+    ) -> None:
+        self.shm_pool = shm_pool
+        self.inline_threshold = envs.inline_threshold() if inline_threshold is None else inline_threshold
+        self.shm_threshold = envs.shm_threshold() if shm_threshold is None else shm_threshold
+        self.allow_pickle = envs.allow_pickle() if allow_pickle is None else allow_pickle
+        # One msgspec encoder per nesting depth: an ext's payload is encoded
+        # while the outer encoder is mid-call.
+        self._encoders = [msgspec.msgpack.Encoder(enc_hook=self._enc_hook)]
+        self._depth = 0
+        self._aux: list[Any] | None = None
+        # The request that shared-memory slots leased now belong to; set while
+        # an OmniRequestOutput's fields are encoded.
+        self._owner: str | None = None
+
+    def encode(self, obj: Any, owner: str | None = None) -> list[Any]:
+        bufs: list[Any] = [b""]
+        self._aux, self._owner = bufs, owner
+        try:
+            bufs[0] = self._encoders[0].encode(self._wrap_top(obj))
+        finally:
+            self._aux, self._owner = None, None
+        return bufs
+
+    def _wrap_top(self, obj: Any) -> Any:
+        """Wrap known structs held directly in a message's fields."""
+        if isinstance(obj, msgspec.Struct) and type(obj) not in _STRUCT_CODES:
+            changes = {}
+            for name in obj.__struct_fields__:
+                value = getattr(obj, name)
+                wrapped = self._wrap(value)
+                if wrapped is not value:
+                    changes[name] = wrapped
+            return msgspec.structs.replace(obj, **changes) if changes else obj
+        return self._wrap(obj)
+
+    def _wrap(self, value: Any) -> Any:
+        """Turn Structs and dataclasses of known types into ext types.
+
+        msgspec encodes those natively without calling ``enc_hook``, which
+        would lose their type, so containers are walked for them; a list whose
+        first item is a scalar (token ids, floats) is taken as all-scalar and
+        not walked, to keep that cost off the hot path.
+        """
+        cls = type(value)
+        if cls in _SCALARS:
+            return value
+        code = _STRUCT_CODES.get(cls)
+        if code is not None:
+            return Ext(int(code), self._nested(value))
+        code = _DATACLASS_CODES.get(cls)
+        if code is not None:
+            return Ext(int(code), self._nested(self._fields(value, _DATACLASS_FIELDS[cls])))
+        name = _WIRE_STRUCT_NAMES.get(cls)
+        if name is not None:
+            return Ext(_CODE_OMNI_STRUCT, self._nested((name, value)))
+        if cls is list or cls is tuple:
+            if not value or type(value[0]) in _SCALARS:
+                return value
+            return [self._wrap(v) for v in value]
+        if cls is dict:
+            return {k: self._wrap(v) for k, v in value.items()}
+        return value
+
+    def _nested(self, obj: Any) -> bytes:
+        self._depth += 1
+        try:
+            if self._depth == len(self._encoders):
+                self._encoders.append(msgspec.msgpack.Encoder(enc_hook=self._enc_hook))
+            return self._encoders[self._depth].encode(obj)
+        finally:
+            self._depth -= 1
+
+    def _fields(self, obj: Any, names: Sequence[str]) -> list[Any]:
+        return [self._wrap(getattr(obj, name, None)) for name in names]
+
+    def _enc_hook(self, obj: Any) -> Any:
+        if isinstance(obj, torch.Tensor):
+            return self._encode_tensor(obj)
+        if isinstance(obj, np.ndarray):
+            return self._encode_ndarray(obj)
+        if isinstance(obj, RequestOutput):
+            return self._encode_request_output(obj)
+        if isinstance(obj, Image.Image):
+            return self._encode_image(obj)
+        if isinstance(obj, np.generic):
+            return obj.item()
+        wrapped = self._wrap(obj)
+        if wrapped is not obj:
+            return wrapped
+        if self.allow_pickle:
+            return Ext(_CODE_PICKLE, pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL))
+        raise TypeError(
+            f"cannot serialize an object of type {type(obj).__module__}.{type(obj).__qualname__} "
+            "for a stage message (pickle is disabled; set OMNI_ENGINE_ALLOW_PICKLE=1 to allow it)"
+        )
+
+    def _encode_request_output(self, obj: RequestOutput) -> Ext:
+        values = self._fields(obj, REQUEST_OUTPUT_FIELDS)
+        if not isinstance(obj, OmniRequestOutput):
+            return Ext(_CODE_REQUEST_OUTPUT, self._nested(values))
+        values += [obj.stage_id, obj.final_output_type, self._wrap(obj.multimodal_output)]
+        outer_owner, self._owner = self._owner, obj.request_id
+        try:
+            return Ext(_CODE_OMNI_REQUEST_OUTPUT, self._nested(values))
+        finally:
+            self._owner = outer_owner
+
+    def _encode_tensor(self, t: torch.Tensor) -> Ext:
+        t = t.detach()
+        if t.device.type != "cpu":
+            t = t.cpu()
+        t = t.contiguous()
+        data = t.reshape(-1).view(torch.uint8).numpy()
+        header = [str(t.dtype).removeprefix("torch."), list(t.shape)]
+        return Ext(_CODE_TORCH_TENSOR, self._encode_data(header, data))
+
+    def _encode_ndarray(self, a: np.ndarray) -> Ext:
+        if a.dtype.hasobject or a.dtype.fields is not None:
+            raise TypeError(f"cannot serialize a numpy array of dtype {a.dtype} (object/structured)")
+        a = np.ascontiguousarray(a)
+        header = [a.dtype.str, list(a.shape)]
+        return Ext(_CODE_NDARRAY, self._encode_data(header, a.reshape(-1).view(np.uint8)))
+
+    def _encode_image(self, img: Image.Image) -> Ext:
+        data = np.frombuffer(img.tobytes(), dtype=np.uint8)
+        return Ext(_CODE_PIL_IMAGE, self._encode_data([img.mode, list(img.size)], data))
+
+    def _encode_data(self, header: list[Any], data: np.ndarray) -> bytes:
+        """Append where the bytes of ``data`` (1-D uint8, contiguous) travel."""
+        nbytes = data.nbytes
+        if nbytes < self.inline_threshold:
+            header += [DataLocation.INLINE, data.tobytes()]
+            return msgspec.msgpack.encode(header)
+        found = SEGMENT_INDEX.find(int(data.ctypes.data), nbytes)
+        if found is None and self.shm_pool is not None and nbytes >= self.shm_threshold:
+            segment = self.shm_pool.lease(nbytes, self._owner or "")
+            if segment is not None:
+                segment.array[:nbytes] = data
+                found = (segment.name, 0)
+        if found is not None:
+            header += [DataLocation.SHM, found[0], found[1], nbytes, self._owner]
+        else:
+            assert self._aux is not None
+            self._aux.append(data)
+            header += [DataLocation.FRAME, len(self._aux) - 1]
+        return msgspec.msgpack.encode(header)
+
+
+ShmViewCallback = Callable[[str, "str | None", memoryview], None]
+
+
+class StageMsgpackDecoder:
+    """Decodes ``[body, *aux_frames]``. One per thread.
+
+    ``on_shm_view(segment, owner_request, view)`` is called for every
+    shared-memory view handed out, so the owner of the views (the client)
+    can tell the producer when a slot is free again.
+    """
+
+    def __init__(
+        self,
+        t: Any = Any,
+        *,
+        shm: ShmAttachments | None = None,
+        on_shm_view: ShmViewCallback | None = None,
+        allow_pickle: bool | None = None,
+    ) -> None:
+        self.shm = shm if shm is not None else ShmAttachments()
+        self.on_shm_view = on_shm_view
+        self.allow_pickle = envs.allow_pickle() if allow_pickle is None else allow_pickle
+        self._decoder = msgspec.msgpack.Decoder(t, ext_hook=self._ext_hook)
+        self._any = msgspec.msgpack.Decoder(ext_hook=self._ext_hook)
+        self._typed: dict[type, msgspec.msgpack.Decoder] = {}
+        self._aux: Sequence[Any] | None = None
+
+    def decode(self, bufs: Any) -> Any:
+        if not isinstance(bufs, (list, tuple)):
+            bufs = [bufs]
+        self._aux = bufs
+        try:
+            return self._decoder.decode(bufs[0])
+        finally:
+            self._aux = None
+
+    def _typed_decoder(self, cls: type) -> msgspec.msgpack.Decoder:
+        decoder = self._typed.get(cls)
+        if decoder is None:
+            decoder = self._typed[cls] = msgspec.msgpack.Decoder(cls, ext_hook=self._ext_hook)
+        return decoder
+
+    def _ext_hook(self, code: int, data: memoryview) -> Any:
+        if code == CustomType.TORCH_TENSOR:
+            return self._decode_tensor(data)
+        if code == CustomType.NDARRAY:
+            return self._decode_ndarray(data)
+        if code in (CustomType.OMNI_REQUEST_OUTPUT, CustomType.REQUEST_OUTPUT):
+            return self._decode_request_output(code, data)
+        cls = _CODE_DATACLASSES.get(code)
+        if cls is not None:
+            return cls(*self._any.decode(data))
+        cls = _CODE_STRUCTS.get(code)
+        if cls is not None:
+            return self._typed_decoder(cls).decode(data)
+        if code == CustomType.OMNI_STRUCT:
+            return self._decode_wire_struct(data)
+        if code == CustomType.PIL_IMAGE:
+            return self._decode_image(data)
+        if code == CustomType.PICKLE:
+            if not self.allow_pickle:
+                raise ValueError(
+                    "received a pickled object (ext 111) but pickle is disabled; "
+                    "set OMNI_ENGINE_ALLOW_PICKLE=1 on both ends to allow it"
+                )
+            return pickle.loads(data)
+        raise ValueError(f"unknown msgpack ext type code {code} in stage message")
+
+    def _decode_wire_struct(self, data: memoryview) -> Any:
+        name, raw = msgspec.msgpack.decode(data, type=tuple[str, msgspec.Raw])
+        cls = _WIRE_STRUCTS.get(name)
+        if cls is None:
+            raise ValueError(f"unknown wire struct {name!r} (not registered with register_wire_struct)")
+        return self._typed_decoder(cls).decode(raw)
+
+    def _decode_request_output(self, code: int, data: memoryview) -> RequestOutput:
+        values = self._any.decode(data)
+        if not isinstance(values, list) or len(values) < len(REQUEST_OUTPUT_FIELDS):
+            raise ValueError("malformed RequestOutput on the wire: too few fields")
+        cls = OmniRequestOutput if code == CustomType.OMNI_REQUEST_OUTPUT else RequestOutput
+        out = cls.__new__(cls)
+        out.__dict__.update(zip(REQUEST_OUTPUT_FIELDS, values))
+        if code == CustomType.OMNI_REQUEST_OUTPUT:
+            extra = values[len(REQUEST_OUTPUT_FIELDS):]
+            if len(extra) < len(_OMNI_EXTRA_FIELDS):
+                raise ValueError("malformed OmniRequestOutput on the wire: missing stage fields")
+            out.__dict__.update(zip(_OMNI_EXTRA_FIELDS, extra))
+            if out.multimodal_output is None:
+                out.multimodal_output = {}
+        return out
+
+    def _decode_data(self, header: list[Any], what: str) -> memoryview:
+        """The bytes a tensor header points at (header[2:] is the location)."""
+        try:
+            location = DataLocation(header[2])
+            if location is DataLocation.INLINE:
+                return memoryview(header[3])
+            if location is DataLocation.FRAME:
+                index = header[3]
+                if not isinstance(index, int) or not 0 < index < len(self._aux or ()):
+                    raise ValueError(f"{what} refers to frame {index!r}, message has {len(self._aux or ()) - 1}")
+                return memoryview(self._aux[index]).cast("B")
+            name, offset, nbytes, owner = header[3:7]
+        except (IndexError, TypeError, ValueError) as exc:
+            raise ValueError(f"malformed {what} header: {exc}") from None
+        view = self.shm.view(name, offset, nbytes)
+        if self.on_shm_view is not None:
+            self.on_shm_view(name, owner, view)
+        return view
+
+    def _decode_tensor(self, data: memoryview) -> torch.Tensor:
+        header = msgspec.msgpack.decode(data)
+        dtype = _torch_dtype(header[0])
+        buf = self._decode_data(header, "tensor")
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        shape = _check_shape(header[1], itemsize, len(buf), "tensor")
+        if len(buf) == 0:
+            return torch.empty(shape, dtype=dtype)
+        return torch.from_numpy(np.frombuffer(buf, dtype=np.uint8)).view(dtype).view(shape)
+
+    def _decode_ndarray(self, data: memoryview) -> np.ndarray:
+        header = msgspec.msgpack.decode(data)
+        dtype = np.dtype(header[0])
+        if dtype.hasobject:
+            raise ValueError(f"refusing numpy array of object dtype {dtype}")
+        buf = self._decode_data(header, "ndarray")
+        shape = _check_shape(header[1], dtype.itemsize, len(buf), "ndarray")
+        return np.frombuffer(buf, dtype=dtype).reshape(shape)
+
+    def _decode_image(self, data: memoryview) -> Image.Image:
+        header = msgspec.msgpack.decode(data)
+        buf = self._decode_data(header, "image")
+        return Image.frombytes(header[0], tuple(header[1]), bytes(buf))
