@@ -17,6 +17,8 @@ import weakref
 from collections import OrderedDict, defaultdict
 from collections.abc import Callable
 
+from omni_engine.connectors.shm import has_prefix
+
 logger = logging.getLogger(__name__)
 
 ReleaseFn = Callable[[list[str]], None]
@@ -51,12 +53,16 @@ class ShmLeaseBook:
         """Forget a (dead or stopped) producer's segments: they are unlinked by prefix."""
         with self._lock:
             self._producers.pop(prefix, None)
-            for name in [n for n in self._owner if n.startswith(prefix)]:
+            for name in [n for n in self._owner if has_prefix(n, prefix)]:
                 self._forget_locked(name)
-            self._to_release = [n for n in self._to_release if not n.startswith(prefix)]
+            self._to_release = [n for n in self._to_release if not has_prefix(n, prefix)]
 
-    def on_view(self, name: str, owner: str | None, view: memoryview) -> None:
-        """Called by the decoder for every shared-memory view it hands out."""
+    def on_view(self, name: str, owner: str | None, view: object) -> None:
+        """Called by the decoder for every shared-memory view it hands out.
+
+        ``view`` must be an object every decoded value keeps alive (the
+        decoder passes the uint8 array its tensors/arrays are built on).
+        """
         with self._lock:
             self._views[name] += 1
             self._owner[name] = owner

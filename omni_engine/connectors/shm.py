@@ -202,6 +202,10 @@ class ShmPool:
             return segment
 
     def _create_locked(self, size: int) -> ShmSegment | None:
+        free_bytes = sum(slot * len(free) for slot, free in self._free.items())
+        if self._total - free_bytes + size > self.max_bytes:
+            # Evicting every free slot would not make room: keep them warm.
+            return self._fallback(f"pool limit of {self.max_bytes} bytes reached")
         self._evict_locked(self._total + size - self.max_bytes)
         if self._total + size > self.max_bytes:
             return self._fallback(f"pool limit of {self.max_bytes} bytes reached")
@@ -290,7 +294,7 @@ class ShmAttachments:
         with self._lock:
             chosen = [
                 n for n in self._segments
-                if (names is not None and n in names) or (prefix is not None and n.startswith(prefix))
+                if (names is not None and n in names) or (prefix is not None and has_prefix(n, prefix))
             ] if (names is not None or prefix is not None) else list(self._segments)
             for name in chosen:
                 segment = self._segments.pop(name)
@@ -308,10 +312,21 @@ def list_segments(prefix: str = SEGMENT_PREFIX) -> list[str]:
         return []
 
 
+def has_prefix(name: str, prefix: str) -> bool:
+    """Whether segment ``name`` is ``prefix`` or under it (``<prefix>_...``).
+
+    Whole ``_``-separated components only: stage 1's prefix ``..._s1`` must
+    not match stage 10's segments ``..._s10_0``.
+    """
+    return name == prefix or name.startswith(prefix + "_")
+
+
 def unlink_prefix(prefix: str) -> list[str]:
-    """Unlink every segment whose name starts with ``prefix`` (a dead stage's)."""
+    """Unlink every segment named ``prefix`` or ``<prefix>_...`` (a dead stage's)."""
     removed = []
     for name in list_segments(prefix):
+        if not has_prefix(name, prefix):
+            continue
         try:
             os.unlink(envs.shm_dir() / name)
             removed.append(name)

@@ -149,6 +149,16 @@ class EspeakSynthesizer:
             raise EspeakError("synthesizer is closed")
 
     def _select_voice(self, voice: str) -> None:
+        """Select a voice that ``list_voices`` offers; anything else is a ValueError.
+
+        eSpeak's own matching is by prefix ("no-such-voice" would select
+        Norwegian), so the name is checked against the discovered set first.
+        """
+        if voice.lower() not in self._known_voices_locked():
+            raise ValueError(f"unknown voice {voice!r}; list_voices() gives the accepted codes (e.g. 'en', 'en-us')")
+        self._try_voice(voice)
+
+    def _try_voice(self, voice: str) -> None:
         encoded = voice.encode("utf-8")
         rc = self._lib.espeak_SetVoiceByName(encoded)
         if rc == _EE_NOT_FOUND:
@@ -178,26 +188,31 @@ class EspeakSynthesizer:
         """
         with _LOCK:
             self._require_open()
-            if self._voices is None:
-                candidates: set[str] = set()
-                voices = self._lib.espeak_ListVoices(None)
-                for i in itertools.count():
-                    if not voices[i]:
-                        break
-                    candidates.add(voices[i].contents.identifier.decode().rsplit("/", 1)[-1].lower())
-                    ptr = voices[i].contents.languages
-                    while ctypes.string_at(ptr, 1) != b"\x00":  # priority byte; 0 ends the list
-                        code = ctypes.string_at(ptr + 1)
-                        candidates.add(code.decode().lower())
-                        ptr += len(code) + 2
-                self._voices = []
-                for code in sorted(candidates):
-                    try:
-                        self._select_voice(code)
-                    except ValueError:
-                        continue
-                    self._voices.append(code)
-            return list(self._voices)
+            return list(self._known_voices_locked())
+
+    def _known_voices_locked(self) -> list[str]:
+        if self._voices is None:
+            candidates: set[str] = set()
+            voices = self._lib.espeak_ListVoices(None)
+            for i in itertools.count():
+                if not voices[i]:
+                    break
+                candidates.add(voices[i].contents.identifier.decode().rsplit("/", 1)[-1].lower())
+                candidates.add(voices[i].contents.name.decode().lower())
+                ptr = voices[i].contents.languages
+                while ctypes.string_at(ptr, 1) != b"\x00":  # priority byte; 0 ends the list
+                    code = ctypes.string_at(ptr + 1)
+                    candidates.add(code.decode().lower())
+                    ptr += len(code) + 2
+            voices_ok = []
+            for code in sorted(candidates):
+                try:
+                    self._try_voice(code)
+                except ValueError:
+                    continue
+                voices_ok.append(code)
+            self._voices = voices_ok
+        return self._voices
 
     def synthesize(self, text: str, params: SpeechParams, should_abort: Callable[[], bool] | None = None) -> np.ndarray:
         """Render ``text`` to mono float32 PCM in [-1, 1] at ``sample_rate``.

@@ -252,12 +252,14 @@ class StageMsgpackEncoder:
         )
 
     def _encode_request_output(self, obj: RequestOutput) -> Ext:
-        values = self._fields(obj, REQUEST_OUTPUT_FIELDS)
         if not isinstance(obj, OmniRequestOutput):
-            return Ext(_CODE_REQUEST_OUTPUT, self._nested(values))
-        values += [obj.stage_id, obj.final_output_type, self._wrap(obj.multimodal_output)]
+            return Ext(_CODE_REQUEST_OUTPUT, self._nested(self._fields(obj, REQUEST_OUTPUT_FIELDS)))
+        # The owner is set before the fields are wrapped: wrapping encodes
+        # structs/dataclasses (and the tensors inside them) right away.
         outer_owner, self._owner = self._owner, obj.request_id
         try:
+            values = self._fields(obj, REQUEST_OUTPUT_FIELDS)
+            values += [obj.stage_id, obj.final_output_type, self._wrap(obj.multimodal_output)]
             return Ext(_CODE_OMNI_REQUEST_OUTPUT, self._nested(values))
         finally:
             self._owner = outer_owner
@@ -266,7 +268,9 @@ class StageMsgpackEncoder:
         t = t.detach()
         if t.device.type != "cpu":
             t = t.cpu()
-        t = t.contiguous()
+        # Conjugate/negative views are lazy bits, not data: materialize them
+        # (no-ops otherwise), else view(uint8) refuses the tensor.
+        t = t.resolve_conj().resolve_neg().contiguous()
         data = t.reshape(-1).view(torch.uint8).numpy()
         header = [str(t.dtype).removeprefix("torch."), list(t.shape)]
         return Ext(_CODE_TORCH_TENSOR, self._encode_data(header, data))
@@ -274,8 +278,8 @@ class StageMsgpackEncoder:
     def _encode_ndarray(self, a: np.ndarray) -> Ext:
         if a.dtype.hasobject or a.dtype.fields is not None:
             raise TypeError(f"cannot serialize a numpy array of dtype {a.dtype} (object/structured)")
+        header = [a.dtype.str, list(a.shape)]  # before ascontiguousarray: it makes 0-d arrays 1-d
         a = np.ascontiguousarray(a)
-        header = [a.dtype.str, list(a.shape)]
         return Ext(_CODE_NDARRAY, self._encode_data(header, a.reshape(-1).view(np.uint8)))
 
     def _encode_image(self, img: Image.Image) -> Ext:
@@ -303,14 +307,15 @@ class StageMsgpackEncoder:
         return msgspec.msgpack.encode(header)
 
 
-ShmViewCallback = Callable[[str, "str | None", memoryview], None]
+ShmViewCallback = Callable[[str, "str | None", np.ndarray], None]
 
 
 class StageMsgpackDecoder:
     """Decodes ``[body, *aux_frames]``. One per thread.
 
     ``on_shm_view(segment, owner_request, view)`` is called for every
-    shared-memory view handed out, so the owner of the views (the client)
+    shared-memory view handed out (a uint8 array that every tensor/array
+    decoded from it references), so the owner of the views (the client)
     can tell the producer when a slot is free again.
     """
 
@@ -394,7 +399,7 @@ class StageMsgpackDecoder:
                 out.multimodal_output = {}
         return out
 
-    def _decode_data(self, header: list[Any], what: str) -> memoryview:
+    def _decode_data(self, header: list[Any], what: str) -> memoryview | np.ndarray:
         """The bytes a tensor header points at (header[2:] is the location)."""
         try:
             location = DataLocation(header[2])
@@ -408,7 +413,10 @@ class StageMsgpackDecoder:
             name, offset, nbytes, owner = header[3:7]
         except (IndexError, TypeError, ValueError) as exc:
             raise ValueError(f"malformed {what} header: {exc}") from None
-        view = self.shm.view(name, offset, nbytes)
+        # numpy re-exports a buffer from its underlying object, so an array
+        # built on a memoryview does not keep that memoryview alive: hand out
+        # (and let on_shm_view track) an array that decoded values reference.
+        view = np.frombuffer(self.shm.view(name, offset, nbytes), dtype=np.uint8)
         if self.on_shm_view is not None:
             self.on_shm_view(name, owner, view)
         return view

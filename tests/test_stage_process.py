@@ -1,0 +1,120 @@
+"""A real stage process (eSpeak NG speech) over real ZMQ sockets: lifecycle and errors."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+
+import numpy as np
+import pytest
+
+from omni_engine.connectors.shm import list_segments
+from omni_engine.engines.tts import SpeechParams
+from omni_engine.errors import StageRequestError, StageStartupError
+from omni_engine.stage_engine.protocol import StageRequestType
+from omni_engine.stage_engine.stage_core_client import StageEngineCoreClient
+from omni_engine.stage_engine.stage_process import StageProcessSpec
+from tests.helpers import collect, group_members, process_exists, tts_spec
+
+pytestmark = [pytest.mark.asyncio(loop_scope="session"), pytest.mark.tts]
+
+
+async def test_speech_stage_returns_plausible_audio(tts_stage):
+    text = "The capital of France is Paris. It is a beautiful city."
+    await tts_stage.submit_request("speech-1", text, SpeechParams(voice="en"))
+    (output,) = await collect(tts_stage, "speech-1")
+    assert output.stage_id == 1 and output.final_output_type == "audio"
+    audio, rate = output.multimodal_output["audio"], output.multimodal_output["sample_rate"]
+    assert rate == 22050 and audio.dtype == np.float32 and audio.ndim == 1
+    seconds = len(audio) / rate
+    assert 1.5 < seconds < 10, f"{seconds:.2f} s of audio for {len(text.split())} words"
+    assert float(np.sqrt(np.mean(audio**2))) > 0.01, "audio is silence"
+
+
+async def test_concurrent_speech_requests_are_batched_and_all_answered(tts_stage):
+    texts = {f"batch-{i}": f"Sentence number {i} is spoken here." for i in range(8)}
+    for rid, text in texts.items():
+        await tts_stage.submit_request(rid, text, {"speed": 1.5})
+    seen: dict[str, float] = {}
+    async with asyncio.timeout(60):
+        while len(seen) < len(texts):
+            for output in await tts_stage.get_outputs_async():
+                seen[output.request_id] = len(output.multimodal_output["audio"])
+    assert set(seen) == set(texts) and all(n > 10000 for n in seen.values())
+    assert tts_stage.num_unfinished_requests() == 0
+
+
+async def test_bad_request_fails_alone_and_names_stage_request_and_field(tts_stage):
+    await tts_stage.submit_request("bad-voice", "Hello there.", {"voice": "no-such-voice"})
+    with pytest.raises(StageRequestError) as info:
+        await tts_stage.get_output_async()
+    err = info.value
+    assert err.stage_id == 1 and err.request_id == "bad-voice"
+    assert "stage 1" in str(err) and "bad-voice" in str(err) and "no-such-voice" in str(err)
+    # The stage lives on.
+    await tts_stage.submit_request("after-bad", "Still alive.", None)
+    (output,) = await collect(tts_stage, "after-bad")
+    assert len(output.multimodal_output["audio"]) > 0
+
+
+async def test_malformed_frames_are_answered_and_not_fatal(tts_stage):
+    sock, identity = tts_stage._input, tts_stage._identity
+    await sock.send_multipart([identity, b"\x7f", b"\x00"])  # unknown type
+    await sock.send_multipart([identity, StageRequestType.GENERATE.value, b"\xc1garbage"])  # bad msgpack
+    await sock.send_multipart([identity, StageRequestType.GENERATE.value])  # missing body
+    await tts_stage.check_health()
+    await tts_stage.submit_request("after-garbage", "Valid again.", None)
+    (output,) = await collect(tts_stage, "after-garbage")
+    assert output.finished and len(output.multimodal_output["audio"]) > 0
+
+
+async def test_duplicate_request_id_is_rejected_locally(tts_stage):
+    await tts_stage.submit_request("dup", "One.", None)
+    with pytest.raises(ValueError, match="dup"):
+        await tts_stage.submit_request("dup", "Two.", None)
+    await collect(tts_stage, "dup")
+
+
+async def test_utility_calls_reach_only_allowed_methods(tts_stage):
+    info = await tts_stage.call_utility_async("info")
+    assert info["sample_rate"] == 22050 and info["max_batch_size"] == 4
+    with pytest.raises(RuntimeError, match="no utility method 'shutdown'"):
+        await tts_stage.call_utility_async("shutdown")
+
+
+@pytest.mark.parametrize("transport", ["ipc", "tcp"])
+async def test_shutdown_leaves_no_process_socket_or_segment(transport):
+    client = StageEngineCoreClient(2, process=tts_spec(), transport=transport)
+    await client.start()
+    assert client.input_address.startswith(f"{transport}://")
+    if transport == "tcp":
+        assert client.input_address.startswith("tcp://127.0.0.1:")
+    pid = client.process.pid
+    await client.submit_request("x", "Shutting down soon.", None)
+    await collect(client, "x")
+    await client.shutdown()
+    assert not process_exists(pid) and not group_members(pid)
+    for address in (client.input_address, client.output_address):
+        if address.startswith("ipc://"):
+            assert not os.path.exists(address[len("ipc://"):])
+    assert not list_segments(client.shm_prefix)
+    await client.shutdown()  # idempotent
+
+
+async def test_startup_failure_names_stage_exit_code_and_log():
+    spec = StageProcessSpec("generation", {"model_factory": "omni_engine.no_such_module:make"})
+    client = StageEngineCoreClient(5, process=spec, startup_timeout=120)
+    with pytest.raises(StageStartupError) as info:
+        await client.start()
+    message = str(info.value)
+    assert info.value.stage_id == 5 and info.value.exit_code == 1
+    assert "stage 5" in message and "exited with code 1" in message
+    assert "omni_engine.no_such_module" in message  # the log tail shows the cause
+    assert not process_exists(client.process.pid)
+
+
+async def test_startup_timeout_kills_the_stage():
+    client = StageEngineCoreClient(6, process=tts_spec(), startup_timeout=0.5)
+    with pytest.raises(StageStartupError, match="did not become ready within"):
+        await client.start()
+    assert not process_exists(client.process.pid)
