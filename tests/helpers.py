@@ -71,3 +71,12 @@ def group_members(pgid: int) -> list[int]:
         if fields[0] != "Z" and int(fields[2]) == pgid:
             members.append(int(entry))
     return members
+
+
+async def wait_group_gone(pgid: int, timeout: float = 5.0) -> list[int]:
+    """Members of ``pgid`` still alive after ``timeout`` (SIGKILL delivery is asynchronous)."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while (members := group_members(pgid)) and loop.time() < deadline:
+        await asyncio.sleep(0.05)
+    return members

@@ -15,7 +15,7 @@ from omni_engine.connectors.shm import list_segments
 from omni_engine.errors import StageDeadError
 from omni_engine.stage_engine.stage_core_client import StageEngineCoreClient
 from omni_engine.stage_engine.stage_process import StageProcess, StageProcessSpec
-from tests.helpers import collect, group_members, llm_engine_args, process_exists
+from tests.helpers import collect, llm_engine_args, wait_group_gone
 
 pytestmark = [pytest.mark.asyncio(loop_scope="session"), pytest.mark.llm]
 
@@ -141,7 +141,7 @@ async def test_kill_9_mid_stream_fails_every_waiter_within_2s(smollm2_path, chat
         with pytest.raises(StageDeadError):
             await client.submit_request("after-death", "Hi", greedy())
         # vLLM's EngineCore (the stage's child) is reaped with it.
-        assert not group_members(pid)
+        assert not await wait_group_gone(pid)
     finally:
         await client.shutdown()
     assert not list_segments(client.shm_prefix)

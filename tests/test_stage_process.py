@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import os
 
 import numpy as np
 import pytest
@@ -14,7 +13,7 @@ from omni_engine.errors import StageRequestError, StageStartupError
 from omni_engine.stage_engine.protocol import StageRequestType
 from omni_engine.stage_engine.stage_core_client import StageEngineCoreClient
 from omni_engine.stage_engine.stage_process import StageProcessSpec
-from tests.helpers import collect, group_members, process_exists, tts_spec
+from tests.helpers import collect, process_exists, tts_spec, wait_group_gone
 
 pytestmark = [pytest.mark.asyncio(loop_scope="session"), pytest.mark.tts]
 
@@ -93,10 +92,8 @@ async def test_shutdown_leaves_no_process_socket_or_segment(transport):
     await client.submit_request("x", "Shutting down soon.", None)
     await collect(client, "x")
     await client.shutdown()
-    assert not process_exists(pid) and not group_members(pid)
-    for address in (client.input_address, client.output_address):
-        if address.startswith("ipc://"):
-            assert not os.path.exists(address[len("ipc://"):])
+    assert not process_exists(pid) and not await wait_group_gone(pid)
+    assert not client.runtime_dir.exists()  # socket files (ours and the stage's) are gone
     assert not list_segments(client.shm_prefix)
     await client.shutdown()  # idempotent
 

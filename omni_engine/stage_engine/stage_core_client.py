@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import dataclasses
 import itertools
 import logging
-import os
-import secrets
+import shutil
 import tempfile
 import weakref
 from collections.abc import Sequence
@@ -51,11 +51,10 @@ _DEAD = object()
 StageItem = OmniRequestOutput | StageRequestError
 
 
-def make_addresses(stage_id: int, transport: str = "ipc", host: str = "127.0.0.1") -> tuple[str, str]:
-    """Fresh input/output addresses for a stage. ``tcp`` ports are chosen at bind time."""
+def make_addresses(stage_id: int, transport: str, runtime_dir: Path, host: str = "127.0.0.1") -> tuple[str, str]:
+    """Input/output addresses for a stage. ``tcp`` ports are chosen at bind time."""
     if transport == "ipc":
-        base = Path(tempfile.gettempdir()) / f"omni-{secrets.token_hex(4)}-s{stage_id}"
-        return f"ipc://{base}-in", f"ipc://{base}-out"
+        return f"ipc://{runtime_dir}/in", f"ipc://{runtime_dir}/out"
     if transport == "tcp":
         return f"tcp://{host}:*", f"tcp://{host}:*"
     raise ValueError(f"stage {stage_id}: unknown transport {transport!r}; use 'ipc' or 'tcp'")
@@ -82,10 +81,17 @@ class StageEngineCoreClient:
         end_requests_on_finish: bool = True,
         run_prefix: str | None = None,
     ) -> None:
-        default_in, default_out = make_addresses(stage_id, transport)
+        if transport not in ("ipc", "tcp"):
+            raise ValueError(f"stage {stage_id}: unknown transport {transport!r}; use 'ipc' or 'tcp'")
         self.stage_id = stage_id
-        self.input_address = input_address or default_in
-        self.output_address = output_address or default_out
+        self.transport = transport
+        # Addresses default to fresh ones made at start(), in ``runtime_dir``.
+        self.input_address = input_address
+        self.output_address = output_address
+        # A private directory for this stage's socket files (ours and vLLM's
+        # own, via VLLM_RPC_BASE_PATH), removed whole at shutdown: even a
+        # stage killed with SIGKILL leaves no socket file behind.
+        self.runtime_dir: Path | None = None
         self.process_spec = process
         self.startup_timeout = envs.stage_startup_timeout_s() if startup_timeout is None else startup_timeout
         self.run_prefix = run_prefix or new_run_prefix()
@@ -121,6 +127,10 @@ class StageEngineCoreClient:
         remove_stale_segments()
         if self._lease_book is None:
             self._lease_book = ShmLeaseBook(self._loop)
+        self.runtime_dir = Path(tempfile.mkdtemp(prefix=f"omni-s{self.stage_id}-"))
+        default_in, default_out = make_addresses(self.stage_id, self.transport, self.runtime_dir)
+        self.input_address = self.input_address or default_in
+        self.output_address = self.output_address or default_out
         self._ctx = zmq.asyncio.Context()
         self._input = self._ctx.socket(zmq.ROUTER)
         self._input.setsockopt(zmq.ROUTER_MANDATORY, 1)
@@ -133,7 +143,7 @@ class StageEngineCoreClient:
         self.output_address = self._output.getsockopt_string(zmq.LAST_ENDPOINT)
         decoder_args = dict(shm=self.attachments, on_shm_view=self._lease_book.on_view)
         self._decoders = {t: StageMsgpackDecoder(cls, **decoder_args) for t, cls in RESPONSE_STRUCTS.items()}
-        self._finalizer = weakref.finalize(self, _cleanup_sync, None, self._socket_paths(), self.shm_prefix, self._ctx)
+        self._finalizer = weakref.finalize(self, _cleanup_sync, None, self.runtime_dir, self.shm_prefix, self._ctx)
         atexit.register(self._finalizer)
         try:
             if self.process_spec is not None:
@@ -149,14 +159,16 @@ class StageEngineCoreClient:
 
     def _launch(self) -> None:
         log_path = default_log_dir() / f"{self.shm_prefix}.log"
+        spec = self.process_spec
+        spec = dataclasses.replace(spec, env={"VLLM_RPC_BASE_PATH": str(self.runtime_dir), **spec.env})
         self.process = StageProcess(
-            self.stage_id, self.process_spec, self.input_address, self.output_address, self.shm_prefix, log_path
+            self.stage_id, spec, self.input_address, self.output_address, self.shm_prefix, log_path
         )
         self.process.start()
         # The finalizer (GC, atexit) kills the stage if shutdown() never runs.
         self._finalizer.detach()
         self._finalizer = weakref.finalize(
-            self, _cleanup_sync, self.process, self._socket_paths(), self.shm_prefix, self._ctx
+            self, _cleanup_sync, self.process, self.runtime_dir, self.shm_prefix, self._ctx
         )
         atexit.register(self._finalizer)
 
@@ -212,6 +224,8 @@ class StageEngineCoreClient:
                 pass
         if self.process is not None:
             await asyncio.to_thread(self.process.stop, timeout if asked else 0.0)
+            if self.process.exitcode == 0:  # keep the logs of stages that failed
+                self.process.log_path.unlink(missing_ok=True)
         if self._output_task is not None:
             self._output_task.cancel()
             await asyncio.gather(self._output_task, return_exceptions=True)
@@ -221,9 +235,6 @@ class StageEngineCoreClient:
         if self._finalizer is not None:
             self._finalizer()
         self.attachments.detach(prefix=self.shm_prefix)
-
-    def _socket_paths(self) -> list[str]:
-        return [a[len("ipc://"):] for a in (self.input_address, self.output_address) if a.startswith("ipc://")]
 
     # ------------------------------------------------------------- requests
     async def submit_request(self, request_id: str, prompt: Any, sampling_params: Any = None) -> None:
@@ -410,16 +421,12 @@ class StageEngineCoreClient:
         return self.dead_error is not None
 
 
-def _cleanup_sync(process: StageProcess | None, socket_paths: list[str], shm_prefix: str,
+def _cleanup_sync(process: StageProcess | None, runtime_dir: Path, shm_prefix: str,
                   ctx: zmq.asyncio.Context | None) -> None:
     """Last-resort cleanup (shutdown, GC or interpreter exit): nothing of ours survives."""
     if process is not None:
         process.kill_group()
-    for path in socket_paths:
-        try:
-            os.unlink(path)
-        except FileNotFoundError:
-            pass
+    shutil.rmtree(runtime_dir, ignore_errors=True)
     unlink_prefix(shm_prefix)
     if ctx is not None:
         ctx.destroy(linger=0)
