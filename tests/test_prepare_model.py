@@ -42,6 +42,15 @@ def _fail_if_called(*_args: object, **_kwargs: object) -> None:
     raise AssertionError("the recipe must not run")
 
 
+def _raising(message: str):
+    """A stand-in for ``_run_recipe`` that fails like a real step would."""
+
+    def run(*_args: object) -> None:
+        raise RuntimeError(message)
+
+    return run
+
+
 def _fake_recipe(calls: list[Path]):
     """A stand-in for ``_run_recipe`` that writes one file and records the call."""
 
@@ -96,7 +105,7 @@ def test_matching_marker_imports_neither_transformers_nor_torch(tmp_path: Path) 
         f"print(prepare_model('smollm2', {str(tmp_path)!r})); "
         "assert 'transformers' not in sys.modules and 'torch' not in sys.modules, 'heavy import'"
     )
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    proc = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == str(target)
 
@@ -139,10 +148,7 @@ def test_failed_rebuild_keeps_old_directory_and_leaves_no_temp(
 ) -> None:
     target = _fake_prepared(tmp_path)
 
-    def broken(*_args: object) -> None:
-        raise RuntimeError("conversion exploded")
-
-    monkeypatch.setattr(prep, "_run_recipe", broken)
+    monkeypatch.setattr(prep, "_run_recipe", _raising("conversion exploded"))
     with pytest.raises(RuntimeError, match="conversion exploded"):
         prepare_model("smollm2", tmp_path, force=True)
     assert prep.is_prepared("smollm2", tmp_path) and (target / "old-weights").exists()
@@ -150,7 +156,7 @@ def test_failed_rebuild_keeps_old_directory_and_leaves_no_temp(
 
 
 def test_failed_first_build_leaves_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, no_deps_check: None) -> None:
-    monkeypatch.setattr(prep, "_run_recipe", lambda *a: (_ for _ in ()).throw(RuntimeError("boom")))
+    monkeypatch.setattr(prep, "_run_recipe", _raising("boom"))
     with pytest.raises(RuntimeError, match="boom"):
         prepare_model("smollm2", tmp_path)
     assert list((tmp_path / "models").iterdir()) == []
@@ -210,7 +216,7 @@ def test_cli_prints_path_on_stdout_and_progress_on_stderr(tmp_path: Path, capsys
 def test_cli_reports_errors_as_exit_status_1(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], no_deps_check: None
 ) -> None:
-    monkeypatch.setattr(prep, "_run_recipe", lambda *a: (_ for _ in ()).throw(RuntimeError("no network")))
+    monkeypatch.setattr(prep, "_run_recipe", _raising("no network"))
     assert cli_main(["prepare-model", "smollm2", "--cache-dir", str(tmp_path)]) == 1
     out, err = capsys.readouterr()
     assert out == "" and "error: no network" in err
@@ -227,7 +233,7 @@ def test_cli_rejects_unknown_model_and_missing_command(capsys: pytest.CaptureFix
 def test_python_dash_m_entrypoint(tmp_path: Path) -> None:
     target = _fake_prepared(tmp_path)
     cmd = [sys.executable, "-m", "omni_engine.entrypoints.cli.main", "prepare-model", "smollm2", "--cache-dir", str(tmp_path)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+    proc = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout == f"{target}\n"
 

