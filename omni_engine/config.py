@@ -1,0 +1,286 @@
+"""Pipeline stage configs (YAML), with vLLM-Omni's field names.
+
+A pipeline is a graph of stages (an LLM, then a speech model, ...), each its own
+process. The config is read and validated *completely* before any process
+starts: a typo in stage 3 must not surface after stages 0-2 spent a minute
+loading models. Every problem becomes one line naming the file, the stage and
+the dotted field path, and all of them are raised together in one
+:class:`ConfigError`.
+
+Example::
+
+    runtime: {execution_mode: async_chunk}
+    stage_args:
+      - stage_id: 0
+        stage_type: llm
+        engine_args: {model: smollm2, max_model_len: 2048}
+      - stage_id: 1
+        stage_type: generation
+        engine_input_source: [0]
+        engine_args: {model_factory: "omni_engine.engines.tts:make_espeak_tts"}
+        final_output: true
+        final_output_type: audio
+"""
+
+from __future__ import annotations
+
+import heapq
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated, Any, ClassVar
+
+import msgspec
+import yaml
+
+from omni_engine import config_validation as cv
+
+if TYPE_CHECKING:
+    from omni_engine.stage_engine.stage_process import StageProcessSpec
+
+EXECUTION_MODES = ("sequential", "async_chunk")
+TRANSPORTS = ("ipc", "tcp")
+FINAL_OUTPUT_TYPES = ("text", "audio", "image", "latent", "tensor")
+
+
+class ConfigError(ValueError):
+    """An invalid pipeline config; ``errors`` holds one line per problem found."""
+
+    def __init__(self, errors: list[str], source: str = "<dict>") -> None:
+        self.errors = list(errors)
+        self.source = source
+        if len(self.errors) == 1:
+            message = self.errors[0]
+        else:
+            message = f"{len(self.errors)} errors in pipeline config {source}:\n" + "\n".join(
+                f"  - {e}" for e in self.errors
+            )
+        super().__init__(message)
+
+
+class _Base(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    pass
+
+
+class ConnectorsConfig(_Base):
+    """How tensors travel between stages; ``None`` keeps the environment's default."""
+
+    shm_threshold: Annotated[int, msgspec.Meta(ge=0)] | None = None
+    use_shm: bool | None = None
+
+
+class EdgeConfig(_Base):
+    """A per-edge override; YAML ``from``/``to`` name an existing edge of the graph."""
+
+    from_stage: int = msgspec.field(name="from")
+    to: int
+    execution_mode: str | None = None
+    custom_process_input_func: str | None = None
+
+
+class PipelineRuntimeConfig(_Base):
+    execution_mode: str = "sequential"
+    connectors: ConnectorsConfig = msgspec.field(default_factory=ConnectorsConfig)
+    edges: list[EdgeConfig] = msgspec.field(default_factory=list)
+
+
+class StageRuntimeConfig(_Base):
+    process: bool = True
+    devices: str | int | list[int] | None = None
+    max_batch_size: Annotated[int, msgspec.Meta(ge=1)] = 1
+    transport: str = "ipc"
+
+
+class StageConfig(_Base):
+    """One stage: what engine it runs, on what, and which stages feed it."""
+
+    stage_id: Annotated[int, msgspec.Meta(ge=0)]
+    stage_type: str = "llm"  # vLLM-Omni's default
+    runtime: StageRuntimeConfig = msgspec.field(default_factory=StageRuntimeConfig)
+    engine_args: dict[str, Any] = msgspec.field(default_factory=dict)
+    # [] (or missing) marks an entry stage: it gets the user prompt.
+    engine_input_source: list[int] = msgspec.field(default_factory=list)
+    custom_process_input_func: str | None = None
+    final_output: bool = False
+    final_output_type: str | None = None
+    default_sampling_params: dict[str, Any] = msgspec.field(default_factory=dict)
+    env: dict[str, str] = msgspec.field(default_factory=dict)
+
+    def process_spec(self, resolve_models: bool = True) -> StageProcessSpec:
+        """The spec a stage process is spawned with.
+
+        With ``resolve_models``, a recipe name such as ``smollm2`` (and not an
+        existing path) becomes the prepared model's directory -- preparing it
+        here, in the parent, so stage processes never download or convert.
+        """
+        from omni_engine.stage_engine.stage_process import StageProcessSpec
+
+        engine_args = dict(self.engine_args)
+        model = engine_args.get("model")
+        if resolve_models and isinstance(model, str) and not Path(model).exists():
+            from omni_engine.models.prepare import RECIPES, prepare_model
+
+            if model in RECIPES:
+                engine_args["model"] = str(prepare_model(model))
+        return StageProcessSpec(
+            self.stage_type,
+            engine_args,
+            runtime={"max_batch_size": self.runtime.max_batch_size},
+            final_output_type=self.final_output_type,
+            env=dict(self.env),
+        )
+
+
+# What the seed calls a stage's config.
+OmniStage = StageConfig
+
+
+class PipelineConfig(_Base):
+    """A validated pipeline: its stages and the graph queries the orchestrator needs."""
+
+    _not_from_yaml: ClassVar[frozenset[str]] = frozenset({"source_path"})
+
+    stage_args: list[StageConfig]
+    runtime: PipelineRuntimeConfig = msgspec.field(default_factory=PipelineRuntimeConfig)
+    source_path: str | None = None  # set by load_pipeline_config, never read from YAML
+
+    def stage(self, stage_id: int) -> StageConfig:
+        for stage in self.stage_args:
+            if stage.stage_id == stage_id:
+                return stage
+        raise KeyError(f"no stage {stage_id}; stage ids: {self.stage_ids()}")
+
+    def stage_ids(self) -> list[int]:
+        return [s.stage_id for s in self.stage_args]
+
+    def sources_of(self, stage_id: int) -> list[int]:
+        return list(self.stage(stage_id).engine_input_source)
+
+    def consumers_of(self, stage_id: int) -> list[int]:
+        self.stage(stage_id)  # KeyError for an unknown id
+        return [s.stage_id for s in self.stage_args if stage_id in s.engine_input_source]
+
+    def entry_stages(self) -> list[int]:
+        return [s.stage_id for s in self.stage_args if not s.engine_input_source]
+
+    def final_stages(self) -> list[int]:
+        return [s.stage_id for s in self.stage_args if s.final_output]
+
+    def topological_order(self) -> list[int]:
+        """Every stage after all its sources; ties broken by the smaller stage id."""
+        remaining = {s.stage_id: len(set(s.engine_input_source)) for s in self.stage_args}
+        ready = [sid for sid, n in remaining.items() if n == 0]
+        heapq.heapify(ready)
+        order: list[int] = []
+        while ready:
+            sid = heapq.heappop(ready)
+            order.append(sid)
+            for consumer in self.consumers_of(sid):
+                remaining[consumer] -= 1
+                if remaining[consumer] == 0:
+                    heapq.heappush(ready, consumer)
+        if len(order) != len(remaining):  # only for configs built around the validator
+            raise ValueError(f"stage graph has a cycle among {sorted(set(remaining) - set(order))}")
+        return order
+
+    def _edge(self, src: int, dst: int) -> EdgeConfig | None:
+        if src not in self.sources_of(dst):
+            raise KeyError(f"{src} -> {dst} is not an edge; stage {dst} reads from {self.sources_of(dst)}")
+        for edge in self.runtime.edges:
+            if edge.from_stage == src and edge.to == dst:
+                return edge
+        return None
+
+    def edge_mode(self, src: int, dst: int) -> str:
+        """The edge's execution_mode override, else the pipeline's."""
+        edge = self._edge(src, dst)
+        if edge is not None and edge.execution_mode is not None:
+            return edge.execution_mode
+        return self.runtime.execution_mode
+
+    def edge_processor(self, src: int, dst: int) -> str | None:
+        """The edge's custom_process_input_func, else the destination stage's."""
+        edge = self._edge(src, dst)
+        if edge is not None and edge.custom_process_input_func is not None:
+            return edge.custom_process_input_func
+        return self.stage(dst).custom_process_input_func
+
+
+def parse_pipeline_config(data: Any, source: str = "<dict>") -> PipelineConfig:
+    """Validate an already-loaded YAML mapping; raise one ConfigError with every problem."""
+    # Lazily: the engines package imports vLLM.
+    from omni_engine.engines import STAGE_TYPES
+
+    errors = cv.ErrorCollector(source)
+    report = errors.pipeline()
+    if not isinstance(data, dict):
+        got = "null (empty file?)" if data is None else type(data).__name__
+        raise ConfigError([f"{source}: expected a mapping with 'stage_args' at the top level, got {got}"], source)
+    shell = cv.convert_struct({k: v for k, v in data.items() if k != "stage_args"} | {"stage_args": []},
+                              PipelineConfig, "", report)
+    raw_stages = data.get("stage_args")
+    if not isinstance(raw_stages, list) or not raw_stages:
+        report("stage_args", "missing or empty; expected a non-empty list of stages"
+               if raw_stages in (None, []) else f"expected a list of stages, got {type(raw_stages).__name__}")
+        raw_stages = []
+    converted: list[tuple[int, StageConfig]] = []
+    for i, raw in enumerate(raw_stages):
+        stage = cv.convert_struct(raw, StageConfig, f"stage_args[{i}]", errors.for_stage(cv.stage_label(i, raw)))
+        if stage is not None:
+            converted.append((i, stage))
+    # Ids of every stage, converted or not, so references are not misreported as missing.
+    valid_ids = [r["stage_id"] for r in raw_stages if isinstance(r, dict) and type(r.get("stage_id")) is int]
+    all_ids = set(valid_ids) if len(valid_ids) == len(raw_stages) else None
+    first_index: dict[int, int] = {}
+    for i, stage in converted:
+        label = f"stage {stage.stage_id}"
+        if stage.stage_id in first_index:
+            errors.add(f"stage_args[{i}].stage_id", f"duplicate stage_id {stage.stage_id} (also "
+                       f"stage_args[{first_index[stage.stage_id]}]); stage ids must be unique", label)
+        first_index.setdefault(stage.stage_id, i)
+        cv.check_stage(stage, f"stage_args[{i}]", errors.for_stage(label), all_ids,
+                       STAGE_TYPES, TRANSPORTS, FINAL_OUTPUT_TYPES)
+    if shell is not None:
+        sources = {s.stage_id: list(s.engine_input_source) for _, s in converted}
+        cv.check_runtime(shell.runtime, report, sources, all_ids, EXECUTION_MODES)
+    if raw_stages and len(converted) == len(raw_stages) and len(first_index) == len(converted):
+        cv.check_graph(converted, errors)
+    if errors.errors or shell is None:
+        raise ConfigError(errors.errors, source)
+    return PipelineConfig(stage_args=[s for _, s in converted], runtime=shell.runtime)
+
+
+def load_pipeline_config(path: str | Path) -> PipelineConfig:
+    """Read and validate a pipeline YAML file; ``source_path`` records where it came from."""
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise ConfigError([f"{path}: pipeline config file not found"], str(path)) from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError([f"{path}: cannot read pipeline config: {exc}"], str(path)) from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark is not None else ""
+        problem = ", ".join(p for p in (getattr(exc, "context", None), getattr(exc, "problem", None)) if p)
+        raise ConfigError([f"{path}: {where}YAML syntax error: {problem or exc}"], str(path)) from None
+    config = parse_pipeline_config(data, str(path))
+    config.source_path = str(path)
+    return config
+
+
+__all__ = [
+    "EXECUTION_MODES",
+    "FINAL_OUTPUT_TYPES",
+    "TRANSPORTS",
+    "ConfigError",
+    "ConnectorsConfig",
+    "EdgeConfig",
+    "OmniStage",
+    "PipelineConfig",
+    "PipelineRuntimeConfig",
+    "StageConfig",
+    "StageRuntimeConfig",
+    "load_pipeline_config",
+    "parse_pipeline_config",
+]

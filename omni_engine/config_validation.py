@@ -1,0 +1,316 @@
+"""Checks behind :mod:`omni_engine.config`: YAML data -> Structs, then graph checks.
+
+Kept apart from the schema so that ``config.py`` stays readable. Everything here
+*collects* problems into an :class:`ErrorCollector` instead of raising, so that a
+user fixing a config sees every mistake at once rather than one per run; and it
+all happens before any stage process starts (a bad config must not cost a
+25-second vLLM start to find out about).
+"""
+
+from __future__ import annotations
+
+import typing
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING, Any
+
+import msgspec
+
+from omni_engine.utils import resolve_dotted
+
+if TYPE_CHECKING:
+    from omni_engine.config import EdgeConfig, PipelineRuntimeConfig, StageConfig
+
+# report(field_path, problem)
+Report = Callable[[str, str], None]
+
+
+class ErrorCollector:
+    """Formats each problem as ``<file>: [stage N: ]<field path>: <problem>``."""
+
+    def __init__(self, source: str) -> None:
+        self.source = source
+        self.errors: list[str] = []
+
+    def add(self, path: str, problem: str, stage: str | None = None) -> None:
+        where = f"{stage}: " if stage else ""
+        self.errors.append(f"{self.source}: {where}{path}: {problem}")
+
+    def pipeline(self) -> Report:
+        return lambda path, problem: self.add(path, problem)
+
+    def for_stage(self, label: str) -> Report:
+        return lambda path, problem: self.add(path, problem, label)
+
+
+def stage_label(index: int, raw: Any) -> str:
+    """``stage 3`` -- or, when the id itself is unusable, the list index."""
+    sid = raw.get("stage_id") if isinstance(raw, dict) else None
+    if isinstance(sid, int) and not isinstance(sid, bool):
+        return f"stage {sid}"
+    return f"stage at index {index} (no valid stage_id)"
+
+
+# ---------------------------------------------------------------------------
+# Structural conversion (types, unknown and missing fields)
+# ---------------------------------------------------------------------------
+
+
+def _kind(value: Any) -> str:
+    return "null" if value is None else type(value).__name__
+
+
+def _lookup(value: Any, rel_path: str) -> tuple[bool, Any]:
+    """Follow a msgspec-relative path like ``[1].x`` inside ``value``."""
+    for part in rel_path.replace("[", ".[").split("."):
+        if not part:
+            continue
+        try:
+            value = value[int(part[1:-1])] if part.startswith("[") else value[part]
+        except (KeyError, IndexError, TypeError, ValueError):
+            return False, None
+    return True, value
+
+
+def _translate(exc: msgspec.ValidationError, path: str, value: Any) -> tuple[str, str]:
+    """msgspec's ``Expected `int`, got `str` - at `$[1]``` -> (``path[1]``, problem)."""
+    message, _, loc = str(exc).partition(" - at `")
+    rel = loc.rstrip("`")[1:] if loc else ""
+    problem = message[:1].lower() + message[1:]
+    found, bad = _lookup(value, rel)
+    if found:
+        problem += f" (value: {bad!r})"
+    return path + rel, problem
+
+
+def _struct_type(tp: Any) -> type[msgspec.Struct] | None:
+    return tp if isinstance(tp, type) and issubclass(tp, msgspec.Struct) else None
+
+
+def _convert_value(value: Any, tp: Any, path: str, report: Report) -> tuple[bool, Any]:
+    """Convert one field value; nested Structs, lists of Structs and dicts per item."""
+    nested = _struct_type(tp)
+    if nested is not None:
+        obj = convert_struct(value, nested, path, report)
+        return obj is not None, obj
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin is list and args and _struct_type(args[0]) is not None:
+        if not isinstance(value, list):
+            report(path, f"expected a list, got {_kind(value)}")
+            return False, None
+        items = [convert_struct(v, args[0], f"{path}[{i}]", report) for i, v in enumerate(value)]
+        return all(i is not None for i in items), items
+    if origin is dict and len(args) == 2 and isinstance(value, dict):
+        # Per item, so the error names the key (msgspec would say ``[...]``).
+        ok, out = True, {}
+        for key, item in value.items():
+            k_ok, k = _convert_value(key, args[0], f"{path}.{key}", report)
+            v_ok, v = _convert_value(item, args[1], f"{path}.{key}", report)
+            ok, out[k] = ok and k_ok and v_ok, v
+        return ok, out
+    try:
+        return True, msgspec.convert(value, tp)
+    except msgspec.ValidationError as exc:
+        report(*_translate(exc, path, value))
+        return False, None
+
+
+def convert_struct(data: Any, cls: type[msgspec.Struct], path: str, report: Report) -> Any | None:
+    """Build ``cls`` from a YAML mapping field by field, reporting every bad field.
+
+    ``msgspec.convert`` stops at the first error; converting each field on its
+    own (with its annotated type, constraints included) finds all of them. A
+    ``null`` for an optional field means "use the default" (``runtime:`` with
+    everything commented out is common in YAML). Fields listed in the class's
+    ``_not_from_yaml`` are set by the loader and count as unknown here.
+    """
+    if not isinstance(data, dict):
+        report(path, f"expected a mapping, got {_kind(data)}")
+        return None
+    excluded = getattr(cls, "_not_from_yaml", frozenset())
+    fields = {f.encode_name: f for f in msgspec.structs.fields(cls) if f.name not in excluded}
+    ok = True
+    for key in data:
+        if key not in fields:
+            report(f"{path}.{key}" if path else str(key), f"unknown field; expected one of: {', '.join(fields)}")
+            ok = False
+    kwargs: dict[str, Any] = {}
+    for name, info in fields.items():
+        sub = f"{path}.{name}" if path else name
+        if data.get(name) is None and not info.required:
+            continue
+        if name not in data:
+            report(sub, "missing required field")
+            ok = False
+            continue
+        field_ok, kwargs[info.name] = _convert_value(data[name], info.type, sub, report)
+        ok = ok and field_ok
+    return cls(**kwargs) if ok else None
+
+
+# ---------------------------------------------------------------------------
+# Semantic checks (values, references, graph shape)
+# ---------------------------------------------------------------------------
+
+
+def check_dotted(path: Any, what: str, field_path: str, report: Report) -> None:
+    """Import a ``pkg.mod:attr`` now, so a typo fails here and not in a stage process."""
+    try:
+        obj = resolve_dotted(path, what)
+    except ValueError as exc:
+        report(field_path, str(exc))
+        return
+    if not callable(obj):
+        report(field_path, f"{what} {path!r} is not callable (got {_kind(obj)})")
+
+
+def check_stage(
+    stage: StageConfig,
+    path: str,
+    report: Report,
+    known_ids: set[int] | None,
+    stage_types: Iterable[str],
+    transports: Iterable[str],
+    output_types: Iterable[str],
+) -> None:
+    """Everything about one stage that does not need the whole graph.
+
+    ``known_ids`` is None when some stage has no usable id: references are then
+    not judged (they might point at that stage).
+    """
+    stage_types, output_types = tuple(stage_types), tuple(output_types)
+    if stage.stage_type not in stage_types:
+        report(f"{path}.stage_type", f"unknown stage_type {stage.stage_type!r}; expected one of {list(stage_types)}")
+    if stage.runtime.transport not in transports:
+        report(f"{path}.runtime.transport",
+               f"unknown transport {stage.runtime.transport!r}; expected one of {list(transports)}")
+    if stage.final_output_type is not None and stage.final_output_type not in output_types:
+        report(f"{path}.final_output_type",
+               f"unknown final_output_type {stage.final_output_type!r}; expected one of {list(output_types)}")
+    elif stage.final_output and stage.final_output_type is None:
+        report(f"{path}.final_output_type",
+               f"missing; required when final_output is true; expected one of {list(output_types)}")
+    seen: set[int] = set()
+    for i, src in enumerate(stage.engine_input_source):
+        where = f"{path}.engine_input_source[{i}]"
+        if src == stage.stage_id:
+            report(where, f"stage {stage.stage_id} lists itself as its own input; a stage cannot feed itself")
+        elif known_ids is not None and src not in known_ids:
+            report(where, f"engine_input_source refers to stage {src}, which does not exist "
+                          f"(stage ids: {sorted(known_ids)})")
+        elif src in seen:
+            report(where, f"stage {src} is listed twice")
+        seen.add(src)
+    if stage.custom_process_input_func is not None:
+        check_dotted(stage.custom_process_input_func, "custom_process_input_func",
+                     f"{path}.custom_process_input_func", report)
+    model = stage.engine_args.get("model")
+    if stage.stage_type == "llm" and not (isinstance(model, str) and model):
+        report(f"{path}.engine_args.model",
+               f"missing or not a string (got {model!r}); an llm stage needs a model name or path")
+    if stage.stage_type == "generation":
+        if "model_factory" not in stage.engine_args:
+            report(f"{path}.engine_args.model_factory",
+                   "missing; a generation stage needs a dotted path 'pkg.module:factory' to build its model")
+        else:
+            check_dotted(stage.engine_args["model_factory"], "model_factory",
+                         f"{path}.engine_args.model_factory", report)
+
+
+def check_runtime(
+    runtime: PipelineRuntimeConfig,
+    report: Report,
+    sources: dict[int, list[int]],
+    all_ids: set[int] | None,
+    modes: Iterable[str],
+) -> None:
+    """Pipeline ``runtime``: execution modes and per-edge overrides.
+
+    ``sources`` holds only the stages that converted; an edge into a stage that
+    exists but failed to convert is not judged (its error is reported already),
+    nor are references at all when ``all_ids`` is None (some stage has no usable id).
+    """
+    modes = tuple(modes)
+    if runtime.execution_mode not in modes:
+        report("runtime.execution_mode",
+               f"unknown execution_mode {runtime.execution_mode!r}; expected one of {list(modes)}")
+    seen: set[tuple[int, int]] = set()
+    for i, edge in enumerate(runtime.edges):
+        _check_edge(edge, f"runtime.edges[{i}]", report, sources, all_ids, modes, seen)
+
+
+def _check_edge(
+    edge: EdgeConfig, path: str, report: Report, sources: dict[int, list[int]],
+    all_ids: set[int] | None, modes: tuple[str, ...], seen: set[tuple[int, int]],
+) -> None:
+    src, dst = edge.from_stage, edge.to
+    missing = [(end, sid) for end, sid in (("to", dst), ("from", src)) if all_ids is not None and sid not in all_ids]
+    if missing:
+        end, sid = missing[0]
+        report(f"{path}.{end}", f"edge {src} -> {dst}: stage {sid} does not exist (stage ids: {sorted(all_ids or ())})")
+    elif dst in sources and src not in sources[dst]:
+        report(path, f"{src} -> {dst} is not an edge of the stage graph: stage {dst}'s engine_input_source "
+                     f"is {sources[dst]}; an edge override must match an existing edge")
+    if (src, dst) in seen:
+        report(path, f"edge {src} -> {dst} is overridden more than once")
+    seen.add((src, dst))
+    if edge.execution_mode is not None and edge.execution_mode not in modes:
+        report(f"{path}.execution_mode",
+               f"unknown execution_mode {edge.execution_mode!r}; expected one of {list(modes)}")
+    if edge.custom_process_input_func is not None:
+        check_dotted(edge.custom_process_input_func, "custom_process_input_func",
+                     f"{path}.custom_process_input_func", report)
+
+
+def find_cycles(sources: dict[int, list[int]]) -> list[list[int]]:
+    """Cycles of the data-flow graph (src -> consumer), each like ``[0, 1, 0]``.
+
+    Self-loops and references to missing stages are reported elsewhere and
+    ignored here. Each cycle is reported once, starting from its first-visited stage.
+    """
+    consumers: dict[int, list[int]] = {sid: [] for sid in sources}
+    for dst, srcs in sources.items():
+        for src in srcs:
+            if src in consumers and src != dst:
+                consumers[src].append(dst)
+    state: dict[int, int] = {}  # 1: on the DFS stack, 2: done
+    stack: list[int] = []
+    cycles: list[list[int]] = []
+    found: set[frozenset[int]] = set()
+
+    def visit(node: int) -> None:
+        state[node] = 1
+        stack.append(node)
+        for nxt in consumers[node]:
+            if state.get(nxt) == 1:
+                cycle = stack[stack.index(nxt):] + [nxt]
+                if frozenset(cycle) not in found:
+                    found.add(frozenset(cycle))
+                    cycles.append(cycle)
+            elif nxt not in state:
+                visit(nxt)
+        stack.pop()
+        state[node] = 2
+
+    for sid in sorted(sources):
+        if sid not in state:
+            visit(sid)
+    return cycles
+
+
+def check_graph(stages: list[tuple[int, StageConfig]], collector: ErrorCollector) -> None:
+    """Whole-graph checks; only meaningful when every stage converted and ids are unique."""
+    index = {s.stage_id: i for i, s in stages}
+    sources = {s.stage_id: list(s.engine_input_source) for _, s in stages}
+    for cycle in find_cycles(sources):
+        first = cycle[0]
+        collector.add(f"stage_args[{index[first]}].engine_input_source",
+                      f"the stage graph has a cycle {' -> '.join(map(str, cycle))}; "
+                      "the graph must be acyclic", f"stage {first}")
+    if not any(not s.engine_input_source for _, s in stages):
+        collector.add("stage_args[*].engine_input_source",
+                      "no entry stage: every stage has an engine_input_source; expected at least one "
+                      "stage with engine_input_source [] or missing (it receives the user prompt)")
+    if not any(s.final_output for _, s in stages):
+        collector.add("stage_args[*].final_output",
+                      "no final stage: no stage has final_output: true; expected at least one "
+                      "(its outputs are returned to the user)")
