@@ -305,6 +305,17 @@ class ShmAttachments:
         return len(self._segments)
 
 
+_DEFAULT_ATTACHMENTS: ShmAttachments | None = None
+
+
+def default_attachments() -> ShmAttachments:
+    """The process-wide attachment cache: a segment is mapped once per process."""
+    global _DEFAULT_ATTACHMENTS
+    if _DEFAULT_ATTACHMENTS is None:
+        _DEFAULT_ATTACHMENTS = ShmAttachments()
+    return _DEFAULT_ATTACHMENTS
+
+
 def list_segments(prefix: str = SEGMENT_PREFIX) -> list[str]:
     try:
         return sorted(n for n in os.listdir(envs.shm_dir()) if n.startswith(prefix))

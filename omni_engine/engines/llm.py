@@ -13,6 +13,7 @@ from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 from vllm import SamplingParams
+from vllm.sampling_params import RequestOutputKind
 
 from omni_engine.engines.base import StageEngine, StageEngineError
 from omni_engine.inputs import OmniTextPrompt
@@ -25,6 +26,7 @@ class LLMStageEngine(StageEngine):
     UTILITY_METHODS = StageEngine.UTILITY_METHODS | {
         "pause_generation", "resume_generation", "is_paused", "sleep", "wake_up", "is_sleeping",
         "reset_prefix_cache", "collective_rpc", "get_supported_tasks", "reset_mm_cache",
+        "reset_encoder_cache", "start_profile", "stop_profile", "add_lora",
     }
 
     def __init__(self, stage_id: int, engine_args: dict[str, Any], final_output_type: str = "text") -> None:
@@ -52,7 +54,7 @@ class LLMStageEngine(StageEngine):
     async def generate(self, request_id: str, prompt: Any, sampling_params: Any) -> AsyncIterator[OmniRequestOutput]:
         from vllm.v1.engine.exceptions import EngineDeadError
 
-        params = _sampling_params(sampling_params)
+        params = to_sampling_params(sampling_params)
         if isinstance(prompt, OmniTextPrompt):
             prompt = prompt.to_vllm()
         try:
@@ -95,14 +97,28 @@ class LLMStageEngine(StageEngine):
         raise AttributeError(name)
 
 
-def _sampling_params(value: Any) -> SamplingParams:
+def to_sampling_params(value: Any) -> SamplingParams:
+    """``SamplingParams`` from what a caller or a stage config gives.
+
+    Config dicts may name the output kind ("delta", "cumulative", "final_only").
+    """
     if value is None:
         return SamplingParams()
     if isinstance(value, SamplingParams):
         return value
     if isinstance(value, dict):
+        kwargs = dict(value)
+        kind = kwargs.get("output_kind")
+        if isinstance(kind, str):
+            try:
+                kwargs["output_kind"] = RequestOutputKind[kind.upper()]
+            except KeyError:
+                raise ValueError(f"invalid sampling_params.output_kind {kind!r}; use delta, cumulative "
+                                 "or final_only") from None
+        elif isinstance(kind, int):
+            kwargs["output_kind"] = RequestOutputKind(kind)
         try:
-            return SamplingParams(**value)
+            return SamplingParams(**kwargs)
         except TypeError as exc:
             raise ValueError(f"invalid sampling_params: {exc}") from exc
     raise TypeError(f"sampling_params for an llm stage must be SamplingParams or a dict, got {type(value).__name__}")

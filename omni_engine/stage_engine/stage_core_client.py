@@ -26,8 +26,8 @@ import zmq
 import zmq.asyncio
 
 from omni_engine import envs
-from omni_engine.connectors.leases import ShmLeaseBook
-from omni_engine.connectors.shm import ShmAttachments, new_run_prefix, remove_stale_segments, stage_prefix, unlink_prefix
+from omni_engine.connectors.leases import ShmLeaseBook, lease_book_for
+from omni_engine.connectors.shm import ShmAttachments, default_attachments, new_run_prefix, remove_stale_segments, stage_prefix, unlink_prefix
 from omni_engine.errors import StageDeadError, StageRequestError, StageStartupError
 from omni_engine.outputs import OmniRequestOutput
 from omni_engine.stage_engine.protocol import (
@@ -96,7 +96,7 @@ class StageEngineCoreClient:
         self.startup_timeout = envs.stage_startup_timeout_s() if startup_timeout is None else startup_timeout
         self.run_prefix = run_prefix or new_run_prefix()
         self.shm_prefix = stage_prefix(self.run_prefix, stage_id)
-        self.attachments = attachments or ShmAttachments()
+        self.attachments = attachments or default_attachments()
         self._lease_book = lease_book
         # Standalone, a request ends when its stage finishes it; under an
         # orchestrator, when the whole pipeline is done with it.
@@ -119,6 +119,10 @@ class StageEngineCoreClient:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stopped = False
         self._finalizer: weakref.finalize | None = None
+        # Wire traffic, for metrics: frames sent/received plus shared-memory
+        # bytes received as handles.
+        self.bytes_sent = 0
+        self.bytes_received = 0
 
     # ------------------------------------------------------------ lifecycle
     async def start(self) -> None:
@@ -126,7 +130,7 @@ class StageEngineCoreClient:
         self._loop = asyncio.get_running_loop()
         remove_stale_segments()
         if self._lease_book is None:
-            self._lease_book = ShmLeaseBook(self._loop)
+            self._lease_book = lease_book_for(self._loop)
         self.runtime_dir = Path(tempfile.mkdtemp(prefix=f"omni-s{self.stage_id}-"))
         default_in, default_out = make_addresses(self.stage_id, self.transport, self.runtime_dir)
         self.input_address = self.input_address or default_in
@@ -141,7 +145,7 @@ class StageEngineCoreClient:
         self._output.setsockopt(zmq.LINGER, 0)
         self._output.bind(self.output_address)
         self.output_address = self._output.getsockopt_string(zmq.LAST_ENDPOINT)
-        decoder_args = dict(shm=self.attachments, on_shm_view=self._lease_book.on_view)
+        decoder_args = dict(shm=self.attachments, on_shm_view=self._on_shm_view)
         self._decoders = {t: StageMsgpackDecoder(cls, **decoder_args) for t, cls in RESPONSE_STRUCTS.items()}
         self._finalizer = weakref.finalize(self, _cleanup_sync, None, self.runtime_dir, self.shm_prefix, self._ctx)
         atexit.register(self._finalizer)
@@ -258,6 +262,10 @@ class StageEngineCoreClient:
         if self.dead_error is None and ids:
             await self._send(StageRequestType.ABORT, StageAbortRequest(ids))
 
+    @property
+    def lease_book(self) -> ShmLeaseBook | None:
+        return self._lease_book
+
     def end_request(self, request_id: str) -> None:
         """The pipeline is done with ``request_id``: free its shared-memory slots."""
         self._lease_book.end_request(request_id)
@@ -327,6 +335,7 @@ class StageEngineCoreClient:
 
     async def _send(self, req_type: StageRequestType, msg: Any) -> None:
         bufs = self._encoder.encode(msg)
+        self.bytes_sent += sum(memoryview(b).nbytes for b in bufs)
         try:
             await self._input.send_multipart([self._identity, req_type.value, *bufs], copy=False)
         except zmq.ZMQError as exc:
@@ -334,6 +343,10 @@ class StageEngineCoreClient:
                 raise self._set_dead(StageDeadError(
                     self.stage_id, f"stage {self.stage_id} is unreachable (disconnected)")) from None
             raise
+
+    def _on_shm_view(self, name: str, owner: str | None, view: memoryview) -> None:
+        self.bytes_received += view.nbytes
+        self._lease_book.on_view(name, owner, view)
 
     def _send_release(self, names: list[str]) -> None:
         if self.dead_error is None and self._identity is not None:
@@ -343,6 +356,7 @@ class StageEngineCoreClient:
         """Read the PULL socket until cancelled; one batch per message."""
         while True:
             frames = await self._output.recv_multipart(copy=False)
+            self.bytes_received += sum(len(f) for f in frames)
             try:
                 self._handle_response(frames)
             except Exception as exc:  # noqa: BLE001 - a bad message must not stop the reader

@@ -1,0 +1,282 @@
+"""``MultiStageEngineClient``: a whole pipeline behind vLLM's ``EngineClient`` protocol.
+
+Wherever vLLM expects an engine client (its OpenAI server, benchmarks,
+user code written against ``AsyncLLM``), a pipeline of stage processes can
+stand in. Generation goes through the ``PipelineOrchestrator``; control calls
+(pause, sleep, collective_rpc, ...) fan out to the stages that support them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncGenerator, Callable, Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+import msgspec
+from vllm.engine.protocol import EngineClient
+
+from omni_engine.config import PipelineConfig, load_pipeline_config
+from omni_engine.entrypoints.pipeline_orchestrator import PipelineOrchestrator
+from omni_engine.entrypoints.stage_context import StageContext
+from omni_engine.errors import StageDeadError
+from omni_engine.metrics import OrchestratorMetrics
+from omni_engine.outputs import OmniRequestOutput
+from omni_engine.stage_engine.stage_core_client import StageEngineCoreClient
+
+logger = logging.getLogger(__name__)
+
+Progress = Callable[[str], None]
+
+
+class MultiStageEngineClient(EngineClient):
+    """A pipeline of stages that vLLM can serve as one model."""
+
+    def __init__(
+        self,
+        stages: Sequence[StageContext],
+        execution_mode: str = "sequential",
+        edge_modes: dict[tuple[int, int], str] | None = None,
+        config: PipelineConfig | None = None,
+    ) -> None:
+        self.stage_contexts = list(stages)
+        self.config = config
+        self.metrics = OrchestratorMetrics()
+        self.orchestrator = PipelineOrchestrator(stages, execution_mode, edge_modes, self.metrics)
+        self._resumed = asyncio.Event()
+        self._resumed.set()
+        self._stopped = False
+        # What vLLM's serving layer reads; filled from the text stage by the server integration.
+        self.vllm_config: Any = None
+        self.model_config: Any = None
+        self.renderer: Any = None
+        self.input_processor: Any = None
+
+    # ------------------------------------------------------------ building
+    @classmethod
+    async def from_config(
+        cls, config: PipelineConfig | str | Path, *, progress: Progress | None = None
+    ) -> "MultiStageEngineClient":
+        """Validate the config, start every stage process (in parallel), and connect."""
+        cfg = config if isinstance(config, PipelineConfig) else load_pipeline_config(config)
+        say = progress or (lambda msg: None)
+        specs = {}
+        for stage in cfg.stage_args:
+            say(f"stage {stage.stage_id} ({stage.stage_type}): preparing")
+            specs[stage.stage_id] = stage.process_spec()
+        clients = {
+            stage.stage_id: StageEngineCoreClient(
+                stage.stage_id, process=specs[stage.stage_id], transport=stage.runtime.transport
+            )
+            for stage in cfg.stage_args
+        }
+
+        async def start(stage_id: int) -> None:
+            say(f"stage {stage_id}: starting process")
+            loop = asyncio.get_running_loop()
+            t0 = loop.time()
+            await clients[stage_id].start()
+            say(f"stage {stage_id}: ready in {loop.time() - t0:.1f} s (pid {clients[stage_id].ready.pid})")
+
+        results = await asyncio.gather(*(start(sid) for sid in clients), return_exceptions=True)
+        errors = [r for r in results if isinstance(r, BaseException)]
+        if errors:
+            await asyncio.gather(*(c.shutdown() for c in clients.values()), return_exceptions=True)
+            raise errors[0]
+        contexts = [
+            StageContext(
+                stage_id=stage.stage_id,
+                stage_config=stage,
+                client=clients[stage.stage_id],
+                connectors=msgspec.structs.asdict(cfg.runtime.connectors),
+                is_final_output=stage.final_output,
+                final_output_type=stage.final_output_type or "text",
+            )
+            for stage in cfg.stage_args
+        ]
+        edge_modes = {
+            (src, dst): cfg.edge_mode(src, dst) for dst in cfg.stage_ids() for src in cfg.sources_of(dst)
+        }
+        return cls(contexts, cfg.runtime.execution_mode, edge_modes, cfg)
+
+    async def __aenter__(self) -> "MultiStageEngineClient":
+        return self
+
+    async def __aexit__(self, *exc: Any) -> None:
+        await self.shutdown_async()
+
+    # ---------------------------------------------------------- generation
+    async def generate(
+        self,
+        prompt: Any,
+        sampling_params: Any,
+        request_id: str,
+        *,
+        final_stage_id: int | Sequence[int] | None = None,
+        **kwargs: Any,
+    ) -> AsyncGenerator[OmniRequestOutput, None]:
+        """Stream the pipeline's final outputs for one request.
+
+        ``sampling_params`` is one ``SamplingParams`` (for the entry stage; the
+        others use their ``default_sampling_params``) or a list, one per stage.
+        Leaving the generator early aborts the request on every stage.
+        """
+        self._check_running()
+        if not self._resumed.is_set():
+            await self._resumed.wait()
+        params_list = list(sampling_params) if isinstance(sampling_params, (list, tuple)) else [sampling_params]
+        async for output in self.orchestrator.process_pipeline(
+            request_id, prompt, params_list, self.metrics, final_stage_id
+        ):
+            yield output
+
+    async def abort(self, request_id: str | Iterable[str]) -> None:
+        ids = [request_id] if isinstance(request_id, str) else list(request_id)
+        await self.orchestrator.abort_request(ids)
+
+    def encode(self, *args: Any, **kwargs: Any) -> Any:
+        raise NotImplementedError("omni_engine pipelines generate; pooling (encode) is not supported")
+
+    # -------------------------------------------------------------- status
+    def _check_running(self) -> None:
+        if self._stopped:
+            raise RuntimeError("MultiStageEngineClient is shut down")
+        error = self.dead_error
+        if error is not None:
+            raise error
+
+    @property
+    def is_running(self) -> bool:
+        return not self._stopped and not self.errored
+
+    @property
+    def is_stopped(self) -> bool:
+        return self._stopped
+
+    @property
+    def errored(self) -> bool:
+        return any(ctx.client.is_dead for ctx in self.stage_contexts) and not self._stopped
+
+    @property
+    def dead_error(self) -> BaseException:
+        for ctx in self.stage_contexts:
+            if ctx.client.dead_error is not None and not self._stopped:
+                return ctx.client.dead_error
+        return None  # type: ignore[return-value]
+
+    async def check_health(self) -> None:
+        """Raise ``StageDeadError`` (a vLLM ``EngineDeadError``) naming the first failing stage."""
+        self._check_running()
+        await asyncio.gather(*(ctx.client.check_health() for ctx in self.stage_contexts))
+
+    async def get_supported_tasks(self) -> tuple[str, ...]:
+        return ("generate",)
+
+    async def is_tracing_enabled(self) -> bool:
+        return False
+
+    async def do_log_stats(self) -> None:
+        for sid, m in sorted(self.metrics.stages.items()):
+            logger.info(
+                "stage %d: %d requests (%d finished, %d failed, %d aborted), mean queue %.3f s, mean run %.3f s, "
+                "%d B in, %d B out", sid, m.requests, m.finished, m.failed, m.aborted, m.mean_queue_time_s,
+                m.mean_run_time_s, m.bytes_in, m.bytes_out)
+
+    # ------------------------------------------------------- pause, resume
+    async def pause_generation(self, *, mode: str = "abort", clear_cache: bool = True) -> None:
+        """Stop taking new requests on every stage.
+
+        ``abort`` aborts what is in flight, ``wait`` lets it finish first,
+        ``keep`` freezes it in the LLM stages until ``resume_generation``.
+        """
+        if mode not in ("abort", "wait", "keep"):
+            raise ValueError(f"pause mode must be 'abort', 'wait' or 'keep', got {mode!r}")
+        self._resumed.clear()
+        if mode == "abort":
+            await self.orchestrator.abort_request(list(self.orchestrator.request_ids()))
+        elif mode == "wait":
+            await self.orchestrator.wait_idle()
+        await self._call_stages("pause_generation", llm_only=True, mode=mode, clear_cache=clear_cache)
+
+    async def resume_generation(self) -> None:
+        await self._call_stages("resume_generation", llm_only=True)
+        self._resumed.set()
+
+    async def is_paused(self) -> bool:
+        return not self._resumed.is_set()
+
+    # ----------------------------------------------- calls into the stages
+    async def collective_rpc(
+        self, method: str, timeout: float | None = None, args: tuple = (), kwargs: dict | None = None,
+        stage_ids: Sequence[int] | None = None,
+    ) -> list[Any]:
+        """vLLM's ``collective_rpc`` on the workers of the chosen (default: every LLM) stage."""
+        return await self._call_stages(
+            "collective_rpc", stage_ids=stage_ids, llm_only=stage_ids is None,
+            method=method, timeout=timeout, args=tuple(args), kwargs=kwargs)
+
+    async def _call_stages(self, method: str, *, stage_ids: Sequence[int] | None = None, llm_only: bool = False,
+                           **kwargs: Any) -> list[Any]:
+        chosen = [ctx for ctx in self.stage_contexts if stage_ids is None or ctx.stage_id in stage_ids]
+        if llm_only:
+            chosen = [ctx for ctx in chosen if ctx.stage_config is None or ctx.stage_config.stage_type == "llm"]
+        unknown = set(stage_ids or ()) - {ctx.stage_id for ctx in self.stage_contexts}
+        if unknown:
+            raise ValueError(f"no stage {sorted(unknown)} in this pipeline")
+        return list(await asyncio.gather(*(ctx.client.call_utility_async(method, **kwargs) for ctx in chosen)))
+
+    async def sleep(self, level: int = 1, mode: str = "abort") -> None:
+        await self._call_stages("sleep", llm_only=True, level=level)
+
+    async def wake_up(self, tags: list[str] | None = None) -> bool:
+        await self._call_stages("wake_up", llm_only=True, tags=tags)
+        return True
+
+    async def is_sleeping(self) -> bool:
+        return any(await self._call_stages("is_sleeping", llm_only=True))
+
+    async def reset_prefix_cache(self, reset_running_requests: bool = False, reset_connector: bool = False) -> bool:
+        return all(await self._call_stages("reset_prefix_cache", llm_only=True))
+
+    async def reset_mm_cache(self) -> None:
+        await self._call_stages("reset_mm_cache", llm_only=True)
+
+    async def reset_encoder_cache(self) -> None:
+        await self._call_stages("reset_encoder_cache", llm_only=True)
+
+    async def start_profile(self, profile_prefix: str | None = None, **kwargs: Any) -> None:
+        await self._call_stages("start_profile", llm_only=True)
+
+    async def stop_profile(self) -> None:
+        await self._call_stages("stop_profile", llm_only=True)
+
+    async def add_lora(self, lora_request: Any) -> bool:
+        return all(await self._call_stages("add_lora", llm_only=True, lora_request=lora_request))
+
+    async def release_kv_cache_memory(self) -> None:
+        raise NotImplementedError("release_kv_cache_memory is not supported by omni_engine pipelines")
+
+    async def notify_kv_transfer_request_rejected(self, *args: Any, **kwargs: Any) -> None:
+        raise NotImplementedError("KV transfer is not supported by omni_engine pipelines")
+
+    # ------------------------------------------------------------ shutdown
+    async def shutdown_async(self) -> None:
+        """Stop routing, then every stage process; idempotent."""
+        if self._stopped:
+            return
+        self._stopped = True
+        await self.orchestrator.stop()
+        await asyncio.gather(*(ctx.client.shutdown() for ctx in self.stage_contexts), return_exceptions=True)
+
+    def shutdown(self, timeout: float | None = None) -> Any:
+        """vLLM calls ``shutdown()`` synchronously; inside a running loop this
+        returns a task the caller may await."""
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            return asyncio.run(self.shutdown_async())
+        return loop.create_task(self.shutdown_async())
+
+
+__all__ = ["MultiStageEngineClient", "StageDeadError"]

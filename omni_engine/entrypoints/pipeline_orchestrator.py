@@ -1,0 +1,420 @@
+"""``PipelineOrchestrator``: routes each request through the stage graph.
+
+One asyncio task per stage reads that stage's outputs (a batch per message)
+and routes every output by the request it belongs to: to the caller when the
+stage is a final one, and to the stages it feeds, either chunk by chunk
+(``async_chunk``) or once the source is done (``sequential``). There is no
+polling loop anywhere: every task waits on a socket or a queue.
+
+Requests downstream of the entry stage are *sub-requests*: in ``async_chunk``
+mode a text stage's sentences become several speech requests. Sub-request k
+of request R is called ``R`` (k = 0) or ``R#k`` in its stage; their outputs
+reach the caller in k order, relabelled ``R``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncGenerator, Sequence
+from typing import Any
+
+from vllm import SamplingParams
+from vllm.sampling_params import RequestOutputKind
+
+from omni_engine.engines.llm import to_sampling_params
+from omni_engine.entrypoints.input_processors import StageInput, TextPassthrough
+from omni_engine.entrypoints.request_state import ClientRequestState, StageTrack, new_text_of
+from omni_engine.entrypoints.stage_context import StageContext
+from omni_engine.errors import StageDeadError, StageRequestError
+from omni_engine.metrics import OrchestratorMetrics
+from omni_engine.outputs import OmniRequestOutput
+from omni_engine.utils import resolve_dotted
+
+logger = logging.getLogger(__name__)
+
+EXECUTION_MODES = ("sequential", "async_chunk")
+
+
+class RequestAbortedError(asyncio.CancelledError):
+    """The request was aborted (by ``abort_request`` or the caller leaving)."""
+
+
+class PipelineOrchestrator:
+    """Runs requests through a graph of stages, each behind its own client."""
+
+    def __init__(
+        self,
+        stages: Sequence[StageContext],
+        execution_mode: str = "sequential",
+        edge_modes: dict[tuple[int, int], str] | None = None,
+        metrics: OrchestratorMetrics | None = None,
+    ) -> None:
+        if execution_mode not in EXECUTION_MODES:
+            raise ValueError(f"execution_mode must be one of {EXECUTION_MODES}, got {execution_mode!r}")
+        self.stages = {ctx.stage_id: ctx for ctx in stages}
+        self.stage_order = [ctx.stage_id for ctx in stages]
+        self.execution_mode = execution_mode
+        self.edge_modes = dict(edge_modes or {})
+        self.metrics = metrics or OrchestratorMetrics()
+        self.sources = {ctx.stage_id: self._sources_of(i, ctx) for i, ctx in enumerate(stages)}
+        self.consumers = {sid: [d for d in self.stage_order if sid in self.sources[d]] for sid in self.stage_order}
+        self._processor_factories = {sid: self._processor_factory(ctx) for sid, ctx in self.stages.items()}
+        self._requests: dict[str, ClientRequestState] = {}
+        # stage id -> sub-request id -> its request
+        self._routes: dict[int, dict[str, ClientRequestState]] = {sid: {} for sid in self.stage_order}
+        self._readers: dict[int, asyncio.Task] = {}
+        self._idle = asyncio.Event()
+        self._idle.set()
+        for ctx in stages:
+            # The pipeline, not the stage, decides when a request's shared
+            # memory may be reused: a handle may still be on its way onward.
+            ctx.client.end_requests_on_finish = False
+
+    def _sources_of(self, index: int, ctx: StageContext) -> list[int]:
+        if ctx.stage_config is not None:
+            return list(ctx.stage_config.engine_input_source)
+        return [self.stage_order[index - 1]] if index > 0 else []
+
+    @staticmethod
+    def _processor_factory(ctx: StageContext) -> Any:
+        path = ctx.input_processor
+        if path is None:
+            return TextPassthrough
+        return resolve_dotted(path, f"stage {ctx.stage_id} custom_process_input_func")
+
+    def _clients(self) -> list[Any]:
+        return [ctx.client for ctx in self.stages.values()]
+
+    def edge_mode(self, src: int, dst: int) -> str:
+        return self.edge_modes.get((src, dst), self.execution_mode)
+
+    # ------------------------------------------------------------ lifecycle
+    def start(self) -> None:
+        """Start one output reader per stage (idempotent; needs a running loop)."""
+        for sid, ctx in self.stages.items():
+            if sid not in self._readers:
+                self._readers[sid] = asyncio.create_task(self._read_stage(ctx), name=f"orchestrator-stage{sid}")
+
+    async def stop(self) -> None:
+        for task in self._readers.values():
+            task.cancel()
+        await asyncio.gather(*self._readers.values(), return_exceptions=True)
+        self._readers.clear()
+        for state in list(self._requests.values()):
+            self._finish(state, StageDeadError(-1, "pipeline is shut down"))
+
+    @property
+    def num_requests(self) -> int:
+        return len(self._requests)
+
+    def request_ids(self) -> list[str]:
+        return list(self._requests)
+
+    async def wait_idle(self) -> None:
+        """Return once no request is in the pipeline."""
+        await self._idle.wait()
+
+    def final_stage_ids(self) -> list[int]:
+        return [sid for sid in self.stage_order if self.stages[sid].is_final_output]
+
+    # --------------------------------------------------------------- submit
+    async def submit_request(
+        self,
+        request_id: str,
+        prompt: Any,
+        sampling_params_list: Sequence[Any] | None = None,
+        final_stage_id: int | Sequence[int] | None = None,
+        metrics: OrchestratorMetrics | None = None,
+    ) -> ClientRequestState:
+        """Register the request and send it to its entry stage(s)."""
+        if request_id in self._requests:
+            raise ValueError(f"request id {request_id!r} is already in the pipeline")
+        self.start()
+        finals = self._final_stages(final_stage_id)
+        used = self._stages_needed(finals)
+        for sid in used:
+            if self.stages[sid].client.is_dead:
+                raise self.stages[sid].client.dead_error
+        state = ClientRequestState(
+            request_id, prompt, self._params_per_stage(sampling_params_list), finals,
+            {sid: StageTrack(sources_pending=sum(1 for s in self.sources[sid] if s in used)) for sid in used},
+            (metrics or self.metrics).request(request_id), metrics or self.metrics,
+        )
+        for sid in used:
+            srcs = [s for s in self.sources[sid] if s in used]
+            if srcs:
+                state.processors[sid] = self._processor_factories[sid](srcs, sid, prompt)
+        self._requests[request_id] = state
+        self._idle.clear()
+        try:
+            for sid in used:
+                if state.stages[sid].sources_pending == 0:
+                    await self._submit_sub_request(state, sid, StageInput(prompt))
+        except BaseException as exc:
+            await self._abort_everywhere(state)
+            self._finish(state, exc)
+            raise
+        return state
+
+    def _final_stages(self, final_stage_id: int | Sequence[int] | None) -> set[int]:
+        if final_stage_id is None:
+            finals = self.final_stage_ids() or [self.stage_order[-1]]
+        elif isinstance(final_stage_id, int):
+            finals = [final_stage_id]
+        else:
+            finals = list(final_stage_id)
+        unknown = [sid for sid in finals if sid not in self.stages]
+        if unknown:
+            raise ValueError(f"final_stage_id {unknown} not in the pipeline (stages {self.stage_order})")
+        return set(finals)
+
+    def _stages_needed(self, finals: set[int]) -> list[int]:
+        """The final stages and everything upstream of them, in stage order."""
+        needed, todo = set(), list(finals)
+        while todo:
+            sid = todo.pop()
+            if sid not in needed:
+                needed.add(sid)
+                todo.extend(self.sources[sid])
+        return [sid for sid in self.stage_order if sid in needed]
+
+    def _params_per_stage(self, sampling_params_list: Sequence[Any] | None) -> dict[int, Any]:
+        given = list(sampling_params_list or [])
+        params = {}
+        for index, sid in enumerate(self.stage_order):
+            value = given[index] if index < len(given) and given[index] is not None else None
+            params[sid] = value if value is not None else self.stages[sid].default_sampling_params or None
+        return params
+
+    async def _submit_sub_request(self, state: ClientRequestState, sid: int, inp: StageInput) -> None:
+        track = state.stages[sid]
+        k = track.submitted
+        track.submitted += 1
+        sub_id = state.request_id if k == 0 else f"{state.request_id}#{k}"
+        params = inp.sampling_params if inp.sampling_params is not None else state.params[sid]
+        track.inflight[sub_id] = k
+        track.kinds[sub_id] = _output_kind(params)
+        state.sub_ids.append(sub_id)
+        self._routes[sid][sub_id] = state
+        stage_metrics = state.pipeline_metrics.stage(sid)
+        stage_metrics.requests += 1
+        track.submitted_at.setdefault(k, asyncio.get_running_loop().time())
+        client = self.stages[sid].client
+        sent_before = client.bytes_sent
+        await client.submit_request(sub_id, inp.prompt, params)
+        stage_metrics.bytes_in += client.bytes_sent - sent_before
+
+    async def _forward_to_next_stage(self, state: ClientRequestState, dst: int, inputs: list[StageInput]) -> None:
+        for inp in inputs:
+            await self._submit_sub_request(state, dst, inp)
+
+    # -------------------------------------------------------------- outputs
+    async def _read_stage(self, ctx: StageContext) -> None:
+        client = ctx.client
+        while True:
+            try:
+                received_before = client.bytes_received
+                items = await client.get_outputs_async()
+            except StageDeadError as exc:
+                await self._on_stage_dead(ctx.stage_id, exc)
+                return
+            self.metrics.stage(ctx.stage_id).bytes_out += client.bytes_received - received_before
+            for item in items:
+                state = self._routes[ctx.stage_id].get(item.request_id)
+                if state is None:
+                    continue  # aborted or finished meanwhile
+                try:
+                    if isinstance(item, StageRequestError):
+                        await self._fail(state, item)
+                    elif self.execution_mode == "async_chunk" or self._has_async_edge(ctx.stage_id):
+                        await self._process_async_chunk_pipeline(state, ctx.stage_id, item)
+                    else:
+                        await self._process_sequential_pipeline(state, ctx.stage_id, item)
+                except Exception as exc:  # noqa: BLE001 - e.g. an input processor failed
+                    logger.exception("request %s failed while routing stage %d output", state.request_id, ctx.stage_id)
+                    await self._fail(state, StageRequestError(
+                        ctx.stage_id, state.request_id,
+                        f"routing the output of stage {ctx.stage_id} for request {state.request_id!r} failed: "
+                        f"{type(exc).__name__}: {exc}", type(exc).__name__))
+
+    def _has_async_edge(self, sid: int) -> bool:
+        return any(self.edge_mode(sid, d) == "async_chunk" for d in self.consumers[sid])
+
+    async def _process_sequential_pipeline(self, state: ClientRequestState, sid: int, output: OmniRequestOutput) -> None:
+        """Route one output: downstream stages start only when this one is done."""
+        await self._route(state, sid, output, forward_chunks=False)
+
+    async def _process_async_chunk_pipeline(self, state: ClientRequestState, sid: int, output: OmniRequestOutput) -> None:
+        """Route one output: every chunk the edge's processor accepts goes on at once."""
+        await self._route(state, sid, output, forward_chunks=True)
+
+    async def _route(self, state: ClientRequestState, sid: int, output: OmniRequestOutput, forward_chunks: bool) -> None:
+        track = state.stages[sid]
+        sub_id = output.request_id
+        k = track.inflight[sub_id]
+        now = asyncio.get_running_loop().time()
+        self._note_output(state, sid, k, now, output.finished)
+        new_text = new_text_of(track, sub_id, output)
+        track.text += new_text
+        if any(d in state.stages for d in self.consumers[sid]):
+            track.outputs.append(output)
+        if output.finished:
+            del track.inflight[sub_id]
+            del self._routes[sid][sub_id]
+            track.kinds.pop(sub_id, None)
+        if forward_chunks:
+            for dst in self.consumers[sid]:
+                if dst in state.stages and self.edge_mode(sid, dst) == "async_chunk":
+                    await self._forward_to_next_stage(state, dst, state.processors[dst].on_output(output, new_text))
+        if sid in state.final_stages:
+            self._emit(state, sid, k, output)
+        if track.complete and not track.done:
+            await self._stage_done(state, sid)
+
+    def _note_output(self, state: ClientRequestState, sid: int, k: int, now: float, finished: bool) -> None:
+        track = state.stages[sid]
+        stage_metrics = state.pipeline_metrics.stage(sid)
+        stage_metrics.outputs += 1
+        if k not in track.first_output_at:
+            track.first_output_at[k] = now
+            stage_metrics.queue_time_s += now - track.submitted_at.get(k, now)
+            state.metrics.first_output.setdefault(sid, now)
+        if finished:
+            stage_metrics.finished += 1
+            stage_metrics.run_time_s += now - track.first_output_at[k]
+
+    def _emit(self, state: ClientRequestState, sid: int, k: int, output: OmniRequestOutput) -> None:
+        """Deliver to the caller in sub-request order; ``finished`` only on the stage's last."""
+        track = state.stages[sid]
+        if k != track.next_emit:
+            track.held.setdefault(k, []).append(output)
+            return
+        chunk: list[OmniRequestOutput] | None = [output]
+        while chunk:
+            finished = chunk[-1].finished
+            for out in chunk:
+                self._deliver(state, sid, out)
+            if not finished:
+                return
+            track.next_emit += 1
+            chunk = track.held.pop(track.next_emit, None)
+
+    def _deliver(self, state: ClientRequestState, sid: int, output: OmniRequestOutput) -> None:
+        track = state.stages[sid]
+        output.request_id = state.request_id
+        output.finished = output.finished and track.complete and not track.held
+        track.closed = output.finished
+        state.queue.put_nowait(output)
+
+    async def _stage_done(self, state: ClientRequestState, sid: int) -> None:
+        """``sid`` has nothing more for this request: feed its consumers, close it."""
+        track = state.stages[sid]
+        track.done = True
+        state.metrics.stage_done[sid] = asyncio.get_running_loop().time()
+        if sid in state.final_stages and not track.closed:
+            ctx = self.stages[sid]
+            self._deliver(state, sid, OmniRequestOutput(
+                state.request_id, finished=True, stage_id=sid, final_output_type=ctx.final_output_type))
+        for dst in self.consumers[sid]:
+            if dst not in state.stages:
+                continue
+            dst_track = state.stages[dst]
+            dst_track.sources_pending -= 1
+            if dst_track.sources_pending == 0:
+                srcs = [s for s in self.sources[dst] if s in state.stages]
+                inputs = state.processors[dst].on_finish(
+                    {s: state.stages[s].outputs for s in srcs}, {s: state.stages[s].text for s in srcs})
+                await self._forward_to_next_stage(state, dst, inputs)
+                if dst_track.complete and not dst_track.done:
+                    await self._stage_done(state, dst)
+        track.outputs = []  # consumers have what they need; free the memory
+        if all(state.stages[f].done for f in state.final_stages):
+            self._finish(state)
+
+    # ---------------------------------------------------- abort and failure
+    async def abort_request(self, request_id: str | Sequence[str]) -> None:
+        """Abort on every stage where the request is in flight; free its state."""
+        ids = [request_id] if isinstance(request_id, str) else list(request_id)
+        for rid in ids:
+            state = self._requests.get(rid)
+            if state is not None:
+                await self._abort_everywhere(state)
+                self._finish(state, RequestAbortedError(f"request {rid!r} was aborted"))
+
+    async def _abort_everywhere(self, state: ClientRequestState) -> None:
+        for sid, track in state.stages.items():
+            if not track.inflight:
+                continue
+            sub_ids = list(track.inflight)
+            for sub_id in sub_ids:
+                self._routes[sid].pop(sub_id, None)
+            track.inflight.clear()
+            state.pipeline_metrics.stage(sid).aborted += len(sub_ids)
+            client = self.stages[sid].client
+            if not client.is_dead:
+                try:
+                    await client.abort_request(sub_ids)
+                except Exception:  # noqa: BLE001 - the stage may be dying; its client cleans up
+                    logger.debug("abort of %s on stage %d failed", sub_ids, sid, exc_info=True)
+
+    async def _fail(self, state: ClientRequestState, error: BaseException) -> None:
+        if isinstance(error, StageRequestError):
+            state.pipeline_metrics.stage(error.stage_id).failed += 1
+        await self._abort_everywhere(state)
+        self._finish(state, error)
+
+    async def _on_stage_dead(self, sid: int, error: StageDeadError) -> None:
+        """Every request that needs ``sid`` and is not done with it fails, naming it."""
+        for state in list(self._requests.values()):
+            track = state.stages.get(sid)
+            if track is not None and not track.done:
+                await self._fail(state, error)
+
+    def _finish(self, state: ClientRequestState, error: BaseException | None = None) -> None:
+        """End the request: the caller's stream ends (or raises); its memory is freed."""
+        if self._requests.pop(state.request_id, None) is None:
+            return
+        if not self._requests:
+            self._idle.set()
+        for sid, track in state.stages.items():
+            for sub_id in track.inflight:
+                self._routes[sid].pop(sub_id, None)
+        state.metrics.finished = asyncio.get_running_loop().time()
+        for book in {id(c.lease_book): c.lease_book for c in self._clients() if c.lease_book}.values():
+            for sub_id in state.sub_ids:
+                book.end_request(sub_id)
+        state.queue.put_nowait(error if error is not None else ClientRequestState.END)
+
+    # ------------------------------------------------------------ streaming
+    async def process_pipeline(
+        self,
+        request_id: str,
+        prompt: Any,
+        sampling_params_list: Sequence[Any] | None = None,
+        metrics: OrchestratorMetrics | None = None,
+        final_stage_id: int | Sequence[int] | None = None,
+    ) -> AsyncGenerator[OmniRequestOutput, None]:
+        """Submit and stream the request's final outputs; leaving early aborts it."""
+        state = await self.submit_request(request_id, prompt, sampling_params_list, final_stage_id, metrics)
+        try:
+            while True:
+                item = await state.queue.get()
+                if item is ClientRequestState.END:
+                    return
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+        finally:
+            if request_id in self._requests and self._requests[request_id] is state:
+                await self._abort_everywhere(state)
+                self._finish(state, RequestAbortedError(f"request {request_id!r} was abandoned"))
+
+
+def _output_kind(params: Any) -> RequestOutputKind:
+    """How a text stage reports text for these params (decides how new text is found)."""
+    if isinstance(params, SamplingParams):
+        return params.output_kind
+    if isinstance(params, dict) and "output_kind" in params:
+        return to_sampling_params({"output_kind": params["output_kind"]}).output_kind
+    return RequestOutputKind.CUMULATIVE

@@ -1,0 +1,77 @@
+"""Per-request bookkeeping of the orchestrator (``ClientRequestState``)."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+from vllm.sampling_params import RequestOutputKind
+
+from omni_engine.entrypoints.input_processors import InputProcessor
+from omni_engine.metrics import OrchestratorMetrics, RequestMetrics
+from omni_engine.outputs import OmniRequestOutput
+
+
+@dataclass
+class StageTrack:
+    """One stage's part in one request."""
+
+    # Sources that still have to finish before this stage gets (more) input.
+    sources_pending: int
+    # Sub-requests in flight: id -> chunk index k.
+    inflight: dict[str, int] = field(default_factory=dict)
+    # Output kind per in-flight sub-request, to turn outputs into new text.
+    kinds: dict[str, RequestOutputKind] = field(default_factory=dict)
+    # Text seen so far per (sub-request, completion index), for cumulative outputs.
+    seen: dict[tuple[str, int], int] = field(default_factory=dict)
+    submitted: int = 0
+    text: str = ""
+    # Outputs kept for consumers that start when this stage is done (sequential).
+    outputs: list[OmniRequestOutput] = field(default_factory=list)
+    submitted_at: dict[int, float] = field(default_factory=dict)
+    first_output_at: dict[int, float] = field(default_factory=dict)
+    # Delivery order to the caller: chunk next_emit goes out first; later ones wait.
+    next_emit: int = 0
+    held: dict[int, list[OmniRequestOutput]] = field(default_factory=dict)
+    closed: bool = False
+    done: bool = False
+
+    @property
+    def complete(self) -> bool:
+        """No more input will come and nothing is in flight."""
+        return self.sources_pending == 0 and not self.inflight
+
+
+@dataclass
+class ClientRequestState:
+    """A request in the pipeline: what each stage has done, and the caller's queue."""
+
+    END: ClassVar[object] = object()
+
+    request_id: str
+    prompt: Any
+    params: dict[int, Any]
+    final_stages: set[int]
+    stages: dict[int, StageTrack]
+    metrics: RequestMetrics
+    pipeline_metrics: OrchestratorMetrics
+    processors: dict[int, InputProcessor] = field(default_factory=dict)
+    sub_ids: list[str] = field(default_factory=list)
+    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+
+
+def new_text_of(track: StageTrack, sub_id: str, output: OmniRequestOutput) -> str:
+    """The text this output adds (first completion), whatever its output kind."""
+    if not output.outputs:
+        return ""
+    completion = output.outputs[0]
+    text = completion.text or ""
+    if track.kinds.get(sub_id) is RequestOutputKind.DELTA:
+        return text
+    key = (sub_id, completion.index)
+    seen = track.seen.get(key, 0)
+    track.seen[key] = len(text)
+    if output.finished:
+        track.seen.pop(key, None)
+    return text[seen:]
