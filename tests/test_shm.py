@@ -31,7 +31,10 @@ from omni_engine.connectors.shm import (
     unlink_prefix,
 )
 from omni_engine.outputs import OmniRequestOutput
-from omni_engine.stage_engine.stage_serialization import StageMsgpackDecoder, StageMsgpackEncoder
+from omni_engine.stage_engine.stage_serialization import (
+    StageMsgpackDecoder,
+    StageMsgpackEncoder,
+)
 
 pytestmark = pytest.mark.filterwarnings("ignore:The given NumPy array is not writable")
 
@@ -59,6 +62,16 @@ def shm_path(name: str):
     from omni_engine import envs
 
     return envs.shm_dir() / name
+
+
+def mapped(name_part: str) -> bool:
+    """Whether this process still maps a segment whose name contains ``name_part``."""
+    return name_part in _maps()
+
+
+def _maps() -> str:
+    with open("/proc/self/maps") as f:
+        return f.read()
 
 
 def warnings_of(caplog) -> list[logging.LogRecord]:
@@ -206,7 +219,10 @@ def test_close_unlinks_everything(prefix):
     assert pool.lease(4 * KIB, "r") is None  # closed
     assert pool.release([leased.name]) == 0
     view[0] = 7  # the mapping outlives close() while a view holds it
-    del view
+    assert mapped(leased.name) and not mapped(free.name)  # the free slot had no view: unmapped now
+    del view, leased, free
+    gc.collect()
+    assert not mapped(f"{prefix}_")  # the last view took the mapping with it
 
 
 def test_attachments_map_the_same_bytes_and_detach(pool):
@@ -224,14 +240,19 @@ def test_attachments_map_the_same_bytes_and_detach(pool):
         with pytest.raises(ValueError, match="invalid shared-memory segment name"):
             att.view("../passwd", 0, 1)
         del view
+        assert mapped(seg.name)
     finally:
         att.detach()
     assert len(att) == 0
+    gc.collect()
+    maps = _maps()
+    assert maps.count(f"/{seg.name}") == 1  # the producer's mapping only; the consumer's is gone
 
 
 # -------------------------------------------------------- stale segments
 def _dead_pid() -> int:
-    pid_max = int(open("/proc/sys/kernel/pid_max").read())
+    with open("/proc/sys/kernel/pid_max") as f:
+        pid_max = int(f.read())
     for pid in range(pid_max - 1, 1, -1):
         try:
             os.kill(pid, 0)
@@ -386,7 +407,7 @@ async def test_slot_released_only_after_request_end_and_last_view(book_env):
 
 
 async def test_views_dropped_first_then_request_end(book_env):
-    loop, book, producer, decoder = book_env
+    _, book, producer, decoder = book_env
     first = decoder.decode(producer.output("req-B"))
     second = decoder.decode(producer.output("req-B", n=8192))
     names = sorted(producer.pool.leases_of("req-B"))
@@ -422,7 +443,7 @@ async def test_last_view_dropped_in_another_thread_releases_on_the_loop(book_env
 
 
 async def test_views_without_owner_are_released_when_dropped(book_env):
-    loop, book, producer, decoder = book_env
+    _, book, producer, decoder = book_env
     t = decoder.decode(producer.encoder.encode(torch.ones(4096)))  # no request owns it
     assert book.num_tracked() == 1
     del t
@@ -432,7 +453,7 @@ async def test_views_without_owner_are_released_when_dropped(book_env):
 
 
 async def test_remove_producer_forgets_its_segments(book_env):
-    loop, book, producer, decoder = book_env
+    _, book, producer, decoder = book_env
     other = Producer(producer.run, 10)  # "<run>_s10": must not be confused with "<run>_s1"
     book.add_producer(other.prefix, other.release)
     try:

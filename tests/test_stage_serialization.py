@@ -470,7 +470,7 @@ def _check_paths(value_nbytes: int, bufs, decoded_ptr: int, pool: ShmPool, lease
         assert inside(decoded_ptr, value_nbytes, address_of(bufs[1]))
     else:
         assert len(bufs) == 1 and pool.num_leased() == leased_before + 1 and len(views) == 1
-        name, owner, view = views[0]
+        name, _owner, view = views[0]
         assert headers[0][3] == name and headers[0][4] == 0 and headers[0][5] == value_nbytes
         assert decoded_ptr == address_of(view)[0]
         assert SEGMENT_INDEX.find(decoded_ptr, value_nbytes) == (name, 0)
@@ -508,7 +508,7 @@ def test_tensor_round_trip_property(shm_codec, dtype, shape, layout, seed):
 @given(dtype=st.sampled_from(TORCH_OPAQUE_DTYPES), shape=shapes, seed=st.integers(0, 2**31))
 def test_opaque_dtype_tensors_round_trip_bytes(shm_codec, dtype, shape, seed):
     """Dtypes torch cannot compute with still travel bit-exactly (compared as bytes)."""
-    pool, enc, dec, _, views = shm_codec
+    pool, enc, dec, _, _ = shm_codec
     n = math.prod(shape) * dtype.itemsize
     raw = torch.randint(0, 256, (n,), generator=torch.Generator().manual_seed(seed), dtype=torch.uint8)
     original = raw.view(dtype).reshape(shape)
@@ -634,6 +634,7 @@ def test_shm_tensor_is_a_view_of_the_attached_segment(shm_codec):
     assert len(attachments) == 1
     mapping = attachments._segments[name]  # the consumer's own mapping of the segment
     assert inside(got.data_ptr(), audio.nbytes, (mapping.address, mapping.size))
+    assert got.data_ptr() == address_of(view)[0]
     # Same bytes as the producer's slot, not a copy: a write there shows here.
     slot = pool._leased[name].segment
     assert slot.address != mapping.address
@@ -653,7 +654,7 @@ def test_re_encoding_a_decoded_shm_tensor_forwards_the_handle(run_prefix, shm_co
         assert pool.num_leased() == 2
         got = dec.decode(bufs).multimodal_output
         [(name_t, _, _), (name_a, _, _)] = views
-        assert name_t != name_a
+        assert name_t != name_a and len(attachments) == 2
         leased = pool.num_leased()
 
         # The client forwards the decoded values to the next stage.
@@ -689,7 +690,7 @@ def test_re_encoding_a_decoded_shm_tensor_forwards_the_handle(run_prefix, shm_co
 
 
 def test_tensor_written_into_a_leased_slot_is_sent_as_its_handle(shm_codec):
-    pool, enc, dec, _, views = shm_codec
+    pool, enc, dec, _, _ = shm_codec
     slot = pool.lease(4096 * 4, "req-direct")
     out = torch.from_numpy(slot.array[: 4096 * 4]).view(torch.float32)
     out.copy_(torch.arange(4096, dtype=torch.float32))

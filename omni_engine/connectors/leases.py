@@ -126,3 +126,19 @@ class ShmLeaseBook:
 
     def num_tracked(self) -> int:
         return len(self._owner)
+
+
+_BOOKS: "weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, ShmLeaseBook]" = weakref.WeakKeyDictionary()
+
+
+def lease_book_for(loop: asyncio.AbstractEventLoop) -> ShmLeaseBook:
+    """The lease book shared by every stage client on ``loop``.
+
+    Shared, because a handle produced by one stage may come back through
+    another stage's output (zero-copy forwarding): whichever client decodes
+    it must be able to release it to its producer.
+    """
+    book = _BOOKS.get(loop)
+    if book is None:
+        book = _BOOKS[loop] = ShmLeaseBook(loop)
+    return book

@@ -96,7 +96,7 @@ class MultiStageEngineClient(EngineClient):
             for stage in cfg.stage_args
         ]
         edge_modes = {
-            (src, dst): cfg.edge_mode(src, dst) for dst in cfg.stage_ids() for src in cfg.sources_of(dst)
+            (edge.from_stage, edge.to): edge.execution_mode for edge in cfg.runtime.edges if edge.execution_mode
         }
         return cls(contexts, cfg.runtime.execution_mode, edge_modes, cfg)
 
@@ -114,6 +114,7 @@ class MultiStageEngineClient(EngineClient):
         request_id: str,
         *,
         final_stage_id: int | Sequence[int] | None = None,
+        execution_mode: str | None = None,
         **kwargs: Any,
     ) -> AsyncGenerator[OmniRequestOutput, None]:
         """Stream the pipeline's final outputs for one request.
@@ -127,7 +128,7 @@ class MultiStageEngineClient(EngineClient):
             await self._resumed.wait()
         params_list = list(sampling_params) if isinstance(sampling_params, (list, tuple)) else [sampling_params]
         async for output in self.orchestrator.process_pipeline(
-            request_id, prompt, params_list, self.metrics, final_stage_id
+            request_id, prompt, params_list, self.metrics, final_stage_id, execution_mode
         ):
             yield output
 

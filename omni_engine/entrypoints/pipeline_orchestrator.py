@@ -66,10 +66,6 @@ class PipelineOrchestrator:
         self._readers: dict[int, asyncio.Task] = {}
         self._idle = asyncio.Event()
         self._idle.set()
-        for ctx in stages:
-            # The pipeline, not the stage, decides when a request's shared
-            # memory may be reused: a handle may still be on its way onward.
-            ctx.client.end_requests_on_finish = False
 
     def _sources_of(self, index: int, ctx: StageContext) -> list[int]:
         if ctx.stage_config is not None:
@@ -86,15 +82,29 @@ class PipelineOrchestrator:
     def _clients(self) -> list[Any]:
         return [ctx.client for ctx in self.stages.values()]
 
-    def edge_mode(self, src: int, dst: int) -> str:
-        return self.edge_modes.get((src, dst), self.execution_mode)
+    def edge_mode(self, src: int, dst: int, state: ClientRequestState | None = None) -> str:
+        return self.edge_modes.get((src, dst), state.execution_mode if state else self.execution_mode)
 
     # ------------------------------------------------------------ lifecycle
     def start(self) -> None:
-        """Start one output reader per stage (idempotent; needs a running loop)."""
+        """Start one output reader per stage (idempotent; needs a running loop).
+
+        Readers run while requests are in the pipeline and stop when it is
+        idle, so an idle pipeline has no task at all, and another
+        orchestrator may use the same stage clients afterwards.
+        """
         for sid, ctx in self.stages.items():
-            if sid not in self._readers:
+            task = self._readers.get(sid)
+            if task is None or task.done():
                 self._readers[sid] = asyncio.create_task(self._read_stage(ctx), name=f"orchestrator-stage{sid}")
+
+    def _stop_readers_if_idle(self) -> None:
+        if self._requests:
+            return
+        current = asyncio.current_task()
+        for task in self._readers.values():
+            if task is not current:
+                task.cancel()
 
     async def stop(self) -> None:
         for task in self._readers.values():
@@ -126,11 +136,17 @@ class PipelineOrchestrator:
         sampling_params_list: Sequence[Any] | None = None,
         final_stage_id: int | Sequence[int] | None = None,
         metrics: OrchestratorMetrics | None = None,
+        execution_mode: str | None = None,
     ) -> ClientRequestState:
-        """Register the request and send it to its entry stage(s)."""
+        """Register the request and send it to its entry stage(s).
+
+        ``execution_mode`` overrides the pipeline's for this request (edges
+        with their own mode in the config keep it).
+        """
         if request_id in self._requests:
             raise ValueError(f"request id {request_id!r} is already in the pipeline")
-        self.start()
+        if execution_mode is not None and execution_mode not in EXECUTION_MODES:
+            raise ValueError(f"execution_mode must be one of {EXECUTION_MODES}, got {execution_mode!r}")
         finals = self._final_stages(final_stage_id)
         used = self._stages_needed(finals)
         for sid in used:
@@ -140,6 +156,7 @@ class PipelineOrchestrator:
             request_id, prompt, self._params_per_stage(sampling_params_list), finals,
             {sid: StageTrack(sources_pending=sum(1 for s in self.sources[sid] if s in used)) for sid in used},
             (metrics or self.metrics).request(request_id), metrics or self.metrics,
+            execution_mode=execution_mode or self.execution_mode,
         )
         for sid in used:
             srcs = [s for s in self.sources[sid] if s in used]
@@ -147,6 +164,7 @@ class PipelineOrchestrator:
                 state.processors[sid] = self._processor_factories[sid](srcs, sid, prompt)
         self._requests[request_id] = state
         self._idle.clear()
+        self.start()
         try:
             for sid in used:
                 if state.stages[sid].sources_pending == 0:
@@ -202,7 +220,7 @@ class PipelineOrchestrator:
         track.submitted_at.setdefault(k, asyncio.get_running_loop().time())
         client = self.stages[sid].client
         sent_before = client.bytes_sent
-        await client.submit_request(sub_id, inp.prompt, params)
+        await client.submit_request(sub_id, inp.prompt, params, end_on_finish=False)
         stage_metrics.bytes_in += client.bytes_sent - sent_before
 
     async def _forward_to_next_stage(self, state: ClientRequestState, dst: int, inputs: list[StageInput]) -> None:
@@ -212,7 +230,7 @@ class PipelineOrchestrator:
     # -------------------------------------------------------------- outputs
     async def _read_stage(self, ctx: StageContext) -> None:
         client = ctx.client
-        while True:
+        while self._requests:
             try:
                 received_before = client.bytes_received
                 items = await client.get_outputs_async()
@@ -227,7 +245,7 @@ class PipelineOrchestrator:
                 try:
                     if isinstance(item, StageRequestError):
                         await self._fail(state, item)
-                    elif self.execution_mode == "async_chunk" or self._has_async_edge(ctx.stage_id):
+                    elif self._has_async_edge(ctx.stage_id, state):
                         await self._process_async_chunk_pipeline(state, ctx.stage_id, item)
                     else:
                         await self._process_sequential_pipeline(state, ctx.stage_id, item)
@@ -238,8 +256,8 @@ class PipelineOrchestrator:
                         f"routing the output of stage {ctx.stage_id} for request {state.request_id!r} failed: "
                         f"{type(exc).__name__}: {exc}", type(exc).__name__))
 
-    def _has_async_edge(self, sid: int) -> bool:
-        return any(self.edge_mode(sid, d) == "async_chunk" for d in self.consumers[sid])
+    def _has_async_edge(self, sid: int, state: ClientRequestState) -> bool:
+        return any(self.edge_mode(sid, d, state) == "async_chunk" for d in self.consumers[sid])
 
     async def _process_sequential_pipeline(self, state: ClientRequestState, sid: int, output: OmniRequestOutput) -> None:
         """Route one output: downstream stages start only when this one is done."""
@@ -265,7 +283,7 @@ class PipelineOrchestrator:
             track.kinds.pop(sub_id, None)
         if forward_chunks:
             for dst in self.consumers[sid]:
-                if dst in state.stages and self.edge_mode(sid, dst) == "async_chunk":
+                if dst in state.stages and self.edge_mode(sid, dst, state) == "async_chunk":
                     await self._forward_to_next_stage(state, dst, state.processors[dst].on_output(output, new_text))
         if sid in state.final_stages:
             self._emit(state, sid, k, output)
@@ -377,6 +395,7 @@ class PipelineOrchestrator:
             return
         if not self._requests:
             self._idle.set()
+            self._stop_readers_if_idle()
         for sid, track in state.stages.items():
             for sub_id in track.inflight:
                 self._routes[sid].pop(sub_id, None)
@@ -394,9 +413,11 @@ class PipelineOrchestrator:
         sampling_params_list: Sequence[Any] | None = None,
         metrics: OrchestratorMetrics | None = None,
         final_stage_id: int | Sequence[int] | None = None,
+        execution_mode: str | None = None,
     ) -> AsyncGenerator[OmniRequestOutput, None]:
         """Submit and stream the request's final outputs; leaving early aborts it."""
-        state = await self.submit_request(request_id, prompt, sampling_params_list, final_stage_id, metrics)
+        state = await self.submit_request(request_id, prompt, sampling_params_list, final_stage_id, metrics,
+                                          execution_mode)
         try:
             while True:
                 item = await state.queue.get()

@@ -56,6 +56,7 @@ class ClientRequestState:
     stages: dict[int, StageTrack]
     metrics: RequestMetrics
     pipeline_metrics: OrchestratorMetrics
+    execution_mode: str = "sequential"
     processors: dict[int, InputProcessor] = field(default_factory=dict)
     sub_ids: list[str] = field(default_factory=list)
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)

@@ -78,7 +78,6 @@ class StageEngineCoreClient:
         startup_timeout: float | None = None,
         attachments: ShmAttachments | None = None,
         lease_book: ShmLeaseBook | None = None,
-        end_requests_on_finish: bool = True,
         run_prefix: str | None = None,
     ) -> None:
         if transport not in ("ipc", "tcp"):
@@ -98,9 +97,10 @@ class StageEngineCoreClient:
         self.shm_prefix = stage_prefix(self.run_prefix, stage_id)
         self.attachments = attachments or default_attachments()
         self._lease_book = lease_book
-        # Standalone, a request ends when its stage finishes it; under an
-        # orchestrator, when the whole pipeline is done with it.
-        self.end_requests_on_finish = end_requests_on_finish
+        # Requests whose shared memory stays leased after the stage finishes
+        # them, until end_request(): under an orchestrator a handle may still
+        # be on its way to the next stage.
+        self._manual_end: set[str] = set()
         self.process: StageProcess | None = None
         self.ready: StageReady | None = None
         self.dead_error: StageDeadError | None = None
@@ -193,9 +193,12 @@ class StageEngineCoreClient:
             return
         if exited in done:
             self.process.join(1)
-            raise StageStartupError(self.stage_id, (
-                f"{self.process.describe_exit()} during startup; last lines of {self.process.log_path}:\n"
-                f"{self.process.log_tail()}"), self.process.exitcode)
+            tail = self.process.log_tail()
+            detail = (f"last lines of {self.process.log_path}:\n{tail}" if tail else
+                      "it wrote no log, so it failed before the stage code ran (a script that starts "
+                      "stages needs an `if __name__ == '__main__':` guard: stages are spawned)")
+            raise StageStartupError(self.stage_id, f"{self.process.describe_exit()} during startup; {detail}",
+                                    self.process.exitcode)
         tail = f"; last lines of {self.process.log_path}:\n{self.process.log_tail()}" if self.process else ""
         raise StageStartupError(self.stage_id, f"stage {self.stage_id} did not become ready within "
                                                f"{self.startup_timeout:.0f} s{tail}")
@@ -241,17 +244,25 @@ class StageEngineCoreClient:
         self.attachments.detach(prefix=self.shm_prefix)
 
     # ------------------------------------------------------------- requests
-    async def submit_request(self, request_id: str, prompt: Any, sampling_params: Any = None) -> None:
-        """Send a GENERATE; outputs come from ``get_output_async``."""
+    async def submit_request(self, request_id: str, prompt: Any, sampling_params: Any = None, *,
+                             end_on_finish: bool = True) -> None:
+        """Send a GENERATE; outputs come from ``get_output_async``.
+
+        With ``end_on_finish`` False the request's shared-memory slots stay
+        leased after it finishes, until ``end_request``.
+        """
         self._check_alive()
         if request_id in self._requests:
             raise ValueError(f"stage {self.stage_id}: request id {request_id!r} is already in flight")
         msg = StageGenerateRequest(request_id, prompt, sampling_params, self._loop.time())
         self._requests.add(request_id)
+        if not end_on_finish:
+            self._manual_end.add(request_id)
         try:
             await self._send(StageRequestType.GENERATE, msg)
         except BaseException:
             self._requests.discard(request_id)
+            self._manual_end.discard(request_id)
             raise
 
     async def abort_request(self, request_ids: str | Sequence[str]) -> None:
@@ -268,10 +279,12 @@ class StageEngineCoreClient:
 
     def end_request(self, request_id: str) -> None:
         """The pipeline is done with ``request_id``: free its shared-memory slots."""
+        self._manual_end.discard(request_id)
         self._lease_book.end_request(request_id)
 
     def _end_request(self, request_id: str) -> None:
         self._requests.discard(request_id)
+        self._manual_end.discard(request_id)
         self._lease_book.end_request(request_id)
 
     def num_unfinished_requests(self) -> int:
@@ -386,7 +399,7 @@ class StageEngineCoreClient:
                 continue  # aborted, or not ours
             if output.finished:
                 self._requests.discard(output.request_id)
-                if self.end_requests_on_finish:
+                if output.request_id not in self._manual_end:
                     self._lease_book.end_request(output.request_id)
             items.append(output)
         if items:
@@ -423,6 +436,7 @@ class StageEngineCoreClient:
             if not future.done():
                 future.set_exception(error)
         self._requests.clear()
+        self._manual_end.clear()
         self._queue.put_nowait(_DEAD)
         if self.ready is not None:
             self._lease_book.remove_producer(self.ready.shm_prefix)

@@ -52,6 +52,8 @@ from omni_engine.utils import call_quietly, die_with_parent
 logger = logging.getLogger(__name__)
 
 _STOP = object()
+# Utility calls the stage process answers itself (not its engine).
+PROC_UTILITY_METHODS = frozenset({"shm_stats"})
 _OUTPUT = StageResponseType.OUTPUT
 
 
@@ -241,9 +243,15 @@ class StageEngineCoreProc:
             healthy = False
         self._out_q.put((StageResponseType.HEALTH, StageHealth(msg.call_id, healthy, len(self._requests), os.getpid())))
 
+    def shm_stats(self) -> dict[str, int]:
+        """The stage's shared-memory pool: segments held, leased, bytes."""
+        return {"leased": self.pool.num_leased(), "bytes": self.pool.total_bytes}
+
     async def _utility(self, msg: StageUtilityRequest) -> None:
         result = StageUtilityResult(msg.call_id)
-        if msg.method not in self.engine.UTILITY_METHODS:
+        if msg.method in PROC_UTILITY_METHODS:
+            result.result = getattr(self, msg.method)()
+        elif msg.method not in self.engine.UTILITY_METHODS:
             result.error = (f"stage {self.stage_id} ({type(self.engine).__name__}) has no utility method "
                             f"{msg.method!r}; available: {sorted(self.engine.UTILITY_METHODS)}")
         else:

@@ -180,7 +180,7 @@ class StageMsgpackEncoder:
 
     def _wrap_top(self, obj: Any) -> Any:
         """Wrap known structs held directly in a message's fields."""
-        if isinstance(obj, msgspec.Struct) and type(obj) not in _STRUCT_CODES:
+        if isinstance(obj, msgspec.Struct) and type(obj) not in _STRUCT_CODES and type(obj) not in _WIRE_STRUCT_NAMES:
             changes = {}
             for name in obj.__struct_fields__:
                 value = getattr(obj, name)
@@ -196,7 +196,8 @@ class StageMsgpackEncoder:
         msgspec encodes those natively without calling ``enc_hook``, which
         would lose their type, so containers are walked for them; a list whose
         first item is a scalar (token ids, floats) is taken as all-scalar and
-        not walked, to keep that cost off the hot path.
+        not walked, to keep that cost off the hot path (a None first item
+        does not count as a scalar).
         """
         cls = type(value)
         if cls in _SCALARS:
@@ -211,7 +212,9 @@ class StageMsgpackEncoder:
         if name is not None:
             return Ext(_CODE_OMNI_STRUCT, self._nested((name, value)))
         if cls is list or cls is tuple:
-            if not value or type(value[0]) in _SCALARS:
+            # None first is no sign of an all-scalar list: vLLM's prompt
+            # logprobs are [None, {token: Logprob}, ...].
+            if not value or (type(value[0]) in _SCALARS and value[0] is not None):
                 return value
             return [self._wrap(v) for v in value]
         if cls is dict:
@@ -271,7 +274,12 @@ class StageMsgpackEncoder:
         # Conjugate/negative views are lazy bits, not data: materialize them
         # (no-ops otherwise), else view(uint8) refuses the tensor.
         t = t.resolve_conj().resolve_neg().contiguous()
-        data = t.reshape(-1).view(torch.uint8).numpy()
+        flat = t.reshape(-1)
+        if flat.numel() <= 1:
+            # Empty and one-element tensors count as contiguous whatever their
+            # strides, but view(uint8) needs stride 1.
+            flat = flat.as_strided((flat.numel(),), (1,))
+        data = flat.view(torch.uint8).numpy()
         header = [str(t.dtype).removeprefix("torch."), list(t.shape)]
         return Ext(_CODE_TORCH_TENSOR, self._encode_data(header, data))
 

@@ -13,11 +13,11 @@ import sys
 from collections.abc import Sequence
 from types import ModuleType
 
-from omni_engine.entrypoints.cli import ask, prepare_model
+from omni_engine.entrypoints.cli import generate, prepare_model
 
 SUBCOMMANDS: list[ModuleType] = [
     prepare_model,
-    ask,
+    generate,
 ]
 
 

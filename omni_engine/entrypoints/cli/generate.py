@@ -1,0 +1,103 @@
+"""``omni-engine generate``: run one prompt through a pipeline from a stage config.
+
+Writes every final output: ``answer.txt`` for text stages and ``answer.wav``
+for audio stages (the chunks joined in order), and shows per-stage progress
+on stderr: stage start-up, time to first output and completion of each.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+NAME = "generate"
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    parser = subparsers.add_parser(NAME, help="run one prompt through a pipeline (text, WAV, ...)")
+    parser.add_argument("--config", required=True, type=Path, help="pipeline stage config (YAML)")
+    parser.add_argument("--prompt", required=True, help="the user's message")
+    parser.add_argument("--output-dir", type=Path, default=Path("out"))
+    parser.add_argument("--raw", action="store_true", help="send the prompt as is, without the chat template")
+    parser.add_argument("--max-tokens", type=int, default=None, help="override the text stage's max_tokens")
+    parser.set_defaults(handler=run)
+    return parser
+
+
+def _say(msg: str) -> None:
+    print(f"[omni-engine] {msg}", file=sys.stderr, flush=True)
+
+
+def run(args: argparse.Namespace) -> int:
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    import uvloop
+
+    from omni_engine.config import ConfigError, load_pipeline_config
+
+    try:
+        config = load_pipeline_config(args.config)
+    except ConfigError as exc:
+        _say(str(exc))
+        return 2
+    return uvloop.run(_generate(args, config))
+
+
+def _chat_prompt(config, question: str) -> str:
+    from transformers import AutoTokenizer
+
+    llm = next((s for s in config.stage_args if s.stage_type == "llm"), None)
+    if llm is None:
+        return question
+    tokenizer = AutoTokenizer.from_pretrained(llm.process_spec().engine_args["model"])
+    return tokenizer.apply_chat_template([{"role": "user", "content": question}], tokenize=False,
+                                         add_generation_prompt=True)
+
+
+async def _generate(args: argparse.Namespace, config) -> int:
+    from omni_engine.audio import write_wav
+    from omni_engine.entrypoints.multi_stage_engine_client import MultiStageEngineClient
+
+    prompt = args.prompt if args.raw else _chat_prompt(config, args.prompt)
+    started = time.monotonic()
+    _say(f"starting {len(config.stage_args)} stage(s) from {args.config}")
+    async with await MultiStageEngineClient.from_config(config, progress=_say) as client:
+        _say(f"pipeline ready in {time.monotonic() - started:.1f} s ({config.runtime.execution_mode})")
+        params = None
+        if args.max_tokens is not None:
+            params = dict(config.stage_args[0].default_sampling_params, max_tokens=args.max_tokens)
+        text: list[str] = []
+        audio: list[np.ndarray] = []
+        rate = 0
+        t0 = time.monotonic()
+        seen: set[int] = set()
+        async for output in client.generate(prompt, params, "cli-0"):
+            if output.stage_id not in seen:
+                seen.add(output.stage_id)
+                _say(f"stage {output.stage_id}: first {output.final_output_type} after {time.monotonic() - t0:.2f} s")
+            if output.final_output_type == "text" and output.outputs:
+                text.append(output.outputs[0].text)
+                print(output.outputs[0].text, end="", flush=True)
+            elif "audio" in output.multimodal_output:
+                audio.append(output.multimodal_output["audio"])
+                rate = output.multimodal_output["sample_rate"]
+            if output.finished:
+                _say(f"stage {output.stage_id}: done after {time.monotonic() - t0:.2f} s")
+        print()
+    return _write_outputs(args.output_dir, "".join(text).strip(), audio, rate, write_wav)
+
+
+def _write_outputs(out_dir: Path, text: str, audio: list[np.ndarray], rate: int, write_wav) -> int:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    if text:
+        (out_dir / "answer.txt").write_text(text + "\n")
+        _say(f"wrote {out_dir / 'answer.txt'}")
+    if audio:
+        wave = np.concatenate(audio)
+        path = write_wav(out_dir / "answer.wav", wave, rate)
+        _say(f"wrote {path}: {len(wave) / rate:.2f} s of audio at {rate} Hz")
+    return 0
