@@ -61,10 +61,13 @@ class MultiStageEngineClient(EngineClient):
         """Validate the config, start every stage process (in parallel), and connect."""
         cfg = config if isinstance(config, PipelineConfig) else load_pipeline_config(config)
         say = progress or (lambda msg: None)
+        connector_env = _connector_env(cfg)
         specs = {}
         for stage in cfg.stage_args:
             say(f"stage {stage.stage_id} ({stage.stage_type}): preparing")
-            specs[stage.stage_id] = stage.process_spec()
+            spec = stage.process_spec()
+            spec.env = {**connector_env, **spec.env}
+            specs[stage.stage_id] = spec
         clients = {
             stage.stage_id: StageEngineCoreClient(
                 stage.stage_id, process=specs[stage.stage_id], transport=stage.runtime.transport
@@ -127,10 +130,16 @@ class MultiStageEngineClient(EngineClient):
         if not self._resumed.is_set():
             await self._resumed.wait()
         params_list = list(sampling_params) if isinstance(sampling_params, (list, tuple)) else [sampling_params]
-        async for output in self.orchestrator.process_pipeline(
+        stream = self.orchestrator.process_pipeline(
             request_id, prompt, params_list, self.metrics, final_stage_id, execution_mode
-        ):
-            yield output
+        )
+        try:
+            async for output in stream:
+                yield output
+        finally:
+            # A caller that leaves (aclose, cancellation) aborts the request
+            # now, not whenever the inner generator is garbage-collected.
+            await stream.aclose()
 
     async def abort(self, request_id: str | Iterable[str]) -> None:
         ids = [request_id] if isinstance(request_id, str) else list(request_id)
@@ -278,6 +287,17 @@ class MultiStageEngineClient(EngineClient):
         except RuntimeError:
             return asyncio.run(self.shutdown_async())
         return loop.create_task(self.shutdown_async())
+
+
+def _connector_env(cfg: PipelineConfig) -> dict[str, str]:
+    """``runtime.connectors`` as the stage processes' environment (a stage's own env wins)."""
+    env = {}
+    connectors = cfg.runtime.connectors
+    if connectors.shm_threshold is not None:
+        env["OMNI_ENGINE_SHM_THRESHOLD"] = str(connectors.shm_threshold)
+    if connectors.use_shm is not None:
+        env["OMNI_ENGINE_USE_SHM"] = "1" if connectors.use_shm else "0"
+    return env
 
 
 __all__ = ["MultiStageEngineClient", "StageDeadError"]

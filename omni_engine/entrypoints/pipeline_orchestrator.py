@@ -102,9 +102,10 @@ class PipelineOrchestrator:
         if self._requests:
             return
         current = asyncio.current_task()
-        for task in self._readers.values():
+        for sid, task in list(self._readers.items()):
             if task is not current:
                 task.cancel()
+                del self._readers[sid]
 
     async def stop(self) -> None:
         for task in self._readers.values():
@@ -229,32 +230,40 @@ class PipelineOrchestrator:
 
     # -------------------------------------------------------------- outputs
     async def _read_stage(self, ctx: StageContext) -> None:
+        # No batch is kept in this frame across the await: a cancelled task
+        # keeps its frame (via the stored CancelledError), and a batch held
+        # there would pin its outputs' shared-memory slots.
         client = ctx.client
         while self._requests:
             try:
                 received_before = client.bytes_received
-                items = await client.get_outputs_async()
+                await self._route_batch(ctx.stage_id, await client.get_outputs_async())
             except StageDeadError as exc:
                 await self._on_stage_dead(ctx.stage_id, exc)
                 return
-            self.metrics.stage(ctx.stage_id).bytes_out += client.bytes_received - received_before
-            for item in items:
-                state = self._routes[ctx.stage_id].get(item.request_id)
-                if state is None:
-                    continue  # aborted or finished meanwhile
-                try:
-                    if isinstance(item, StageRequestError):
-                        await self._fail(state, item)
-                    elif self._has_async_edge(ctx.stage_id, state):
-                        await self._process_async_chunk_pipeline(state, ctx.stage_id, item)
-                    else:
-                        await self._process_sequential_pipeline(state, ctx.stage_id, item)
-                except Exception as exc:  # noqa: BLE001 - e.g. an input processor failed
-                    logger.exception("request %s failed while routing stage %d output", state.request_id, ctx.stage_id)
-                    await self._fail(state, StageRequestError(
-                        ctx.stage_id, state.request_id,
-                        f"routing the output of stage {ctx.stage_id} for request {state.request_id!r} failed: "
-                        f"{type(exc).__name__}: {exc}", type(exc).__name__))
+            finally:
+                self.metrics.stage(ctx.stage_id).bytes_out += client.bytes_received - received_before
+
+    async def _route_batch(self, sid: int, items: list[Any]) -> None:
+        for item in items:
+            state = self._routes[sid].get(item.request_id)
+            if state is None:
+                continue  # aborted or finished meanwhile
+            try:
+                if isinstance(item, StageRequestError):
+                    await self._fail(state, item)
+                elif self._has_async_edge(sid, state):
+                    await self._process_async_chunk_pipeline(state, sid, item)
+                else:
+                    await self._process_sequential_pipeline(state, sid, item)
+            except StageDeadError as exc:  # a stage it was forwarded to is gone
+                await self._fail(state, exc)
+            except Exception as exc:  # noqa: BLE001 - e.g. an input processor failed
+                logger.exception("request %s failed while routing stage %d output", state.request_id, sid)
+                await self._fail(state, StageRequestError(
+                    sid, state.request_id,
+                    f"routing the output of stage {sid} for request {state.request_id!r} failed: "
+                    f"{type(exc).__name__}: {exc}", type(exc).__name__))
 
     def _has_async_edge(self, sid: int, state: ClientRequestState) -> bool:
         return any(self.edge_mode(sid, d, state) == "async_chunk" for d in self.consumers[sid])
@@ -403,6 +412,14 @@ class PipelineOrchestrator:
         for book in {id(c.lease_book): c.lease_book for c in self._clients() if c.lease_book}.values():
             for sub_id in state.sub_ids:
                 book.end_request(sub_id)
+        for track in state.stages.values():
+            track.held.clear()
+            track.outputs = []
+        if error is not None:
+            # Undelivered outputs are moot now; dropping them frees their
+            # shared-memory slots at once instead of when the caller goes away.
+            while not state.queue.empty():
+                state.queue.get_nowait()
         state.queue.put_nowait(error if error is not None else ClientRequestState.END)
 
     # ------------------------------------------------------------ streaming

@@ -17,6 +17,7 @@ import logging
 import shutil
 import tempfile
 import weakref
+from collections import deque
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -47,7 +48,6 @@ from omni_engine.stage_engine.stage_serialization import StageMsgpackDecoder, St
 
 logger = logging.getLogger(__name__)
 
-_DEAD = object()
 StageItem = OmniRequestOutput | StageRequestError
 
 
@@ -110,7 +110,11 @@ class StageEngineCoreClient:
         self._identity: bytes | None = None
         self._encoder = StageMsgpackEncoder()
         self._decoders: dict[StageResponseType, StageMsgpackDecoder] = {}
-        self._queue: asyncio.Queue[Any] = asyncio.Queue()
+        # Batches not yet taken by a reader. A deque (not an asyncio.Queue)
+        # so that an abort can drop what is queued for the aborted requests:
+        # their outputs may hold shared-memory slots.
+        self._batches: deque[list[StageItem]] = deque()
+        self._batch_ready = asyncio.Event()
         self._pending_items: list[Any] = []
         self._requests: set[str] = set()
         self._calls: dict[int, asyncio.Future] = {}
@@ -270,6 +274,7 @@ class StageEngineCoreClient:
         ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
         for rid in ids:
             self._end_request(rid)
+        self._drop_queued(set(ids))
         if self.dead_error is None and ids:
             await self._send(StageRequestType.ABORT, StageAbortRequest(ids))
 
@@ -303,11 +308,26 @@ class StageEngineCoreClient:
 
     async def get_outputs_async(self) -> list[StageItem]:
         """The next batch, outputs and per-request errors in stage order."""
-        items = await self._queue.get()
-        if items is _DEAD:
-            self._queue.put_nowait(_DEAD)  # wake the next waiter too
-            raise self.dead_error
-        return items
+        while not self._batches:
+            if self.dead_error is not None:
+                raise self.dead_error
+            self._batch_ready.clear()
+            await self._batch_ready.wait()
+        return self._batches.popleft()
+
+    def _put_batch(self, items: list[StageItem]) -> None:
+        self._batches.append(items)
+        self._batch_ready.set()
+
+    def _drop_queued(self, request_ids: set[str]) -> None:
+        """Forget queued outputs of ``request_ids`` (aborted: nobody will read them)."""
+        kept = deque()
+        for batch in self._batches:
+            batch = [item for item in batch if item.request_id not in request_ids]
+            if batch:
+                kept.append(batch)
+        self._batches = kept
+        self._pending_items = [item for item in self._pending_items if item.request_id not in request_ids]
 
     # -------------------------------------------------------- health, utility
     async def check_health(self, timeout: float = 10.0) -> None:
@@ -354,7 +374,8 @@ class StageEngineCoreClient:
         except zmq.ZMQError as exc:
             if exc.errno == zmq.EHOSTUNREACH:
                 raise self._set_dead(StageDeadError(
-                    self.stage_id, f"stage {self.stage_id} is unreachable (disconnected)")) from None
+                    self.stage_id, f"stage {self.stage_id} is unreachable (disconnected)"),
+                    notify=not self._stopped) from None
             raise
 
     def _on_shm_view(self, name: str, owner: str | None, view: memoryview) -> None:
@@ -362,8 +383,10 @@ class StageEngineCoreClient:
         self._lease_book.on_view(name, owner, view)
 
     def _send_release(self, names: list[str]) -> None:
-        if self.dead_error is None and self._identity is not None:
-            asyncio.ensure_future(self._send(StageRequestType.RELEASE, StageReleaseRequest(names)))
+        if self.dead_error is None and self._identity is not None and not self._stopped:
+            task = asyncio.ensure_future(self._send(StageRequestType.RELEASE, StageReleaseRequest(names)))
+            # A stage that went away meanwhile frees its pool itself.
+            task.add_done_callback(lambda t: t.cancelled() or t.exception())
 
     async def _process_outputs(self) -> None:
         """Read the PULL socket until cancelled; one batch per message."""
@@ -403,7 +426,7 @@ class StageEngineCoreClient:
                     self._lease_book.end_request(output.request_id)
             items.append(output)
         if items:
-            self._queue.put_nowait(items)
+            self._put_batch(items)
 
     def _on_error(self, msg: Any) -> None:
         if msg.request_id is not None and msg.request_id not in self._requests:
@@ -412,7 +435,7 @@ class StageEngineCoreClient:
             logger.warning("stage %d reported: %s", self.stage_id, msg.message)
             return
         self._end_request(msg.request_id)
-        self._queue.put_nowait([StageRequestError(self.stage_id, msg.request_id, msg.message, msg.error_type)])
+        self._put_batch([StageRequestError(self.stage_id, msg.request_id, msg.message, msg.error_type)])
 
     def _on_process_exit(self) -> None:
         process = self.process
@@ -437,7 +460,7 @@ class StageEngineCoreClient:
                 future.set_exception(error)
         self._requests.clear()
         self._manual_end.clear()
-        self._queue.put_nowait(_DEAD)
+        self._batch_ready.set()  # waiters see dead_error once the queue is drained
         if self.ready is not None:
             self._lease_book.remove_producer(self.ready.shm_prefix)
             self.attachments.detach(prefix=self.ready.shm_prefix)

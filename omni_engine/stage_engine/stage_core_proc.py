@@ -28,6 +28,7 @@ import msgspec
 import uvloop
 import zmq
 
+from omni_engine import envs
 from omni_engine.connectors.shm import ShmAttachments, ShmPool, new_run_prefix, stage_prefix
 from omni_engine.engines.base import StageEngine, StageEngineError
 from omni_engine.outputs import OmniRequestOutput
@@ -73,7 +74,8 @@ class StageEngineCoreProc:
         self.input_address = input_address
         self.output_address = output_address
         self.shm_prefix = shm_prefix or stage_prefix(new_run_prefix(), stage_id)
-        self.pool = ShmPool(self.shm_prefix)
+        # OMNI_ENGINE_USE_SHM=0: every tensor travels as a ZMQ frame.
+        self.pool = ShmPool(self.shm_prefix) if envs.use_shm() else None
         self.attachments = ShmAttachments()
         self.ctx = zmq.Context()
         self._out_q: queue.SimpleQueue[Any] = queue.SimpleQueue()
@@ -123,7 +125,8 @@ class StageEngineCoreProc:
         for thread in threads:
             thread.join(timeout=10)
         wake.close(linger=0)
-        call_quietly(self.pool.close, "unlinking shared memory")
+        if self.pool is not None:
+            call_quietly(self.pool.close, "unlinking shared memory")
         call_quietly(lambda: self.attachments.detach(), "detaching shared memory")
         self.ctx.term()
 
@@ -175,7 +178,8 @@ class StageEngineCoreProc:
                 request_id, "MalformedMessage")))
             return
         if req_type is StageRequestType.RELEASE:
-            self.pool.release(msg.segments)
+            if self.pool is not None:
+                self.pool.release(msg.segments)
             return
         assert self._loop is not None
         try:
@@ -245,6 +249,8 @@ class StageEngineCoreProc:
 
     def shm_stats(self) -> dict[str, int]:
         """The stage's shared-memory pool: segments held, leased, bytes."""
+        if self.pool is None:
+            return {"leased": 0, "bytes": 0}
         return {"leased": self.pool.num_leased(), "bytes": self.pool.total_bytes}
 
     async def _utility(self, msg: StageUtilityRequest) -> None:

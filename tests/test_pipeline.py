@@ -1,0 +1,255 @@
+"""The real speech pipeline (SmolLM2 on vLLM -> eSpeak NG), end to end, through
+``MultiStageEngineClient`` and ``PipelineOrchestrator``."""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import os
+import signal
+import wave
+
+import numpy as np
+import pytest
+import pytest_asyncio
+from vllm import SamplingParams
+from vllm.sampling_params import RequestOutputKind
+
+from omni_engine.audio import wav_bytes
+from omni_engine.config import load_pipeline_config, parse_pipeline_config
+from omni_engine.connectors.shm import list_segments
+from omni_engine.entrypoints.multi_stage_engine_client import MultiStageEngineClient
+from omni_engine.entrypoints.pipeline_orchestrator import PipelineOrchestrator, RequestAbortedError
+from omni_engine.entrypoints.stage_context import StageContext
+from omni_engine.errors import StageDeadError
+from omni_engine.metrics import OrchestratorMetrics
+from tests.helpers import wait_group_gone
+
+pytestmark = [pytest.mark.asyncio(loop_scope="session"), pytest.mark.llm, pytest.mark.tts]
+
+CONFIG = "stage_configs/smollm2_speech.yaml"
+STORY = "Tell me a short story about a cat."
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="session")
+async def pipeline(smollm2_path):
+    raw = load_pipeline_config(CONFIG)
+    data = {
+        "runtime": {"execution_mode": raw.runtime.execution_mode},
+        "stage_args": [
+            dict(
+                stage_id=s.stage_id, stage_type=s.stage_type, engine_args=dict(s.engine_args),
+                engine_input_source=s.engine_input_source, custom_process_input_func=s.custom_process_input_func,
+                final_output=s.final_output, final_output_type=s.final_output_type,
+                default_sampling_params=s.default_sampling_params, runtime={"max_batch_size": s.runtime.max_batch_size},
+            )
+            for s in raw.stage_args
+        ],
+    }
+    data["stage_args"][0]["engine_args"]["model"] = str(smollm2_path)
+    # Audio of a sentence is ~100-300 KB: through shared memory here, so the
+    # tests see leases taken and given back.
+    data["stage_args"][1]["env"] = {"OMNI_ENGINE_SHM_THRESHOLD": "4096"}
+    client = await MultiStageEngineClient.from_config(parse_pipeline_config(data, CONFIG))
+    yield client
+    await client.shutdown_async()
+    for ctx in client.stage_contexts:
+        assert not list_segments(ctx.client.shm_prefix)
+
+
+async def run(client, prompt, request_id, **kw):
+    """(events, outputs): events are (seconds, stage_id, finished) in arrival order."""
+    loop = asyncio.get_running_loop()
+    t0, events, outputs = loop.time(), [], []
+    async with asyncio.timeout(180):
+        async for out in client.generate(prompt, kw.pop("params", None), request_id, **kw):
+            events.append((loop.time() - t0, out.stage_id, out.finished))
+            outputs.append(out)
+    return events, outputs
+
+
+def text_of(outputs) -> str:
+    return "".join(o.outputs[0].text for o in outputs if o.final_output_type == "text" and o.outputs)
+
+
+def audio_of(outputs) -> tuple[np.ndarray, int]:
+    chunks = [o.multimodal_output for o in outputs if o.final_output_type == "audio" and o.multimodal_output]
+    return np.concatenate([c["audio"] for c in chunks]), chunks[0]["sample_rate"]
+
+
+async def assert_no_request_state(client):
+    orch = client.orchestrator
+    assert orch.num_requests == 0 and all(not r for r in orch._routes.values())
+    for ctx in client.stage_contexts:
+        assert ctx.client.num_unfinished_requests() == 0
+    readers = list(orch._readers.values())
+    if readers:  # the reader that finished the last request exits after its batch
+        await asyncio.wait(readers, timeout=1.0)
+    assert all(t.done() for t in readers), "idle pipeline still has reader tasks"
+
+
+async def wait_leases_returned(client, timeout=10.0):
+    """Every shared-memory slot of the speech stage is back in its pool."""
+    import gc
+
+    tts = client.stage_contexts[1].client
+    async with asyncio.timeout(timeout):
+        while True:
+            gc.collect()
+            stats = await tts.call_utility_async("shm_stats")
+            if stats["leased"] == 0:
+                return stats
+            await asyncio.sleep(0.05)
+
+
+async def test_answers_paris_in_text_and_a_valid_wav(pipeline, chat_prompt):
+    events, outputs = await run(pipeline, chat_prompt("What is the capital of France?"), "paris")
+    assert "Paris" in text_of(outputs)
+    audio, rate = audio_of(outputs)
+    data = wav_bytes(audio, rate)
+    with wave.open(io.BytesIO(data)) as w:
+        assert (w.getnchannels(), w.getsampwidth(), w.getframerate()) == (1, 2, 22050)
+        assert 0.8 < w.getnframes() / rate < 15
+    assert float(np.sqrt(np.mean(audio ** 2))) > 0.01
+    # Exactly one finished output per final stage, each the last of its stage.
+    for sid in (0, 1):
+        finished = [i for i, (_, s, f) in enumerate(events) if s == sid and f]
+        assert len(finished) == 1 and finished[0] == max(i for i, (_, s, _) in enumerate(events) if s == sid)
+    assert all(o.request_id == "paris" for o in outputs)
+    await assert_no_request_state(pipeline)
+    del outputs, audio
+    await wait_leases_returned(pipeline)
+
+
+async def test_async_chunk_speaks_before_the_text_is_finished(pipeline, chat_prompt):
+    params = SamplingParams(temperature=0.0, max_tokens=60, output_kind=RequestOutputKind.DELTA)
+    events, outputs = await run(pipeline, chat_prompt(STORY), "story-async", params=params,
+                                execution_mode="async_chunk")
+    text_done = next(t for t, s, f in events if s == 0 and f)
+    first_audio = next(t for t, s, _ in events if s == 1)
+    assert first_audio < text_done, events
+    assert sum(1 for _, s, _ in events if s == 1) >= 2, "expected one audio chunk per sentence"
+
+
+async def test_sequential_speaks_after_the_text_is_finished(pipeline, chat_prompt):
+    params = SamplingParams(temperature=0.0, max_tokens=60, output_kind=RequestOutputKind.DELTA)
+    events, outputs = await run(pipeline, chat_prompt(STORY), "story-seq", params=params,
+                                execution_mode="sequential")
+    text_done = next(t for t, s, f in events if s == 0 and f)
+    first_audio = next(t for t, s, _ in events if s == 1)
+    assert first_audio > text_done, events
+    assert len(audio_of(outputs)[0]) > 22050  # the whole story, spoken at once
+
+
+async def test_final_stage_id_skips_stages_not_needed(pipeline, chat_prompt):
+    events, outputs = await run(pipeline, chat_prompt("What is the capital of France?"), "text-only",
+                                final_stage_id=0)
+    assert {s for _, s, _ in events} == {0} and "Paris" in text_of(outputs)
+
+
+async def test_abort_mid_pipeline_leaves_no_state_or_leases(pipeline, chat_prompt):
+    params = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True, output_kind=RequestOutputKind.DELTA)
+    gen = pipeline.generate(chat_prompt(STORY), params, "to-abort")
+    seen_audio = False
+    async with asyncio.timeout(120):
+        async for out in gen:
+            if out.stage_id == 1:
+                seen_audio = True
+                break
+    assert seen_audio
+    await pipeline.abort("to-abort")
+    with pytest.raises(RequestAbortedError):
+        await gen.__anext__()
+    del out
+    await assert_no_request_state(pipeline)
+    await wait_leases_returned(pipeline)
+    # The pipeline still serves.
+    _, outputs = await run(pipeline, chat_prompt("What is the capital of France?"), "after-abort")
+    assert "Paris" in text_of(outputs)
+
+
+async def test_leaving_the_stream_early_aborts_everywhere(pipeline, chat_prompt):
+    params = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True, output_kind=RequestOutputKind.DELTA)
+    gen = pipeline.generate(chat_prompt(STORY), params, "dropped")
+    async for _ in gen:
+        break
+    await gen.aclose()
+    await assert_no_request_state(pipeline)
+    assert pipeline.metrics.stage(0).aborted >= 1
+
+
+async def test_concurrent_requests_all_complete(pipeline, chat_prompt):
+    prompts = [chat_prompt(q) for q in ("What is the capital of France?", "Name a colour.", "Say hello.")]
+    results = await asyncio.gather(*(run(pipeline, p, f"c{i}") for i, p in enumerate(prompts)))
+    for events, outputs in results:
+        assert text_of(outputs) and len(audio_of(outputs)[0]) > 0
+    await assert_no_request_state(pipeline)
+
+
+async def test_metrics_cover_every_stage(pipeline):
+    for sid in (0, 1):
+        m = pipeline.metrics.stage(sid)
+        assert m.requests > 0 and m.finished > 0 and m.bytes_in > 0 and m.bytes_out > 0
+        assert m.queue_time_s > 0
+    request = pipeline.metrics.requests["paris"]
+    assert 0 < request.time_to_first_output(0) <= request.time_to_first_output(1) <= request.e2e_s
+
+
+async def test_seed_sequential_pipeline(pipeline):
+    """The seed's orchestrator test (rfc967 测试计划), on the pipeline's text stage."""
+    stage_contexts = [StageContext(0, None, pipeline.stage_contexts[0].client, is_final_output=True)]
+    orchestrator = PipelineOrchestrator(
+        stages=stage_contexts,
+        execution_mode="sequential",
+    )
+
+    outputs = []
+    async for output in orchestrator.process_pipeline(
+        request_id="test-1",
+        prompt="Hello",
+        sampling_params_list=[SamplingParams()],
+        metrics=OrchestratorMetrics(),
+        final_stage_id=0,
+    ):
+        outputs.append(output)
+
+    assert len(outputs) > 0
+    assert outputs[-1].finished
+
+
+async def test_health_and_protocol_surface(pipeline):
+    await pipeline.check_health()
+    assert pipeline.is_running and not pipeline.errored and pipeline.dead_error is None
+    assert await pipeline.get_supported_tasks() == ("generate",)
+    await pipeline.pause_generation(mode="wait")
+    assert await pipeline.is_paused()
+    await pipeline.resume_generation()
+    assert not await pipeline.is_paused()
+    with pytest.raises(NotImplementedError):
+        pipeline.encode("x", None, "r")
+
+
+# Last in this module: it kills the speech stage of the shared pipeline.
+async def test_killed_stage_ends_its_requests_with_an_error_naming_it(pipeline, chat_prompt):
+    params = SamplingParams(temperature=0.0, max_tokens=300, ignore_eos=True, output_kind=RequestOutputKind.DELTA)
+    tts = pipeline.stage_contexts[1].client
+    gen = pipeline.generate(chat_prompt(STORY), params, "doomed")
+    async with asyncio.timeout(120):
+        async for out in gen:
+            if out.stage_id == 1:
+                break
+    os.kill(tts.process.pid, signal.SIGKILL)
+    with pytest.raises(StageDeadError) as info:
+        async with asyncio.timeout(2):
+            async for _ in gen:
+                pass
+    assert info.value.stage_id == 1 and "stage 1" in str(info.value)
+    with pytest.raises(StageDeadError):
+        await pipeline.check_health()
+    assert pipeline.errored and pipeline.dead_error is not None
+    await assert_no_request_state(pipeline)
+    assert not await wait_group_gone(tts.process.pid)
+    assert not list_segments(tts.shm_prefix)
+    # A text-only request does not touch the dead stage... but the pipeline is errored as a whole.
+    with pytest.raises(StageDeadError):
+        await run(pipeline, "Hi", "after-death")
