@@ -67,3 +67,45 @@ class ForwardTensor:
 
     def on_finish(self, outputs: dict[int, list[Any]], text: dict[int, str]) -> list[StageInput]:
         return [StageInput({"tensor": outputs[s][-1].multimodal_output["tensor"]}) for s in self.sources]
+
+
+class Calc(_Model):
+    """Applies ``op`` to the prompt's ``values``: a tiny stage for graph tests."""
+
+    OPS = {"add1": lambda v: v[0] + 1, "times10": lambda v: v[0] * 10, "sum": sum}
+
+    def __init__(self, op: str) -> None:
+        self.op = self.OPS[op]
+
+    async def generate(self, requests: list[GenerationRequest]) -> list[Any]:
+        return [{"value": self.op(r.prompt["values"])} for r in requests]
+
+
+def make_calc(op: str) -> Calc:
+    return Calc(op)
+
+
+class CollectValues:
+    """Input processor: one request whose ``values`` are every source's result, in source order."""
+
+    def __init__(self, sources: list[int], dst: int, prompt: Any = None) -> None:
+        self.sources = sources
+
+    def on_output(self, output: Any, new_text: str) -> list[StageInput]:
+        return []
+
+    def on_finish(self, outputs: dict[int, list[Any]], text: dict[int, str]) -> list[StageInput]:
+        return [StageInput({"values": [outputs[s][-1].multimodal_output["value"] for s in self.sources]})]
+
+
+class FatalModel(_Model):
+    """Fails as an engine that can no longer serve (the stage must send DEAD and exit)."""
+
+    async def generate(self, requests: list[GenerationRequest]) -> list[Any]:
+        from omni_engine.engines.base import StageEngineError
+
+        raise StageEngineError("device lost")
+
+
+def make_fatal() -> FatalModel:
+    return FatalModel()

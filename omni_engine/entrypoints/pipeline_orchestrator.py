@@ -155,7 +155,8 @@ class PipelineOrchestrator:
                 raise self.stages[sid].client.dead_error
         state = ClientRequestState(
             request_id, prompt, self._params_per_stage(sampling_params_list), finals,
-            {sid: StageTrack(sources_pending=sum(1 for s in self.sources[sid] if s in used)) for sid in used},
+            {sid: StageTrack(sources_pending=sum(1 for s in self.sources[sid] if s in used),
+                             consumers_pending=sum(1 for d in self.consumers[sid] if d in used)) for sid in used},
             (metrics or self.metrics).request(request_id), metrics or self.metrics,
             execution_mode=execution_mode or self.execution_mode,
         )
@@ -284,7 +285,7 @@ class PipelineOrchestrator:
         self._note_output(state, sid, k, now, output.finished)
         new_text = new_text_of(track, sub_id, output)
         track.text += new_text
-        if any(d in state.stages for d in self.consumers[sid]):
+        if track.consumers_pending:
             track.outputs.append(output)
         if output.finished:
             del track.inflight[sub_id]
@@ -352,10 +353,14 @@ class PipelineOrchestrator:
                 srcs = [s for s in self.sources[dst] if s in state.stages]
                 inputs = state.processors[dst].on_finish(
                     {s: state.stages[s].outputs for s in srcs}, {s: state.stages[s].text for s in srcs})
+                for s in srcs:
+                    src_track = state.stages[s]
+                    src_track.consumers_pending -= 1
+                    if src_track.consumers_pending == 0:
+                        src_track.outputs = []  # every consumer has what it needs
                 await self._forward_to_next_stage(state, dst, inputs)
                 if dst_track.complete and not dst_track.done:
                     await self._stage_done(state, dst)
-        track.outputs = []  # consumers have what they need; free the memory
         if all(state.stages[f].done for f in state.final_stages):
             self._finish(state)
 

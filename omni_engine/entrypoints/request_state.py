@@ -19,6 +19,8 @@ class StageTrack:
 
     # Sources that still have to finish before this stage gets (more) input.
     sources_pending: int
+    # Consumers that have not yet been given this stage's outputs (on_finish).
+    consumers_pending: int = 0
     # Sub-requests in flight: id -> chunk index k.
     inflight: dict[str, int] = field(default_factory=dict)
     # Output kind per in-flight sub-request, to turn outputs into new text.

@@ -1,0 +1,64 @@
+"""Routing follows the stage graph (engine_input_source), not list order:
+fan-out (one stage feeds two) and fan-in (a stage waits for all its sources)."""
+
+from __future__ import annotations
+
+import pytest
+
+from omni_engine.config import parse_pipeline_config
+from omni_engine.entrypoints.multi_stage_engine_client import MultiStageEngineClient
+
+pytestmark = pytest.mark.asyncio(loop_scope="session")
+
+
+def calc_stage(stage_id, op, sources=(), final=False):
+    stage = {"stage_id": stage_id, "stage_type": "generation", "engine_input_source": list(sources),
+             "engine_args": {"model_factory": "tests.models:make_calc", "op": op}}
+    if sources:
+        stage["custom_process_input_func"] = "tests.models:CollectValues"
+    if final:
+        stage.update(final_output=True, final_output_type="tensor")
+    return stage
+
+
+async def test_fan_out_and_fan_in_follow_the_graph():
+    # Listed out of order on purpose: 3 <- (1, 2) <- 0.
+    config = parse_pipeline_config({"stage_args": [
+        calc_stage(3, "sum", sources=[1, 2], final=True),
+        calc_stage(1, "times10", sources=[0], final=True),
+        calc_stage(0, "add1"),
+        calc_stage(2, "add1", sources=[0]),
+    ]}, "<graph>")
+    async with await MultiStageEngineClient.from_config(config) as client:
+        for x in (2, 5):
+            outputs = [o async for o in client.generate({"values": [x]}, None, f"g{x}")]
+            by_stage = {o.stage_id: o.multimodal_output["value"] for o in outputs}
+            assert by_stage == {1: (x + 1) * 10, 3: (x + 1) * 10 + (x + 1) + 1}
+            assert [o.stage_id for o in outputs if o.finished] == [1, 3]  # 3 waited for 1 and 2
+        # Only what stage 1 needs runs for final_stage_id=1.
+        outputs = [o async for o in client.generate({"values": [1]}, None, "only-1", final_stage_id=1)]
+        assert [(o.stage_id, o.multimodal_output["value"]) for o in outputs] == [(1, 20)]
+        assert client.metrics.stage(2).requests == 2 and client.metrics.stage(3).requests == 2
+        assert client.orchestrator.num_requests == 0
+
+
+async def test_fatal_engine_error_sends_dead_and_the_stage_exits():
+    from omni_engine.errors import StageDeadError
+    from omni_engine.stage_engine.stage_core_client import StageEngineCoreClient
+    from omni_engine.stage_engine.stage_process import StageProcessSpec
+
+    client = StageEngineCoreClient(0, process=StageProcessSpec("generation", {"model_factory": "tests.models:make_fatal"}))
+    await client.start()
+    try:
+        await client.submit_request("r", {"values": [1]})
+        with pytest.raises(StageDeadError, match="stage 0 reported a fatal error: .*device lost"):
+            while True:
+                try:
+                    await client.get_output_async()
+                except Exception as exc:  # the request's own ERROR comes first
+                    if isinstance(exc, StageDeadError):
+                        raise
+        client.process.join(10)
+        assert client.process.exitcode == 1
+    finally:
+        await client.shutdown()
