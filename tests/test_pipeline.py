@@ -227,6 +227,13 @@ async def test_health_and_protocol_surface(pipeline):
     assert not await pipeline.is_paused()
     with pytest.raises(NotImplementedError):
         pipeline.encode("x", None, "r")
+    # collective_rpc reaches the vLLM workers of the LLM stage(s), or the chosen stages.
+    (per_worker,) = await pipeline.collective_rpc("get_supported_tasks")
+    assert per_worker and all("generate" in tasks for tasks in per_worker)
+    with pytest.raises(RuntimeError, match="stage 1 .*no utility method 'collective_rpc'"):
+        await pipeline.collective_rpc("get_cache_block_size_bytes", stage_ids=[1])
+    with pytest.raises(ValueError, match="no stage"):
+        await pipeline.collective_rpc("x", stage_ids=[9])
 
 
 # Last in this module: it kills the speech stage of the shared pipeline.

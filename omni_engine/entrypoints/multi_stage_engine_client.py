@@ -226,7 +226,7 @@ class MultiStageEngineClient(EngineClient):
             "collective_rpc", stage_ids=stage_ids, llm_only=stage_ids is None,
             method=method, timeout=timeout, args=tuple(args), kwargs=kwargs)
 
-    async def _call_stages(self, method: str, *, stage_ids: Sequence[int] | None = None, llm_only: bool = False,
+    async def _call_stages(self, utility: str, /, *, stage_ids: Sequence[int] | None = None, llm_only: bool = False,
                            **kwargs: Any) -> list[Any]:
         chosen = [ctx for ctx in self.stage_contexts if stage_ids is None or ctx.stage_id in stage_ids]
         if llm_only:
@@ -234,7 +234,7 @@ class MultiStageEngineClient(EngineClient):
         unknown = set(stage_ids or ()) - {ctx.stage_id for ctx in self.stage_contexts}
         if unknown:
             raise ValueError(f"no stage {sorted(unknown)} in this pipeline")
-        return list(await asyncio.gather(*(ctx.client.call_utility_async(method, **kwargs) for ctx in chosen)))
+        return list(await asyncio.gather(*(ctx.client.call_utility_async(utility, **kwargs) for ctx in chosen)))
 
     async def sleep(self, level: int = 1, mode: str = "abort") -> None:
         await self._call_stages("sleep", llm_only=True, level=level)

@@ -337,11 +337,16 @@ class StageEngineCoreClient:
         if not health.healthy:
             raise StageDeadError(self.stage_id, f"stage {self.stage_id} reports unhealthy")
 
-    async def call_utility_async(self, method: str, *args: Any, timeout: float | None = None, **kwargs: Any) -> Any:
-        """Call an engine method in the stage (pause_generation, collective_rpc, ...)."""
+    async def call_utility_async(self, utility: str, /, *args: Any, call_timeout: float | None = None,
+                                 **kwargs: Any) -> Any:
+        """Call an engine method in the stage (pause_generation, collective_rpc, ...).
+
+        ``kwargs`` go to the method (vLLM's collective_rpc takes ``method`` and
+        ``timeout`` itself); ``call_timeout`` bounds the wait for the answer.
+        """
         call_id = next(self._call_ids)
-        msg = StageUtilityRequest(call_id, method, list(args), kwargs)
-        result = await self._call(StageRequestType.UTILITY, msg, call_id, timeout)
+        msg = StageUtilityRequest(call_id, utility, list(args), kwargs)
+        result = await self._call(StageRequestType.UTILITY, msg, call_id, call_timeout)
         if result.error is not None:
             raise RuntimeError(result.error)
         return result.result

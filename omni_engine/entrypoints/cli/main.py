@@ -13,11 +13,12 @@ import sys
 from collections.abc import Sequence
 from types import ModuleType
 
-from omni_engine.entrypoints.cli import generate, prepare_model
+from omni_engine.entrypoints.cli import generate, prepare_model, serve
 
 SUBCOMMANDS: list[ModuleType] = [
     prepare_model,
     generate,
+    serve,
 ]
 
 

@@ -1,0 +1,1 @@
+"""Serving a pipeline with vLLM's own OpenAI-compatible server."""

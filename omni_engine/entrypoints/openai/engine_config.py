@@ -1,0 +1,100 @@
+"""What vLLM's OpenAI server reads from an engine client, built from the pipeline's text stage.
+
+vLLM's serving layer (``init_app_state``, ``OpenAIServingChat``, ...) reads
+``vllm_config``, ``model_config``, ``renderer`` (chat template and tokenizer)
+and ``input_processor`` from its engine client. Our client runs the model in
+a stage process, so the server process builds the same objects the way
+``AsyncLLM.__init__`` does -- ``AsyncEngineArgs(**engine_args).create_engine_config()``,
+``renderer_from_config`` and ``InputProcessor`` -- without starting a second
+engine: no weights are loaded, no engine core is started.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from omni_engine.config import PipelineConfig, StageConfig
+    from omni_engine.entrypoints.multi_stage_engine_client import MultiStageEngineClient
+
+
+@dataclass
+class TextStageConfig:
+    """The text stage's vLLM objects, as an ``AsyncLLM`` of that stage would hold them."""
+
+    stage_id: int
+    vllm_config: Any
+    model_config: Any
+    renderer: Any
+    input_processor: Any
+    served_model_name: str
+
+
+def text_stage_of(config: "PipelineConfig") -> "StageConfig":
+    """The stage whose text vLLM's server returns: the first final ``llm`` stage with
+    text output, else the first ``llm`` stage."""
+    llm = [s for s in config.stage_args if s.stage_type == "llm"]
+    if not llm:
+        raise ValueError("the pipeline has no llm stage; vLLM's OpenAI server needs a text stage to serve")
+    for stage in llm:
+        if stage.final_output and (stage.final_output_type or "text") == "text":
+            return stage
+    return llm[0]
+
+
+def default_served_model_name(stage: "StageConfig") -> str:
+    """``engine_args.served_model_name`` if set, else the model as the YAML names it
+    (a recipe name such as ``smollm2`` stays that, not the prepared directory)."""
+    name = stage.engine_args.get("served_model_name")
+    if isinstance(name, list) and name:
+        name = name[0]
+    return str(name or stage.engine_args.get("model") or f"stage-{stage.stage_id}")
+
+
+def build_text_stage_config(stage: "StageConfig", served_model_name: str | None = None) -> TextStageConfig:
+    """Build the text stage's ``VllmConfig``, renderer and input processor (no engine).
+
+    Blocking (it reads the model's config and tokenizer, ~1 s after vLLM is
+    imported); callers in an event loop may run it in a thread.
+    """
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.renderers import renderer_from_config
+    from vllm.usage.usage_lib import UsageContext
+    from vllm.v1.engine.input_processor import InputProcessor
+
+    engine_args = dict(stage.process_spec().engine_args)  # recipe names resolved to the model dir
+    name = served_model_name or default_served_model_name(stage)
+    engine_args["served_model_name"] = name
+    try:
+        args = AsyncEngineArgs(**engine_args)
+    except TypeError as exc:
+        raise ValueError(f"stage {stage.stage_id}: invalid engine_args for vLLM: {exc}") from exc
+    vllm_config = args.create_engine_config(UsageContext.OPENAI_API_SERVER)
+    renderer = renderer_from_config(vllm_config)
+    input_processor = InputProcessor(vllm_config, renderer)
+    return TextStageConfig(
+        stage_id=stage.stage_id,
+        vllm_config=vllm_config,
+        model_config=vllm_config.model_config,
+        renderer=renderer,
+        input_processor=input_processor,
+        served_model_name=name,
+    )
+
+
+def apply_text_stage_config(client: "MultiStageEngineClient", text: TextStageConfig) -> None:
+    """Set the attributes vLLM's server reads on ``client``."""
+    client.vllm_config = text.vllm_config
+    client.model_config = text.model_config
+    client.renderer = text.renderer
+    client.input_processor = text.input_processor
+    client.text_stage_id = text.stage_id  # type: ignore[attr-defined]
+
+
+def attach_text_stage_config(client: "MultiStageEngineClient", served_model_name: str | None = None) -> None:
+    """Fill ``vllm_config``, ``model_config``, ``renderer`` and ``input_processor`` of
+    ``client`` from its pipeline's text (llm) stage, without starting an engine."""
+    if client.config is None:
+        raise ValueError("the client has no pipeline config (build it with MultiStageEngineClient.from_config)")
+    apply_text_stage_config(client, build_text_stage_config(text_stage_of(client.config), served_model_name))

@@ -1,0 +1,134 @@
+"""``OpenAIServingEngineClient``: a ``MultiStageEngineClient`` as vLLM's OpenAI server calls it.
+
+vLLM's serving code (0.32) renders the chat or completion itself and calls
+``engine_client.generate(engine_input, sampling_params, request_id,
+lora_request=..., trace_headers=..., priority=..., data_parallel_rank=...,
+session_id=..., reasoning_ended=..., ...)`` where ``engine_input`` is a rendered
+``EngineInput`` dict, for text ``{"type": "token", "prompt_token_ids": [...],
+"prompt": "...", ...}``. That dict (ints, strs, floats) crosses to the text
+stage as it is, and the stage's ``AsyncLLM.generate`` takes it without
+tokenizing again. A (deprecated) ``EngineCoreRequest`` is turned into the same
+kind of dict plus its own ``SamplingParams`` here, in the client.
+
+For a text-only server the request ends at the text stage: later stages (speech)
+are not run, and only the text stage's outputs reach vLLM's serving code.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncGenerator, Sequence
+from typing import Any
+
+from vllm.exceptions import VLLMValidationError
+from vllm.sampling_params import SamplingParams
+from vllm.v1.engine import EngineCoreRequest
+
+from omni_engine.entrypoints.multi_stage_engine_client import MultiStageEngineClient
+from omni_engine.errors import StageRequestError
+from omni_engine.outputs import OmniRequestOutput
+
+# Errors a stage reports for a request that vLLM treats as the client's fault (HTTP 400).
+_VALIDATION_ERROR_TYPES = frozenset({"VLLMValidationError", "ValueError", "TypeError", "OverflowError"})
+
+
+def engine_core_request_to_prompt(request: EngineCoreRequest) -> tuple[dict[str, Any], Any]:
+    """A ``TokensInput`` dict and the sampling params of an ``EngineCoreRequest``."""
+    if request.prompt_token_ids is None:
+        raise VLLMValidationError("an EngineCoreRequest without prompt_token_ids (embeddings) cannot be served")
+    if request.mm_features:
+        raise VLLMValidationError("multimodal EngineCoreRequests are not supported by omni_engine pipelines yet")
+    prompt: dict[str, Any] = {"type": "token", "prompt_token_ids": list(request.prompt_token_ids)}
+    if request.cache_salt is not None:
+        prompt["cache_salt"] = request.cache_salt
+    return prompt, request.sampling_params
+
+
+class OpenAIServingEngineClient(MultiStageEngineClient):
+    """A pipeline served by vLLM's OpenAI server: text from the text stage."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        # Set by attach_text_stage_config; None: the pipeline's own final stages.
+        self.text_stage_id: int | None = None
+        # What a request gets when it does not say: only text, so the request ends at the text stage.
+        self.default_modalities: tuple[str, ...] = ("text",)
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    def bind_loop(self) -> None:
+        """Remember the event loop that owns the stage sockets (for ``shutdown`` from a thread)."""
+        self._loop = asyncio.get_running_loop()
+
+    def final_stages_for(self, modalities: Sequence[str] | None) -> int | list[int] | None:
+        """The stage(s) a request ends at: the text stage for text only, else the pipeline's finals."""
+        wanted = tuple(modalities) if modalities else self.default_modalities
+        if self.text_stage_id is not None and set(wanted) <= {"text"}:
+            return self.text_stage_id
+        return None
+
+    def _params_list(self, sampling_params: Any) -> Any:
+        """The caller's params at the text stage's position (the others use their defaults)."""
+        if isinstance(sampling_params, (list, tuple)) or self.text_stage_id is None:
+            return sampling_params
+        order = self.orchestrator.stage_order
+        params: list[Any] = [None] * len(order)
+        params[order.index(self.text_stage_id)] = sampling_params
+        return params
+
+    async def generate(  # type: ignore[override]
+        self,
+        prompt: Any,
+        sampling_params: Any,
+        request_id: str,
+        *,
+        final_stage_id: int | Sequence[int] | None = None,
+        execution_mode: str | None = None,
+        modalities: Sequence[str] | None = None,
+        lora_request: Any = None,
+        data_parallel_rank: int | None = None,
+        **kwargs: Any,
+    ) -> AsyncGenerator[OmniRequestOutput, None]:
+        if lora_request is not None:
+            raise VLLMValidationError("LoRA adapters are not supported by omni_engine pipelines", parameter="model")
+        if isinstance(prompt, EngineCoreRequest):
+            prompt, sampling_params = engine_core_request_to_prompt(prompt)
+        self._validate(prompt, sampling_params, request_id)
+        if final_stage_id is None:
+            final_stage_id = self.final_stages_for(modalities)
+        stream = super().generate(prompt, self._params_list(sampling_params), request_id,
+                                  final_stage_id=final_stage_id, execution_mode=execution_mode)
+        try:
+            async for output in stream:
+                yield output
+        except StageRequestError as exc:
+            if exc.error_type in _VALIDATION_ERROR_TYPES:
+                raise VLLMValidationError(exc.message) from exc
+            raise
+        finally:
+            await stream.aclose()
+
+    def _validate(self, prompt: Any, sampling_params: Any, request_id: str) -> None:
+        """Reject a bad request here with vLLM's own checks (HTTP 400), before any stage sees it.
+
+        Only for rendered inputs (cheap: no tokenizing); the stage repeats the
+        checks anyway.
+        """
+        if self.input_processor is None or not isinstance(sampling_params, SamplingParams):
+            return
+        if isinstance(prompt, dict) and "type" in prompt:
+            self.input_processor.process_inputs(request_id, prompt, sampling_params, supported_tasks=("generate",))
+
+    def shutdown(self, timeout: float | None = None) -> Any:
+        """vLLM's server calls this from an executor thread on SIGTERM; the stage
+        sockets belong to the serving loop, so the shutdown runs there (and this
+        thread waits for it)."""
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:
+            loop = self._loop
+            if loop is not None and loop.is_running():
+                future = asyncio.run_coroutine_threadsafe(self.shutdown_async(), loop)
+                # vLLM passes its drain timeout (0: abort at once); stopping the
+                # stage processes still takes a moment.
+                return future.result(max(timeout or 0.0, 60.0))
+        return super().shutdown(timeout)
