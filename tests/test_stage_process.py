@@ -115,3 +115,24 @@ async def test_startup_timeout_kills_the_stage():
     with pytest.raises(StageStartupError, match="did not become ready within"):
         await client.start()
     assert not process_exists(client.process.pid)
+
+
+async def test_stale_socket_dirs_of_dead_clients_are_removed_at_start(tmp_path):
+    import os
+    import subprocess
+    import sys
+    import tempfile
+    from pathlib import Path
+
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    stale = Path(tempfile.gettempdir()) / f"omni-{int(dead.stdout)}-s0-stale"
+    (stale / "in").mkdir(parents=True)
+    mine = Path(tempfile.gettempdir()) / f"omni-{os.getpid()}-s0-live"
+    mine.mkdir()
+    client = StageEngineCoreClient(7, process=tts_spec())
+    try:
+        await client.start()
+        assert not stale.exists() and mine.exists()
+    finally:
+        await client.shutdown()
+        mine.rmdir()

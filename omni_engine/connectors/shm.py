@@ -346,7 +346,7 @@ def unlink_prefix(prefix: str) -> list[str]:
     return removed
 
 
-def _pid_alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -361,7 +361,7 @@ def remove_stale_segments() -> list[str]:
     removed = []
     for name in list_segments():
         match = _RUN_RE.match(name)
-        if match and not _pid_alive(int(match.group(1))):
+        if match and not pid_alive(int(match.group(1))):
             removed.extend(unlink_prefix(name))
     if removed:
         logger.info("removed %d stale shared-memory segments of dead runs", len(removed))

@@ -14,6 +14,7 @@ import atexit
 import dataclasses
 import itertools
 import logging
+import os
 import shutil
 import tempfile
 import weakref
@@ -28,7 +29,15 @@ import zmq.asyncio
 
 from omni_engine import envs
 from omni_engine.connectors.leases import ShmLeaseBook, lease_book_for
-from omni_engine.connectors.shm import ShmAttachments, default_attachments, new_run_prefix, remove_stale_segments, stage_prefix, unlink_prefix
+from omni_engine.connectors.shm import (
+    ShmAttachments,
+    default_attachments,
+    new_run_prefix,
+    pid_alive,
+    remove_stale_segments,
+    stage_prefix,
+    unlink_prefix,
+)
 from omni_engine.errors import StageDeadError, StageRequestError, StageStartupError
 from omni_engine.outputs import OmniRequestOutput
 from omni_engine.stage_engine.protocol import (
@@ -49,6 +58,20 @@ from omni_engine.stage_engine.stage_serialization import StageMsgpackDecoder, St
 logger = logging.getLogger(__name__)
 
 StageItem = OmniRequestOutput | StageRequestError
+
+
+RUNTIME_DIR_PREFIX = "omni-"
+
+
+def remove_stale_runtime_dirs() -> list[Path]:
+    """Remove socket directories of clients that died without cleaning up (kill -9)."""
+    removed = []
+    for path in Path(tempfile.gettempdir()).glob(f"{RUNTIME_DIR_PREFIX}*-s*-*"):
+        pid = path.name[len(RUNTIME_DIR_PREFIX):].split("-", 1)[0]
+        if pid.isdigit() and not pid_alive(int(pid)):
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(path)
+    return removed
 
 
 def make_addresses(stage_id: int, transport: str, runtime_dir: Path, host: str = "127.0.0.1") -> tuple[str, str]:
@@ -135,7 +158,8 @@ class StageEngineCoreClient:
         remove_stale_segments()
         if self._lease_book is None:
             self._lease_book = lease_book_for(self._loop)
-        self.runtime_dir = Path(tempfile.mkdtemp(prefix=f"omni-s{self.stage_id}-"))
+        remove_stale_runtime_dirs()
+        self.runtime_dir = Path(tempfile.mkdtemp(prefix=f"{RUNTIME_DIR_PREFIX}{os.getpid()}-s{self.stage_id}-"))
         default_in, default_out = make_addresses(self.stage_id, self.transport, self.runtime_dir)
         self.input_address = self.input_address or default_in
         self.output_address = self.output_address or default_out

@@ -8,7 +8,9 @@ on stderr: stage start-up, time to first output and completion of each.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -63,6 +65,11 @@ async def _generate(args: argparse.Namespace, config) -> int:
     from omni_engine.entrypoints.multi_stage_engine_client import MultiStageEngineClient
 
     prompt = args.prompt if args.raw else _chat_prompt(config, args.prompt)
+    # SIGTERM/SIGINT: unwind through `async with` so every stage is shut down.
+    task = asyncio.current_task()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, task.cancel)
     started = time.monotonic()
     _say(f"starting {len(config.stage_args)} stage(s) from {args.config}")
     async with await MultiStageEngineClient.from_config(config, progress=_say) as client:

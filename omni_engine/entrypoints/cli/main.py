@@ -9,6 +9,7 @@ builds the parser and dispatches.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import sys
 from collections.abc import Sequence
 from types import ModuleType
@@ -41,7 +42,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     try:
         return int(handler(args))
-    except KeyboardInterrupt:
+    except (KeyboardInterrupt, asyncio.CancelledError):
         return 130
 
 
