@@ -63,7 +63,10 @@ def run(args: argparse.Namespace) -> int:
 
 def vllm_server_args(model: str, served_model_name: str, args: argparse.Namespace) -> argparse.Namespace:
     """vLLM's own ``vllm serve`` arguments (all defaults) for this model, host and port."""
-    from vllm.entrypoints.launchers.cli_args import make_arg_parser, validate_parsed_serve_args
+    from vllm.entrypoints.launchers.cli_args import (
+        make_arg_parser,
+        validate_parsed_serve_args,
+    )
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
     parser = make_arg_parser(FlexibleArgumentParser(prog="omni-engine serve"))
@@ -95,7 +98,11 @@ async def _serve(args: argparse.Namespace, config) -> int:
     model_dir = text_stage.process_spec().engine_args["model"]
     server_args = vllm_server_args(str(model_dir), served_name, args)
     # Bind the port before anything starts: a port in use fails at once.
-    listen_address, sock = setup_server(server_args, reuse_port=False)
+    try:
+        listen_address, sock = setup_server(server_args, reuse_port=False)
+    except OSError as exc:
+        _say(f"cannot listen on {args.host}:{args.port}: {exc}")
+        return 1
     try:
         _say(f"starting {len(config.stage_args)} stage(s) from {args.config}; "
              f"text stage {text_stage.stage_id} served as {served_name!r}")

@@ -31,7 +31,7 @@ class TextStageConfig:
     served_model_name: str
 
 
-def text_stage_of(config: "PipelineConfig") -> "StageConfig":
+def text_stage_of(config: PipelineConfig) -> StageConfig:
     """The stage whose text vLLM's server returns: the first final ``llm`` stage with
     text output, else the first ``llm`` stage."""
     llm = [s for s in config.stage_args if s.stage_type == "llm"]
@@ -43,7 +43,7 @@ def text_stage_of(config: "PipelineConfig") -> "StageConfig":
     return llm[0]
 
 
-def default_served_model_name(stage: "StageConfig") -> str:
+def default_served_model_name(stage: StageConfig) -> str:
     """``engine_args.served_model_name`` if set, else the model as the YAML names it
     (a recipe name such as ``smollm2`` stays that, not the prepared directory)."""
     name = stage.engine_args.get("served_model_name")
@@ -52,7 +52,7 @@ def default_served_model_name(stage: "StageConfig") -> str:
     return str(name or stage.engine_args.get("model") or f"stage-{stage.stage_id}")
 
 
-def build_text_stage_config(stage: "StageConfig", served_model_name: str | None = None) -> TextStageConfig:
+def build_text_stage_config(stage: StageConfig, served_model_name: str | None = None) -> TextStageConfig:
     """Build the text stage's ``VllmConfig``, renderer and input processor (no engine).
 
     Blocking (it reads the model's config and tokenizer, ~1 s after vLLM is
@@ -83,7 +83,7 @@ def build_text_stage_config(stage: "StageConfig", served_model_name: str | None 
     )
 
 
-def apply_text_stage_config(client: "MultiStageEngineClient", text: TextStageConfig) -> None:
+def apply_text_stage_config(client: MultiStageEngineClient, text: TextStageConfig) -> None:
     """Set the attributes vLLM's server reads on ``client``."""
     client.vllm_config = text.vllm_config
     client.model_config = text.model_config
@@ -92,7 +92,7 @@ def apply_text_stage_config(client: "MultiStageEngineClient", text: TextStageCon
     client.text_stage_id = text.stage_id  # type: ignore[attr-defined]
 
 
-def attach_text_stage_config(client: "MultiStageEngineClient", served_model_name: str | None = None) -> None:
+def attach_text_stage_config(client: MultiStageEngineClient, served_model_name: str | None = None) -> None:
     """Fill ``vllm_config``, ``model_config``, ``renderer`` and ``input_processor`` of
     ``client`` from its pipeline's text (llm) stage, without starting an engine."""
     if client.config is None:
