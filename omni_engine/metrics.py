@@ -69,9 +69,42 @@ class OrchestratorMetrics:
         return metrics
 
     def request(self, request_id: str) -> RequestMetrics:
+        """The timings of ``request_id``, started now if it is new."""
         metrics = self.requests.get(request_id)
-        if metrics is None:
-            if len(self.requests) >= self.max_requests_kept:
-                del self.requests[next(iter(self.requests))]
-            metrics = self.requests[request_id] = RequestMetrics()
+        return metrics if metrics is not None else self.new_request(request_id)
+
+    def new_request(self, request_id: str) -> RequestMetrics:
+        """Fresh timings for a request starting now (an id may be reused later)."""
+        self.requests.pop(request_id, None)
+        if len(self.requests) >= self.max_requests_kept:
+            del self.requests[next(iter(self.requests))]
+        metrics = self.requests[request_id] = RequestMetrics()
         return metrics
+
+
+class PipelineObserver:
+    """Optional hook of a ``PipelineOrchestrator`` (its ``observer``): told of each event as it happens.
+
+    Every method is a no-op here; an exporter overrides what it needs. Times are
+    seconds. Calls happen on the orchestrator's event loop and must not block;
+    an exception in an observer is logged, never raised into the pipeline.
+    """
+
+    def on_submit(self, stage_id: int, nbytes: int) -> None:
+        """A (sub-)request was sent to ``stage_id`` (``nbytes`` on the wire)."""
+
+    def on_first_output(self, stage_id: int, queue_s: float) -> None:
+        """A sub-request's first output: ``queue_s`` since its submit."""
+
+    def on_finished(self, stage_id: int, run_s: float) -> None:
+        """A sub-request finished: ``run_s`` since its first output."""
+
+    def on_error(self, stage_id: int, error_type: str) -> None:
+        """``stage_id`` reported (or routing its output raised) an error for a request."""
+
+    def on_forward(self, src: int, dst: int, nbytes: int, seconds: float) -> None:
+        """An input built from ``src``'s outputs went to ``dst``: ``seconds`` from src's output to dst's submit."""
+
+    def on_request_done(self, e2e_s: float, ttfo_by_stage: dict[int, float], outcome: str,
+                        final_stages: tuple[int, ...] = ()) -> None:
+        """A request ended (``outcome``: finished, failed or aborted); TTFO per final stage that answered."""

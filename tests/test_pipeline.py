@@ -147,6 +147,18 @@ async def test_final_stage_id_skips_stages_not_needed(pipeline, chat_prompt):
     assert {s for _, s, _ in events} == {0} and "Paris" in text_of(outputs)
 
 
+async def test_entry_stage_id_runs_the_speech_stage_alone(pipeline):
+    llm_requests = pipeline.metrics.stage(0).requests
+    events, outputs = await run(pipeline, "Hello world.", "speech-only", entry_stage_id=1,
+                                params=[None, {"voice": "en", "speed": 1.0}])
+    assert {s for _, s, _ in events} == {1} and pipeline.metrics.stage(0).requests == llm_requests
+    audio, rate = audio_of(outputs)
+    assert len(audio) / rate > 0.5 and float(np.sqrt(np.mean(audio ** 2))) > 0.01
+    await assert_no_request_state(pipeline)
+    del outputs, audio
+    await wait_leases_returned(pipeline)
+
+
 async def test_abort_mid_pipeline_leaves_no_state_or_leases(pipeline, chat_prompt):
     params = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True, output_kind=RequestOutputKind.DELTA)
     gen = pipeline.generate(chat_prompt(STORY), params, "to-abort")
@@ -257,6 +269,10 @@ async def test_killed_stage_ends_its_requests_with_an_error_naming_it(pipeline, 
     await assert_no_request_state(pipeline)
     assert not await wait_group_gone(tts.process.pid)
     assert not list_segments(tts.shm_prefix)
-    # A text-only request does not touch the dead stage... but the pipeline is errored as a whole.
-    with pytest.raises(StageDeadError):
-        await run(pipeline, "Hi", "after-death")
+    # A request that needs the dead stage fails at once, naming it; one that
+    # does not (text only) is still served.
+    with pytest.raises(StageDeadError, match="stage 1"):
+        await run(pipeline, chat_prompt("Hi"), "after-death")
+    _, outputs = await run(pipeline, chat_prompt("What is the capital of France?"), "text-after-death",
+                           final_stage_id=0)
+    assert "Paris" in text_of(outputs)

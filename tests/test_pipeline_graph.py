@@ -40,6 +40,17 @@ async def test_fan_out_and_fan_in_follow_the_graph():
         assert [(o.stage_id, o.multimodal_output["value"]) for o in outputs] == [(1, 20)]
         assert client.metrics.stage(2).requests == 2 and client.metrics.stage(3).requests == 2
         assert client.orchestrator.num_requests == 0
+        # entry_stage_id: stage 1 alone, on the caller's input (its source 0 does not run).
+        runs0 = client.metrics.stage(0).requests
+        outputs = [o async for o in client.generate({"values": [4]}, None, "entry-1", entry_stage_id=1)]
+        assert [(o.stage_id, o.multimodal_output["value"]) for o in outputs] == [(1, 40)]
+        assert client.metrics.stage(0).requests == runs0
+        # From stage 2 on to 3: 3 also needs 1, which stage 2 does not feed.
+        with pytest.raises(ValueError, match="entry stage 2"):
+            [o async for o in client.generate({"values": [4]}, None, "entry-2", entry_stage_id=2, final_stage_id=3)]
+        with pytest.raises(ValueError, match="entry_stage_id 9"):
+            [o async for o in client.generate({"values": [4]}, None, "entry-9", entry_stage_id=9)]
+        assert client.orchestrator.num_requests == 0
 
 
 async def test_fatal_engine_error_sends_dead_and_the_stage_exits():

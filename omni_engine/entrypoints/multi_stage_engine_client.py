@@ -118,20 +118,24 @@ class MultiStageEngineClient(EngineClient):
         *,
         final_stage_id: int | Sequence[int] | None = None,
         execution_mode: str | None = None,
+        entry_stage_id: int | None = None,
         **kwargs: Any,
     ) -> AsyncGenerator[OmniRequestOutput, None]:
         """Stream the pipeline's final outputs for one request.
 
         ``sampling_params`` is one ``SamplingParams`` (for the entry stage; the
         others use their ``default_sampling_params``) or a list, one per stage.
-        Leaving the generator early aborts the request on every stage.
+        ``entry_stage_id`` starts the request at that stage (its sources are not
+        run; ``prompt`` is its input). Leaving the generator early aborts the
+        request on every stage. A dead stage fails only the requests that need
+        it (the orchestrator checks the stages a request uses).
         """
-        self._check_running()
+        self._check_running(any_stage_dead=False)
         if not self._resumed.is_set():
             await self._resumed.wait()
         params_list = list(sampling_params) if isinstance(sampling_params, (list, tuple)) else [sampling_params]
         stream = self.orchestrator.process_pipeline(
-            request_id, prompt, params_list, self.metrics, final_stage_id, execution_mode
+            request_id, prompt, params_list, self.metrics, final_stage_id, execution_mode, entry_stage_id
         )
         try:
             async for output in stream:
@@ -149,11 +153,11 @@ class MultiStageEngineClient(EngineClient):
         raise NotImplementedError("omni_engine pipelines generate; pooling (encode) is not supported")
 
     # -------------------------------------------------------------- status
-    def _check_running(self) -> None:
+    def _check_running(self, *, any_stage_dead: bool = True) -> None:
         if self._stopped:
             raise RuntimeError("MultiStageEngineClient is shut down")
         error = self.dead_error
-        if error is not None:
+        if any_stage_dead and error is not None:
             raise error
 
     @property

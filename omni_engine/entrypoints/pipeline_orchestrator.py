@@ -27,7 +27,7 @@ from omni_engine.entrypoints.input_processors import StageInput, TextPassthrough
 from omni_engine.entrypoints.request_state import ClientRequestState, StageTrack, new_text_of
 from omni_engine.entrypoints.stage_context import StageContext
 from omni_engine.errors import StageDeadError, StageRequestError
-from omni_engine.metrics import OrchestratorMetrics
+from omni_engine.metrics import OrchestratorMetrics, PipelineObserver
 from omni_engine.outputs import OmniRequestOutput
 from omni_engine.utils import resolve_dotted
 
@@ -57,6 +57,8 @@ class PipelineOrchestrator:
         self.execution_mode = execution_mode
         self.edge_modes = dict(edge_modes or {})
         self.metrics = metrics or OrchestratorMetrics()
+        # Told of every event as it happens (e.g. a Prometheus exporter); optional.
+        self.observer: PipelineObserver | None = None
         self.sources = {ctx.stage_id: self._sources_of(i, ctx) for i, ctx in enumerate(stages)}
         self.consumers = {sid: [d for d in self.stage_order if sid in self.sources[d]] for sid in self.stage_order}
         self._processor_factories = {sid: self._processor_factory(ctx) for sid, ctx in self.stages.items()}
@@ -129,6 +131,24 @@ class PipelineOrchestrator:
     def final_stage_ids(self) -> list[int]:
         return [sid for sid in self.stage_order if self.stages[sid].is_final_output]
 
+    def stage_load(self) -> dict[int, tuple[int, int]]:
+        """Per stage: (waiting, running) sub-requests -- submitted with no output yet, and producing."""
+        load = {sid: [0, 0] for sid in self.stage_order}
+        for state in list(self._requests.values()):
+            for sid, track in state.stages.items():
+                for k in track.inflight.values():
+                    load[sid][k in track.first_output_at] += 1
+        return {sid: (w, r) for sid, (w, r) in load.items()}
+
+    def _observe(self, event: str, *args: Any) -> None:
+        observer = self.observer
+        if observer is None:
+            return
+        try:
+            getattr(observer, event)(*args)
+        except Exception:  # noqa: BLE001 - metrics must never break a request
+            logger.exception("pipeline observer %s failed", event)
+
     # --------------------------------------------------------------- submit
     async def submit_request(
         self,
@@ -138,30 +158,35 @@ class PipelineOrchestrator:
         final_stage_id: int | Sequence[int] | None = None,
         metrics: OrchestratorMetrics | None = None,
         execution_mode: str | None = None,
+        entry_stage_id: int | None = None,
     ) -> ClientRequestState:
         """Register the request and send it to its entry stage(s).
 
         ``execution_mode`` overrides the pipeline's for this request (edges
-        with their own mode in the config keep it).
+        with their own mode in the config keep it). ``entry_stage_id`` starts
+        the request at that stage with ``prompt`` as its input, ignoring its
+        sources (e.g. a speech stage alone); the final stages default to it.
         """
         if request_id in self._requests:
             raise ValueError(f"request id {request_id!r} is already in the pipeline")
         if execution_mode is not None and execution_mode not in EXECUTION_MODES:
             raise ValueError(f"execution_mode must be one of {EXECUTION_MODES}, got {execution_mode!r}")
-        finals = self._final_stages(final_stage_id)
-        used = self._stages_needed(finals)
+        if entry_stage_id is not None and entry_stage_id not in self.stages:
+            raise ValueError(f"entry_stage_id {entry_stage_id} not in the pipeline (stages {self.stage_order})")
+        finals = self._final_stages(entry_stage_id if final_stage_id is None else final_stage_id)
+        used = self._stages_needed(finals, entry_stage_id)
         for sid in used:
             if self.stages[sid].client.is_dead:
                 raise self.stages[sid].client.dead_error
         state = ClientRequestState(
             request_id, prompt, self._params_per_stage(sampling_params_list), finals,
-            {sid: StageTrack(sources_pending=sum(1 for s in self.sources[sid] if s in used),
+            {sid: StageTrack(sources_pending=sum(1 for s in self.sources[sid] if s in used and sid != entry_stage_id),
                              consumers_pending=sum(1 for d in self.consumers[sid] if d in used)) for sid in used},
-            (metrics or self.metrics).request(request_id), metrics or self.metrics,
+            (metrics or self.metrics).new_request(request_id), metrics or self.metrics,
             execution_mode=execution_mode or self.execution_mode,
         )
         for sid in used:
-            srcs = [s for s in self.sources[sid] if s in used]
+            srcs = [s for s in self.sources[sid] if s in used and sid != entry_stage_id]
             if srcs:
                 state.processors[sid] = self._processor_factories[sid](srcs, sid, prompt)
         self._requests[request_id] = state
@@ -189,14 +214,19 @@ class PipelineOrchestrator:
             raise ValueError(f"final_stage_id {unknown} not in the pipeline (stages {self.stage_order})")
         return set(finals)
 
-    def _stages_needed(self, finals: set[int]) -> list[int]:
-        """The final stages and everything upstream of them, in stage order."""
+    def _stages_needed(self, finals: set[int], entry: int | None = None) -> list[int]:
+        """The final stages and everything upstream of them (up to ``entry``), in stage order."""
         needed, todo = set(), list(finals)
         while todo:
             sid = todo.pop()
             if sid not in needed:
                 needed.add(sid)
-                todo.extend(self.sources[sid])
+                if sid != entry:
+                    todo.extend(self.sources[sid])
+        if entry is not None:
+            roots = [sid for sid in needed if not any(s in needed for s in self.sources[sid]) or sid == entry]
+            if roots != [entry]:
+                raise ValueError(f"final stage(s) {sorted(finals)} are not fed by entry stage {entry} alone")
         return [sid for sid in self.stage_order if sid in needed]
 
     def _params_per_stage(self, sampling_params_list: Sequence[Any] | None) -> dict[int, Any]:
@@ -207,7 +237,7 @@ class PipelineOrchestrator:
             params[sid] = value if value is not None else self.stages[sid].default_sampling_params or None
         return params
 
-    async def _submit_sub_request(self, state: ClientRequestState, sid: int, inp: StageInput) -> None:
+    async def _submit_sub_request(self, state: ClientRequestState, sid: int, inp: StageInput) -> int:
         track = state.stages[sid]
         k = track.submitted
         track.submitted += 1
@@ -223,11 +253,20 @@ class PipelineOrchestrator:
         client = self.stages[sid].client
         sent_before = client.bytes_sent
         await client.submit_request(sub_id, inp.prompt, params, end_on_finish=False)
-        stage_metrics.bytes_in += client.bytes_sent - sent_before
+        nbytes = client.bytes_sent - sent_before
+        stage_metrics.bytes_in += nbytes
+        self._observe("on_submit", sid, nbytes)
+        return nbytes
 
-    async def _forward_to_next_stage(self, state: ClientRequestState, dst: int, inputs: list[StageInput]) -> None:
+    async def _forward_to_next_stage(self, state: ClientRequestState, dst: int, inputs: list[StageInput],
+                                     src_times: dict[int, float] | None = None) -> None:
+        """Submit ``inputs`` to ``dst``; ``src_times``: when each source produced what they were built from."""
         for inp in inputs:
-            await self._submit_sub_request(state, dst, inp)
+            nbytes = await self._submit_sub_request(state, dst, inp)
+            if self.observer is not None and src_times:
+                now = asyncio.get_running_loop().time()
+                for src, t in src_times.items():
+                    self._observe("on_forward", src, dst, nbytes, max(0.0, now - t))
 
     # -------------------------------------------------------------- outputs
     async def _read_stage(self, ctx: StageContext) -> None:
@@ -294,7 +333,8 @@ class PipelineOrchestrator:
         if forward_chunks:
             for dst in self.consumers[sid]:
                 if dst in state.stages and self.edge_mode(sid, dst, state) == "async_chunk":
-                    await self._forward_to_next_stage(state, dst, state.processors[dst].on_output(output, new_text))
+                    await self._forward_to_next_stage(state, dst, state.processors[dst].on_output(output, new_text),
+                                                      {sid: now})
         if sid in state.final_stages:
             self._emit(state, sid, k, output)
         if track.complete and not track.done:
@@ -306,11 +346,15 @@ class PipelineOrchestrator:
         stage_metrics.outputs += 1
         if k not in track.first_output_at:
             track.first_output_at[k] = now
-            stage_metrics.queue_time_s += now - track.submitted_at.get(k, now)
+            queue_s = now - track.submitted_at.get(k, now)
+            stage_metrics.queue_time_s += queue_s
             state.metrics.first_output.setdefault(sid, now)
+            self._observe("on_first_output", sid, queue_s)
         if finished:
+            run_s = now - track.first_output_at[k]
             stage_metrics.finished += 1
-            stage_metrics.run_time_s += now - track.first_output_at[k]
+            stage_metrics.run_time_s += run_s
+            self._observe("on_finished", sid, run_s)
 
     def _emit(self, state: ClientRequestState, sid: int, k: int, output: OmniRequestOutput) -> None:
         """Deliver to the caller in sub-request order; ``finished`` only on the stage's last."""
@@ -358,7 +402,8 @@ class PipelineOrchestrator:
                     src_track.consumers_pending -= 1
                     if src_track.consumers_pending == 0:
                         src_track.outputs = []  # every consumer has what it needs
-                await self._forward_to_next_stage(state, dst, inputs)
+                await self._forward_to_next_stage(state, dst, inputs, {
+                    s: state.metrics.stage_done.get(s, asyncio.get_running_loop().time()) for s in srcs})
                 if dst_track.complete and not dst_track.done:
                     await self._stage_done(state, dst)
         if all(state.stages[f].done for f in state.final_stages):
@@ -393,6 +438,7 @@ class PipelineOrchestrator:
     async def _fail(self, state: ClientRequestState, error: BaseException) -> None:
         if isinstance(error, StageRequestError):
             state.pipeline_metrics.stage(error.stage_id).failed += 1
+            self._observe("on_error", error.stage_id, error.error_type)
         await self._abort_everywhere(state)
         self._finish(state, error)
 
@@ -414,6 +460,13 @@ class PipelineOrchestrator:
             for sub_id in track.inflight:
                 self._routes[sid].pop(sub_id, None)
         state.metrics.finished = asyncio.get_running_loop().time()
+        if self.observer is not None:
+            outcome = ("finished" if error is None
+                       else "aborted" if isinstance(error, asyncio.CancelledError) else "failed")
+            ttfo = {sid: max(0.0, t) for sid in sorted(state.final_stages)
+                    if (t := state.metrics.time_to_first_output(sid)) is not None}
+            self._observe("on_request_done", max(0.0, state.metrics.e2e_s or 0.0), ttfo, outcome,
+                          tuple(sorted(state.final_stages)))
         for book in {id(c.lease_book): c.lease_book for c in self._clients() if c.lease_book}.values():
             for sub_id in state.sub_ids:
                 book.end_request(sub_id)
@@ -436,10 +489,11 @@ class PipelineOrchestrator:
         metrics: OrchestratorMetrics | None = None,
         final_stage_id: int | Sequence[int] | None = None,
         execution_mode: str | None = None,
+        entry_stage_id: int | None = None,
     ) -> AsyncGenerator[OmniRequestOutput, None]:
         """Submit and stream the request's final outputs; leaving early aborts it."""
         state = await self.submit_request(request_id, prompt, sampling_params_list, final_stage_id, metrics,
-                                          execution_mode)
+                                          execution_mode, entry_stage_id)
         try:
             while True:
                 item = await state.queue.get()

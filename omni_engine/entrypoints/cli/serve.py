@@ -40,6 +40,8 @@ def _say(msg: str) -> None:
 
 def run(args: argparse.Namespace) -> int:
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    # A dead stage makes /health 503 (for a supervisor to act on); the server itself keeps answering.
+    os.environ.setdefault("VLLM_KEEP_ALIVE_ON_ENGINE_DEATH", "1")
     import uvloop
 
     from omni_engine.config import ConfigError, load_pipeline_config
@@ -81,9 +83,11 @@ def vllm_server_args(model: str, served_model_name: str, args: argparse.Namespac
 async def _serve(args: argparse.Namespace, config) -> int:
     import asyncio
 
+    from vllm.entrypoints.launchers.api_server import entry as vllm_entry
     from vllm.entrypoints.launchers.api_server.entry import build_and_serve
     from vllm.entrypoints.launchers.launcher import setup_server
 
+    from omni_engine.entrypoints.openai.audio import with_audio_routes
     from omni_engine.entrypoints.openai.engine_config import (
         apply_text_stage_config,
         build_text_stage_config,
@@ -91,6 +95,9 @@ async def _serve(args: argparse.Namespace, config) -> int:
         text_stage_of,
     )
     from omni_engine.entrypoints.openai.serving_client import OpenAIServingEngineClient
+
+    # Our audio routes (/v1/audio/speech, chat with audio) on the app build_and_serve builds.
+    vllm_entry.build_app = with_audio_routes(vllm_entry.build_app)
 
     started = time.monotonic()
     text_stage = text_stage_of(config)
@@ -119,6 +126,8 @@ async def _serve(args: argparse.Namespace, config) -> int:
             if isinstance(text_result, BaseException):
                 raise text_result
             apply_text_stage_config(client, text_result)
+            from omni_engine.entrypoints.openai.metrics import register_pipeline_metrics
+            register_pipeline_metrics(client)  # omni_engine_* series on vLLM's /metrics
             client.bind_loop()
             _say(f"pipeline ready in {time.monotonic() - started:.1f} s ({config.runtime.execution_mode}); "
                  f"serving on {listen_address}")

@@ -84,6 +84,7 @@ class OpenAIServingEngineClient(MultiStageEngineClient):
         final_stage_id: int | Sequence[int] | None = None,
         execution_mode: str | None = None,
         modalities: Sequence[str] | None = None,
+        entry_stage_id: int | None = None,
         lora_request: Any = None,
         data_parallel_rank: int | None = None,
         **kwargs: Any,
@@ -93,10 +94,11 @@ class OpenAIServingEngineClient(MultiStageEngineClient):
         if isinstance(prompt, EngineCoreRequest):
             prompt, sampling_params = engine_core_request_to_prompt(prompt)
         self._validate(prompt, sampling_params, request_id)
-        if final_stage_id is None:
+        if final_stage_id is None and entry_stage_id is None:
             final_stage_id = self.final_stages_for(modalities)
         stream = super().generate(prompt, self._params_list(sampling_params), request_id,
-                                  final_stage_id=final_stage_id, execution_mode=execution_mode)
+                                  final_stage_id=final_stage_id, execution_mode=execution_mode,
+                                  entry_stage_id=entry_stage_id)
         try:
             async for output in stream:
                 yield output

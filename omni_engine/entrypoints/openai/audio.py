@@ -1,0 +1,314 @@
+"""Audio routes on vLLM's OpenAI-compatible app: speech and spoken chat answers.
+
+* ``POST /v1/audio/speech`` (OpenAI's speech API): the pipeline's audio stage
+  *alone* (``entry_stage_id``): the input text goes straight to the speech
+  stage; the LLM does not run. ``response_format`` ``wav`` or ``pcm`` (raw
+  16-bit little-endian mono PCM at the stage's sample rate).
+* ``POST /v1/chat/completions`` with ``modalities`` containing ``"audio"``: the
+  whole pipeline; the answer comes back as text and as ``message.audio``
+  (``id``, base64 ``data``, ``expires_at``, ``transcript``), as OpenAI returns
+  it. Streaming sends ``delta.content``/``delta.audio.transcript`` as the text
+  is generated and ``delta.audio.data`` as each sentence is spoken. Every other
+  chat request goes to vLLM's own handler unchanged.
+
+``add_audio_routes(app)`` puts these routes ahead of vLLM's (so the chat route
+sees a request first); ``with_audio_routes(build_app)`` wraps vLLM's
+``build_app`` for ``omni-engine serve``.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import time
+import uuid
+from collections.abc import AsyncGenerator, Callable
+from typing import Any
+
+import numpy as np
+from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel, ConfigDict
+from vllm.entrypoints.openai.chat_completion import api_router as vllm_chat_api
+from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+from vllm.entrypoints.serve.engine.protocol import ErrorResponse
+from vllm.entrypoints.serve.utils.api_utils import get_max_tokens, validate_json_request
+from vllm.exceptions import VLLMValidationError
+from vllm.sampling_params import RequestOutputKind
+
+from omni_engine.audio import wav_bytes
+from omni_engine.engines.tts import SpeechParams
+
+router = APIRouter()
+
+SPEECH_FORMATS = ("wav", "pcm")
+CHAT_AUDIO_FORMATS = ("wav", "pcm16")
+AUDIO_EXPIRES_S = 3600
+
+
+def error_response(message: str, status: int = 400, param: str | None = None,
+                   err_type: str = "BadRequestError") -> JSONResponse:
+    return JSONResponse({"error": {"message": message, "type": err_type, "param": param, "code": status}},
+                        status_code=status)
+
+
+def pcm16_bytes(audio: np.ndarray) -> bytes:
+    """Mono float32 in [-1, 1] as raw 16-bit little-endian PCM (as ``wav_bytes`` writes it)."""
+    return (np.clip(np.asarray(audio, dtype=np.float32), -1.0, 1.0) * 32767.0).astype("<i2").tobytes()
+
+
+def _client(raw_request: Request) -> Any:
+    return raw_request.app.state.engine_client
+
+
+def audio_stage_id(client: Any) -> int | None:
+    """The pipeline's speech stage: the first final stage with audio output."""
+    for ctx in client.stage_contexts:
+        if ctx.is_final_output and ctx.final_output_type == "audio":
+            return ctx.stage_id
+    return None
+
+
+def _served_names(client: Any) -> list[str]:
+    name = getattr(client.model_config, "served_model_name", None)
+    return list(name) if isinstance(name, (list, tuple)) else [name] if name else []
+
+
+def _check_model(client: Any, model: str | None) -> JSONResponse | None:
+    names = _served_names(client)
+    if model and names and model not in names:
+        return error_response(f"The model `{model}` does not exist.", 404, "model", "NotFoundError")
+    return None
+
+
+def _stage_params(client: Any, sid: int, params: Any, others: Any = None) -> list[Any]:
+    """One entry per stage (in stage order): ``params`` at ``sid``, ``others`` at the text stage."""
+    order = client.orchestrator.stage_order
+    out: list[Any] = [None] * len(order)
+    out[order.index(sid)] = params
+    text_sid = getattr(client, "text_stage_id", None)
+    if others is not None and text_sid is not None and text_sid in order:
+        out[order.index(text_sid)] = others
+    return out
+
+
+def _speech_params(voice: Any, speed: Any) -> SpeechParams:
+    params = SpeechParams(voice=voice, speed=speed)
+    params.validate()
+    return params
+
+
+# ------------------------------------------------------------------ speech
+class SpeechRequest(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    model: str | None = None
+    input: str
+    voice: str = "en"
+    response_format: str = "wav"
+    speed: float = 1.0
+    instructions: str | None = None  # accepted, ignored (eSpeak has no style prompts)
+
+
+@router.post("/v1/audio/speech", dependencies=[Depends(validate_json_request)])
+async def create_speech(request: SpeechRequest, raw_request: Request) -> Response:
+    client = _client(raw_request)
+    sid = audio_stage_id(client)
+    if sid is None:
+        return error_response("this pipeline has no audio stage", 404, err_type="NotFoundError")
+    if (bad := _check_model(client, request.model)) is not None:
+        return bad
+    if request.response_format not in SPEECH_FORMATS:
+        return error_response(f"response_format {request.response_format!r} is not supported; "
+                              f"use one of {list(SPEECH_FORMATS)}", param="response_format")
+    if not request.input.strip():
+        return error_response("input must not be empty", param="input")
+    try:
+        params = _speech_params(request.voice, request.speed)
+    except ValueError as exc:
+        return error_response(str(exc), param="speed" if "speed" in str(exc) else "voice")
+    request_id = f"speech-{uuid.uuid4().hex}"
+    chunks, rate = [], 22050
+    try:
+        async for out in client.generate(request.input, _stage_params(client, sid, _speech_dict(params)),
+                                         request_id, entry_stage_id=sid):
+            mm = out.multimodal_output
+            if mm and mm.get("audio") is not None:
+                chunks.append(np.asarray(mm["audio"], dtype=np.float32).copy())
+                rate = int(mm.get("sample_rate", rate))
+    except (VLLMValidationError, ValueError) as exc:
+        return error_response(str(exc), param="voice" if "voice" in str(exc) else None)
+    audio = np.concatenate(chunks) if chunks else np.zeros(0, dtype=np.float32)
+    if request.response_format == "pcm":
+        return Response(pcm16_bytes(audio), media_type="audio/pcm",
+                        headers={"X-Sample-Rate": str(rate)})
+    return Response(wav_bytes(audio, rate), media_type="audio/wav")
+
+
+def _speech_dict(params: SpeechParams) -> dict[str, Any]:
+    return {"voice": params.voice, "speed": float(params.speed)}
+
+
+# -------------------------------------------------------- chat with audio
+def _extra(request: ChatCompletionRequest, name: str) -> Any:
+    value = getattr(request, name, None)
+    if value is None and request.model_extra:
+        value = request.model_extra.get(name)
+    return value
+
+
+@router.post("/v1/chat/completions", dependencies=[Depends(validate_json_request)])
+async def create_chat_completion(request: ChatCompletionRequest, raw_request: Request):
+    modalities = _extra(request, "modalities")
+    if not modalities or "audio" not in modalities:
+        return await vllm_chat_api.create_chat_completion(request, raw_request)
+    return await _audio_chat(request, raw_request, list(modalities))
+
+
+async def _audio_chat(request: ChatCompletionRequest, raw_request: Request, modalities: list[str]) -> Response:
+    client = _client(raw_request)
+    sid = audio_stage_id(client)
+    if sid is None:
+        return error_response("this pipeline has no audio stage; 'audio' modality is not available",
+                              param="modalities")
+    audio_opts = _extra(request, "audio") or {}
+    if not isinstance(audio_opts, dict):
+        return error_response("audio must be an object with 'voice' and 'format'", param="audio")
+    fmt = audio_opts.get("format", "wav")
+    if fmt not in CHAT_AUDIO_FORMATS:
+        return error_response(f"audio.format {fmt!r} is not supported; use one of {list(CHAT_AUDIO_FORMATS)}",
+                              param="audio.format")
+    if (request.n or 1) != 1 or request.use_beam_search:
+        return error_response("audio output supports n=1 without beam search", param="n")
+    try:
+        speech = _speech_params(audio_opts.get("voice", "en"), audio_opts.get("speed", 1.0))
+    except ValueError as exc:
+        return error_response(str(exc), param="audio.voice")
+
+    serving = raw_request.app.state.openai_serving_chat
+    rendered = await serving.render_chat_request(request)
+    if isinstance(rendered, ErrorResponse):
+        return JSONResponse(rendered.model_dump(), status_code=rendered.error.code)
+    _conversation, engine_inputs = rendered
+    engine_input = engine_inputs[0]
+    prompt_len = len(engine_input.get("prompt_token_ids") or [])
+    try:
+        max_tokens = get_max_tokens(
+            client.model_config.max_model_len,
+            request.max_completion_tokens if request.max_completion_tokens is not None else request.max_tokens,
+            prompt_len, serving.default_sampling_params, serving.override_max_tokens,
+            truncate_prompt_tokens=request.truncate_prompt_tokens)
+        sampling_params = request.to_sampling_params(max_tokens, serving.default_sampling_params)
+    except ValueError as exc:
+        return error_response(str(exc))
+    sampling_params.output_kind = RequestOutputKind.DELTA  # sentences reach the speech stage as they end
+    try:
+        client._validate(engine_input, sampling_params, "validate")
+    except (VLLMValidationError, ValueError) as exc:
+        return error_response(str(exc))
+
+    request_id = f"chatcmpl-{uuid.uuid4().hex}"
+    model_name = request.model or (_served_names(client) or ["model"])[0]
+    params = _stage_params(client, sid, _speech_dict(speech), sampling_params)
+    stream = client.generate(engine_input, params, request_id, modalities=modalities)
+    if request.stream:
+        return StreamingResponse(_stream_chunks(request, stream, request_id, model_name, fmt, prompt_len),
+                                 media_type="text/event-stream")
+
+    text, chunks, rate, completion_tokens, finish_reason = "", [], 22050, 0, None
+    try:
+        async for out in stream:
+            if out.final_output_type == "audio":
+                mm = out.multimodal_output
+                if mm and mm.get("audio") is not None:
+                    chunks.append(np.asarray(mm["audio"], dtype=np.float32).copy())
+                    rate = int(mm.get("sample_rate", rate))
+            elif out.outputs:
+                text += out.outputs[0].text
+                completion_tokens += len(out.outputs[0].token_ids)
+                finish_reason = out.outputs[0].finish_reason or finish_reason
+    except (VLLMValidationError, ValueError) as exc:
+        return error_response(str(exc))
+    finally:
+        await stream.aclose()
+    audio = np.concatenate(chunks) if chunks else np.zeros(0, dtype=np.float32)
+    data = wav_bytes(audio, rate) if fmt == "wav" else pcm16_bytes(audio)
+    created = int(time.time())
+    message = {
+        "role": "assistant",
+        "content": text,
+        "audio": {"id": f"audio_{uuid.uuid4().hex}", "data": base64.b64encode(data).decode("ascii"),
+                  "expires_at": created + AUDIO_EXPIRES_S, "transcript": text},
+    }
+    return JSONResponse({
+        "id": request_id, "object": "chat.completion", "created": created, "model": model_name,
+        "choices": [{"index": 0, "message": message, "logprobs": None, "finish_reason": finish_reason or "stop"}],
+        "usage": {"prompt_tokens": prompt_len, "completion_tokens": completion_tokens,
+                  "total_tokens": prompt_len + completion_tokens},
+    })
+
+
+async def _stream_chunks(request: ChatCompletionRequest, stream: AsyncGenerator, request_id: str, model_name: str,
+                         fmt: str, prompt_len: int) -> AsyncGenerator[str, None]:
+    created = int(time.time())
+    audio_id = f"audio_{uuid.uuid4().hex}"
+
+    def sse(delta: dict[str, Any], finish_reason: str | None = None, **extra: Any) -> str:
+        chunk = {"id": request_id, "object": "chat.completion.chunk", "created": created, "model": model_name,
+                 "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}],
+                 **extra}
+        return f"data: {json.dumps(chunk)}\n\n"
+
+    completion_tokens, finish_reason = 0, None
+    try:
+        yield sse({"role": "assistant", "content": ""})
+        async for out in stream:
+            if out.final_output_type == "audio":
+                mm = out.multimodal_output
+                if mm and mm.get("audio") is not None and len(mm["audio"]):
+                    rate = int(mm.get("sample_rate", 22050))
+                    data = wav_bytes(mm["audio"], rate) if fmt == "wav" else pcm16_bytes(mm["audio"])
+                    yield sse({"audio": {"id": audio_id, "data": base64.b64encode(data).decode("ascii")}})
+            elif out.outputs:
+                piece = out.outputs[0].text
+                completion_tokens += len(out.outputs[0].token_ids)
+                finish_reason = out.outputs[0].finish_reason or finish_reason
+                if piece:
+                    yield sse({"content": piece, "audio": {"id": audio_id, "transcript": piece}})
+        yield sse({"audio": {"id": audio_id, "expires_at": created + AUDIO_EXPIRES_S}}, finish_reason or "stop")
+        options = request.stream_options
+        if options is not None and options.include_usage:
+            usage = {"prompt_tokens": prompt_len, "completion_tokens": completion_tokens,
+                     "total_tokens": prompt_len + completion_tokens}
+            chunk = {"id": request_id, "object": "chat.completion.chunk", "created": created, "model": model_name,
+                     "choices": [], "usage": usage}
+            yield f"data: {json.dumps(chunk)}\n\n"
+    except Exception as exc:  # noqa: BLE001 - the status line is sent; report in the stream
+        status = 400 if isinstance(exc, (VLLMValidationError, ValueError)) else 500
+        yield f"data: {json.dumps({'error': {'message': str(exc), 'type': type(exc).__name__, 'code': status}})}\n\n"
+    finally:
+        await stream.aclose()
+    yield "data: [DONE]\n\n"
+
+
+# ------------------------------------------------------------------ wiring
+def add_audio_routes(app: FastAPI) -> FastAPI:
+    """Add this module's routes ahead of vLLM's (ours shadow ``POST /v1/chat/completions``)."""
+    before = list(app.router.routes)
+    app.include_router(router)
+    ours = [r for r in app.router.routes if r not in before]
+    app.router.routes[:] = ours + before
+    app.openapi_schema = None
+    return app
+
+
+def with_audio_routes(build_app: Callable[..., FastAPI]) -> Callable[..., FastAPI]:
+    """vLLM's ``build_app`` that also adds the audio routes."""
+    if getattr(build_app, "_omni_audio", False):
+        return build_app
+
+    def build(*args: Any, **kwargs: Any) -> FastAPI:
+        return add_audio_routes(build_app(*args, **kwargs))
+
+    build._omni_audio = True  # type: ignore[attr-defined]
+    return build

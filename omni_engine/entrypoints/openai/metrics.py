@@ -1,0 +1,205 @@
+"""Prometheus metrics of a served pipeline, on the server's ``/metrics``.
+
+vLLM's server (0.32) exposes prometheus_client's default ``REGISTRY`` at
+``/metrics`` (``vllm.entrypoints.serve.instrumentator.metrics``) unless
+``PROMETHEUS_MULTIPROC_DIR`` is set; ``register_pipeline_metrics`` adds one
+collector there. Two kinds of series:
+
+- observed when the event happens, through the orchestrator's ``observer``
+  hook: the histograms (queue and run time per stage, transfer time per edge,
+  end-to-end and time to first output per request) and the error and
+  transfer-byte counters;
+- read at scrape time from the pipeline's state: running and waiting
+  sub-requests per stage, whether each stage is up, and the per-stage counters
+  ``OrchestratorMetrics`` already keeps (requests, finished, failed, aborted,
+  outputs, bytes), so nothing is counted twice.
+
+Every name starts with ``omni_engine_``; stages are labelled ``stage``, edges
+``src`` and ``dst``. Sub-requests count as requests of their stage (an
+``async_chunk`` speech stage gets one per sentence).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from collections.abc import Iterable
+from typing import Any
+
+from prometheus_client import REGISTRY, CollectorRegistry, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from omni_engine.metrics import PipelineObserver
+
+logger = logging.getLogger(__name__)
+
+PREFIX = "omni_engine_"
+
+# Seconds: from a few milliseconds (a TTS sentence) to minutes (a long generation).
+TIME_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0)
+# Seconds between a source's output and the submit to its consumer: routing, usually sub-millisecond.
+TRANSFER_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
+
+
+class PipelineMetricsCollector(PipelineObserver, Collector):
+    """The orchestrator's observer and a Prometheus collector of one ``MultiStageEngineClient``."""
+
+    def __init__(self, client: Any) -> None:
+        self.client = client
+        self.orchestrator = client.orchestrator
+        self._lock = threading.Lock()
+        self._errors: dict[tuple[str, str], int] = {}
+        self._edge_bytes: dict[tuple[str, str], int] = {}
+        self._request_outcomes: dict[str, int] = {"finished": 0, "failed": 0, "aborted": 0}
+        # registry=None: exported through this collector only, so one registration covers all.
+        self.queue_time = Histogram(
+            PREFIX + "stage_queue_time_seconds",
+            "Per stage: time from submitting a (sub-)request to its first output",
+            ["stage"], buckets=TIME_BUCKETS, registry=None)
+        self.run_time = Histogram(
+            PREFIX + "stage_run_time_seconds",
+            "Per stage: time from a (sub-)request's first output to its last",
+            ["stage"], buckets=TIME_BUCKETS, registry=None)
+        self.transfer_time = Histogram(
+            PREFIX + "edge_transfer_seconds",
+            "Per edge: time from the source stage's output to the submit of the input built from it "
+            "to the destination stage",
+            ["src", "dst"], buckets=TRANSFER_BUCKETS, registry=None)
+        self.e2e = Histogram(
+            PREFIX + "request_e2e_seconds",
+            "Per finished request: arrival to the end of its last final stage, by the final stages it asked for",
+            ["final_stages"], buckets=TIME_BUCKETS, registry=None)
+        self.ttfo = Histogram(
+            PREFIX + "request_time_to_first_output_seconds",
+            "Per finished request and final stage: arrival to that stage's first output",
+            ["stage"], buckets=TIME_BUCKETS, registry=None)
+        self._histograms = (self.queue_time, self.run_time, self.transfer_time, self.e2e, self.ttfo)
+        # Every stage and edge shows up (at zero) before its first request.
+        orch = self.orchestrator
+        for sid in orch.stage_order:
+            self.queue_time.labels(stage=str(sid))
+            self.run_time.labels(stage=str(sid))
+        for dst in orch.stage_order:
+            for src in orch.sources[dst]:
+                self.transfer_time.labels(src=str(src), dst=str(dst))
+                self._edge_bytes[(str(src), str(dst))] = 0
+        for sid in orch.final_stage_ids() or orch.stage_order[-1:]:
+            self.ttfo.labels(stage=str(sid))
+
+    # ------------------------------------------------------------ observer
+    def on_first_output(self, stage_id: int, queue_s: float) -> None:
+        self.queue_time.labels(stage=str(stage_id)).observe(queue_s)
+
+    def on_finished(self, stage_id: int, run_s: float) -> None:
+        self.run_time.labels(stage=str(stage_id)).observe(run_s)
+
+    def on_error(self, stage_id: int, error_type: str) -> None:
+        key = (str(stage_id), error_type or "Error")
+        with self._lock:
+            self._errors[key] = self._errors.get(key, 0) + 1
+
+    def on_forward(self, src: int, dst: int, nbytes: int, seconds: float) -> None:
+        key = (str(src), str(dst))
+        with self._lock:
+            self._edge_bytes[key] = self._edge_bytes.get(key, 0) + nbytes
+        self.transfer_time.labels(src=key[0], dst=key[1]).observe(seconds)
+
+    def on_request_done(self, e2e_s: float, ttfo_by_stage: dict[int, float], outcome: str,
+                        final_stages: tuple[int, ...] = ()) -> None:
+        with self._lock:
+            self._request_outcomes[outcome] = self._request_outcomes.get(outcome, 0) + 1
+        if outcome != "finished":
+            return  # a failed or aborted request's times say nothing about latency
+        self.e2e.labels(final_stages=",".join(map(str, final_stages))).observe(e2e_s)
+        for sid, seconds in ttfo_by_stage.items():
+            self.ttfo.labels(stage=str(sid)).observe(seconds)
+
+    # ----------------------------------------------------------- collector
+    def collect(self) -> Iterable[Metric]:
+        orch = self.orchestrator
+        stage_ids = list(orch.stage_order)
+        load = orch.stage_load()
+
+        up = GaugeMetricFamily(PREFIX + "stage_up", "1 while the stage process is alive, 0 once it died",
+                               labels=["stage"])
+        waiting = GaugeMetricFamily(PREFIX + "stage_requests_waiting",
+                                    "Per stage: (sub-)requests submitted that have no output yet", labels=["stage"])
+        running = GaugeMetricFamily(PREFIX + "stage_requests_running",
+                                    "Per stage: (sub-)requests producing outputs", labels=["stage"])
+        for sid in stage_ids:
+            label = [str(sid)]
+            up.add_metric(label, 0.0 if orch.stages[sid].client.is_dead else 1.0)
+            w, r = load.get(sid, (0, 0))
+            waiting.add_metric(label, w)
+            running.add_metric(label, r)
+        yield up
+        yield waiting
+        yield running
+
+        stage_counters = (
+            ("stage_requests", "requests", "Per stage: (sub-)requests submitted"),
+            ("stage_requests_finished", "finished", "Per stage: (sub-)requests finished"),
+            ("stage_requests_failed", "failed", "Per stage: requests the stage reported an error for"),
+            ("stage_requests_aborted", "aborted", "Per stage: (sub-)requests aborted while in flight"),
+            ("stage_outputs", "outputs", "Per stage: outputs received (a streamed request has many)"),
+            ("stage_bytes_in", "bytes_in", "Per stage: bytes of requests sent to the stage"),
+            ("stage_bytes_out", "bytes_out", "Per stage: bytes of outputs received from the stage"),
+        )
+        stats = {sid: orch.metrics.stage(sid) for sid in stage_ids}
+        for name, attr, doc in stage_counters:
+            family = CounterMetricFamily(PREFIX + name, doc, labels=["stage"])
+            for sid in stage_ids:
+                family.add_metric([str(sid)], getattr(stats[sid], attr))
+            yield family
+
+        with self._lock:
+            errors = dict(self._errors)
+            edge_bytes = dict(self._edge_bytes)
+            outcomes = dict(self._request_outcomes)
+        # A stage's death is an error of that stage too (once: a dead stage stays dead).
+        for sid in stage_ids:
+            if orch.stages[sid].client.is_dead:
+                errors[(str(sid), "StageDeadError")] = errors.get((str(sid), "StageDeadError"), 0) + 1
+        family = CounterMetricFamily(PREFIX + "stage_errors",
+                                     "Per stage and error type: request errors the stage reported, and its death",
+                                     labels=["stage", "error"])
+        for (stage, error), count in sorted(errors.items()):
+            family.add_metric([stage, error], count)
+        yield family
+
+        family = CounterMetricFamily(PREFIX + "edge_transfer_bytes",
+                                     "Per edge: bytes of the inputs built from the source's outputs and sent "
+                                     "to the destination", labels=["src", "dst"])
+        for (src, dst), count in sorted(edge_bytes.items()):
+            family.add_metric([src, dst], count)
+        yield family
+
+        family = CounterMetricFamily(PREFIX + "requests", "Pipeline requests ended, by outcome", labels=["outcome"])
+        for outcome, count in sorted(outcomes.items()):
+            family.add_metric([outcome], count)
+        yield family
+
+        for histogram in self._histograms:
+            yield from histogram.collect()
+
+
+def register_pipeline_metrics(client: Any, registry: CollectorRegistry | None = None) -> PipelineMetricsCollector:
+    """Hook a collector into ``client``'s orchestrator and register it (default: vLLM's ``/metrics`` registry)."""
+    collector = PipelineMetricsCollector(client)
+    if registry is None:
+        registry = REGISTRY
+        if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+            logger.warning("PROMETHEUS_MULTIPROC_DIR is set: vLLM's /metrics then reads only the multiprocess "
+                           "files, so the omni_engine_* series read at scrape time (gauges, stage counters) "
+                           "are not shown")
+    registry.register(collector)
+    client.orchestrator.observer = collector
+    return collector
+
+
+def unregister_pipeline_metrics(collector: PipelineMetricsCollector, registry: CollectorRegistry | None = None) -> None:
+    (registry or REGISTRY).unregister(collector)
+    if collector.orchestrator.observer is collector:
+        collector.orchestrator.observer = None

@@ -1,0 +1,161 @@
+"""``omni-engine serve`` on the speech pipeline: OpenAI's speech API and chat answers with audio,
+used with the official client."""
+
+from __future__ import annotations
+
+import base64
+import io
+import os
+import signal
+import subprocess
+import time
+import wave
+
+import numpy as np
+import openai
+import pytest
+
+from tests.test_serve import CLI, START_TIMEOUT_S, _free_port, _healthy, _log_tail
+
+pytestmark = [pytest.mark.llm, pytest.mark.tts]
+
+MODEL = "smollm2-speech"
+QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+STORY = [{"role": "user", "content": "Tell me a short story about a cat."}]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory, smollm2_path):
+    port = _free_port()
+    log = tmp_path_factory.mktemp("serve-audio") / "server.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(
+            [*CLI, "serve", "stage_configs/smollm2_speech.yaml", "--port", str(port), "--served-model-name", MODEL],
+            stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+        )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while not _healthy(url):
+            if proc.poll() is not None:
+                pytest.fail(f"omni-engine serve exited with {proc.returncode}:\n{_log_tail(log)}")
+            if time.monotonic() > deadline:
+                pytest.fail(f"omni-engine serve not healthy after {START_TIMEOUT_S} s:\n{_log_tail(log)}")
+            time.sleep(1)
+        yield {"url": url, "proc": proc, "log": log}
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+        try:
+            returncode = proc.wait(60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            returncode = proc.wait(10)
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        assert returncode == 0, f"omni-engine serve exited with {returncode} on SIGTERM:\n{_log_tail(log)}"
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=f"{server['url']}/v1", api_key="unused", timeout=120, max_retries=0)
+
+
+def read_wav(data: bytes) -> tuple[np.ndarray, int]:
+    with wave.open(io.BytesIO(data)) as w:
+        assert (w.getnchannels(), w.getsampwidth(), w.getframerate()) == (1, 2, 22050)
+        samples = np.frombuffer(w.readframes(w.getnframes()), dtype="<i2")
+    return samples, 22050
+
+
+def assert_speech(samples: np.ndarray, rate: int, min_s: float = 0.5) -> None:
+    assert len(samples) / rate > min_s
+    assert float(np.sqrt(np.mean((samples / 32768.0) ** 2))) > 0.01  # not silence
+
+
+def test_speech_returns_a_wav(client):
+    response = client.audio.speech.create(model=MODEL, voice="en", input="Hello world.", response_format="wav")
+    assert response.response.headers["content-type"].startswith("audio/wav")
+    assert_speech(*read_wav(response.content))
+
+
+def test_speech_pcm_is_raw_16_bit(client):
+    response = client.audio.speech.create(model=MODEL, voice="en", input="Hello world.", response_format="pcm",
+                                          speed=1.5)
+    data = response.content
+    assert len(data) % 2 == 0 and not data.startswith(b"RIFF")
+    assert_speech(np.frombuffer(data, dtype="<i2"), 22050, min_s=0.3)
+
+
+def test_speech_errors_are_400s_and_the_server_keeps_serving(client):
+    with pytest.raises(openai.BadRequestError) as unknown:
+        client.audio.speech.create(model=MODEL, voice="no-such-voice", input="Hello.", response_format="wav")
+    assert "no-such-voice" in str(unknown.value)
+    with pytest.raises(openai.BadRequestError) as empty:
+        client.audio.speech.create(model=MODEL, voice="en", input="   ", response_format="wav")
+    assert "input" in str(empty.value)
+    with pytest.raises(openai.BadRequestError) as speed:
+        client.audio.speech.create(model=MODEL, voice="en", input="Hello.", speed=9.0)
+    assert "speed" in str(speed.value)
+    with pytest.raises(openai.BadRequestError) as fmt:
+        client.audio.speech.create(model=MODEL, voice="en", input="Hello.", response_format="mp3")
+    assert "mp3" in str(fmt.value)
+    with pytest.raises(openai.NotFoundError):
+        client.audio.speech.create(model="no-such-model", voice="en", input="Hello.", response_format="wav")
+    response = client.audio.speech.create(model=MODEL, voice="en", input="Still here.", response_format="wav")
+    assert_speech(*read_wav(response.content))
+
+
+def test_chat_with_audio_returns_text_and_a_wav(client):
+    response = client.chat.completions.create(
+        model=MODEL, messages=QUESTION, temperature=0, max_tokens=32,
+        modalities=["text", "audio"], audio={"voice": "en", "format": "wav"})
+    message = response.choices[0].message
+    assert "Paris" in message.content
+    assert message.audio is not None and message.audio.id and message.audio.expires_at > time.time()
+    assert "Paris" in message.audio.transcript
+    assert_speech(*read_wav(base64.b64decode(message.audio.data)))
+    assert response.usage.prompt_tokens > 0 and response.usage.completion_tokens > 0
+
+
+def test_chat_without_audio_is_vllms_text_answer(client):
+    response = client.chat.completions.create(model=MODEL, messages=QUESTION, temperature=0, max_tokens=32)
+    message = response.choices[0].message
+    assert "Paris" in message.content and message.audio is None
+
+
+def test_chat_with_an_unknown_voice_is_a_400(client):
+    with pytest.raises(openai.BadRequestError) as bad:
+        client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=8,
+                                       modalities=["text", "audio"], audio={"voice": "no-such-voice", "format": "wav"})
+    assert "no-such-voice" in str(bad.value)
+
+
+def test_streaming_chat_with_audio_streams_audio_per_sentence(client):
+    stream = client.chat.completions.create(
+        model=MODEL, messages=STORY, temperature=0, max_tokens=60, stream=True,
+        modalities=["text", "audio"], audio={"voice": "en", "format": "pcm16"})
+    text, transcript, audio_chunks, order = "", "", [], []
+    for chunk in stream:
+        if not chunk.choices:
+            continue
+        delta = chunk.choices[0].delta
+        text += delta.content or ""
+        audio = getattr(delta, "audio", None)
+        if audio:
+            transcript += getattr(audio, "transcript", None) or ""
+            if getattr(audio, "data", None):
+                audio_chunks.append(base64.b64decode(audio.data))
+                order.append("audio")
+        if delta.content:
+            order.append("text")
+    assert text and transcript == text
+    assert len(audio_chunks) > 1, "expected one audio chunk per sentence"
+    assert all(len(c) % 2 == 0 for c in audio_chunks)
+    assert_speech(np.frombuffer(b"".join(audio_chunks), dtype="<i2"), 22050, min_s=1.0)
+    # async_chunk: the first sentence is spoken before the text is finished.
+    assert order.index("audio") < len(order) - 1 - order[::-1].index("text"), order

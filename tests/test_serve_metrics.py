@@ -1,0 +1,262 @@
+"""``omni-engine serve`` of the speech pipeline: Prometheus metrics on ``/metrics``, and ``/health``
+when a stage process is killed. Everything goes through HTTP, as a scraper and a supervisor see it."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+
+import openai
+import psutil
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.helpers import process_exists
+
+pytestmark = pytest.mark.llm
+
+CLI = [sys.executable, "-m", "omni_engine.entrypoints.cli.main"]
+CONFIG = "stage_configs/smollm2_speech.yaml"
+MODEL = "smollm2-speech-test"
+QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+START_TIMEOUT_S = 240
+
+# Every family the exporter defines (sample names as exposed).
+STAGE_GAUGES = ["omni_engine_stage_up", "omni_engine_stage_requests_waiting", "omni_engine_stage_requests_running"]
+STAGE_COUNTERS = [f"omni_engine_stage_{n}_total" for n in (
+    "requests", "requests_finished", "requests_failed", "requests_aborted", "outputs", "bytes_in", "bytes_out")]
+STAGE_HISTOGRAMS = ["omni_engine_stage_queue_time_seconds", "omni_engine_stage_run_time_seconds"]
+EDGE_HISTOGRAM = "omni_engine_edge_transfer_seconds"
+EDGE_BYTES = "omni_engine_edge_transfer_bytes_total"
+E2E = "omni_engine_request_e2e_seconds"
+TTFO = "omni_engine_request_time_to_first_output_seconds"
+REQUESTS = "omni_engine_requests_total"
+ERRORS = "omni_engine_stage_errors_total"
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _status(url: str, timeout: float = 2.0) -> int | None:
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as response:
+            return response.status
+    except urllib.error.HTTPError as exc:
+        return exc.code
+    except OSError:
+        return None
+
+
+def _log_tail(path, n: int = 4000) -> str:
+    return path.read_text(errors="replace")[-n:]
+
+
+def _stage_pids(log) -> dict[int, int]:
+    """Stage id -> pid, from the server's "stage N: ready in X s (pid P)" lines."""
+    found = re.findall(r"stage (\d+): ready in [\d.]+ s \(pid (\d+)\)", log.read_text(errors="replace"))
+    return {int(sid): int(pid) for sid, pid in found}
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory, smollm2_path):
+    port = _free_port()
+    log = tmp_path_factory.mktemp("serve_metrics") / "server.log"
+    # The subprocess inherits OMNI_ENGINE_CACHE (the prepared model) from this environment.
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(
+            [*CLI, "serve", CONFIG, "--port", str(port), "--served-model-name", MODEL],
+            stdout=out, stderr=subprocess.STDOUT, start_new_session=True, env=dict(os.environ),
+        )
+    url = f"http://127.0.0.1:{port}"
+    descendants: set[int] = set()
+    try:
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while _status(f"{url}/health") != 200:
+            if proc.poll() is not None:
+                pytest.fail(f"omni-engine serve exited with {proc.returncode}:\n{_log_tail(log)}")
+            if time.monotonic() > deadline:
+                pytest.fail(f"omni-engine serve not healthy after {START_TIMEOUT_S} s:\n{_log_tail(log)}")
+            time.sleep(1)
+        descendants = {p.pid for p in psutil.Process(proc.pid).children(recursive=True)}
+        yield {"url": url, "proc": proc, "log": log}
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+        try:
+            returncode = proc.wait(60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            returncode = proc.wait(10)
+        deadline = time.monotonic() + 15
+        while (left := [pid for pid in descendants if process_exists(pid)]) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)  # nothing may be left in the group either
+        except ProcessLookupError:
+            pass
+        assert not left, f"processes left after the server stopped: {left}\n{_log_tail(log)}"
+        assert returncode == 0, f"omni-engine serve exited with {returncode} on SIGTERM:\n{_log_tail(log)}"
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=f"{server['url']}/v1", api_key="unused", timeout=120, max_retries=0)
+
+
+def scrape(url: str) -> dict[str, list[tuple[dict[str, str], float]]]:
+    """Sample name -> [(labels, value)] of the omni_engine_* series on /metrics."""
+    with urllib.request.urlopen(f"{url}/metrics", timeout=10) as response:
+        assert response.status == 200
+        text = response.read().decode()
+    samples: dict[str, list[tuple[dict[str, str], float]]] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name.startswith("omni_engine_"):
+                samples.setdefault(sample.name, []).append((dict(sample.labels), sample.value))
+    return samples
+
+
+def value(samples, name: str, **labels: str) -> float:
+    """The one sample of ``name`` with these labels (``le`` too for buckets)."""
+    hits = [v for lbl, v in samples.get(name, []) if all(lbl.get(k) == w for k, w in labels.items())
+            and ("le" in labels or "le" not in lbl)]
+    assert len(hits) == 1, f"{name}{labels}: {len(hits)} samples in {samples.get(name)}"
+    return hits[0]
+
+
+@pytest.fixture(scope="module")
+def after_chats(server, client):
+    """Two chat requests (one streamed), then a scrape."""
+    response = client.chat.completions.create(model=MODEL, messages=QUESTION, temperature=0, max_tokens=32)
+    assert "Paris" in response.choices[0].message.content
+    stream = client.chat.completions.create(model=MODEL, messages=QUESTION, temperature=0, max_tokens=32,
+                                            stream=True)
+    assert "Paris" in "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+    return scrape(server["url"])
+
+
+def test_chat_requests_move_the_stage_and_request_metrics(after_chats):
+    m = after_chats
+    for name in ("requests", "requests_finished", "outputs", "bytes_in", "bytes_out"):
+        assert value(m, f"omni_engine_stage_{name}_total", stage="0") >= (2 if "requests" in name else 1), name
+    assert value(m, "omni_engine_stage_requests_failed_total", stage="0") == 0
+    for name in STAGE_HISTOGRAMS:
+        assert value(m, f"{name}_count", stage="0") >= 2, name
+        assert value(m, f"{name}_sum", stage="0") > 0, name
+        assert value(m, f"{name}_bucket", stage="0", le="+Inf") == value(m, f"{name}_count", stage="0")
+    # Text-only chat ends at the text stage: its e2e and TTFO.
+    assert value(m, f"{E2E}_count", final_stages="0") >= 2
+    assert value(m, f"{E2E}_sum", final_stages="0") > 0
+    assert value(m, f"{TTFO}_count", stage="0") >= 2
+    assert 0 < value(m, f"{TTFO}_sum", stage="0") <= value(m, f"{E2E}_sum", final_stages="0")
+    assert value(m, REQUESTS, outcome="finished") >= 2
+    assert value(m, "omni_engine_stage_up", stage="0") == 1
+    assert value(m, "omni_engine_stage_up", stage="1") == 1
+    assert value(m, "omni_engine_stage_requests_waiting", stage="0") == 0
+    assert value(m, "omni_engine_stage_requests_running", stage="0") == 0
+
+
+def test_every_family_is_exported_for_every_stage_and_edge(after_chats):
+    m = after_chats
+    for name in STAGE_GAUGES + STAGE_COUNTERS:
+        for stage in ("0", "1"):
+            value(m, name, stage=stage)
+    for name in STAGE_HISTOGRAMS:
+        for stage in ("0", "1"):
+            value(m, f"{name}_count", stage=stage)
+    # The speech stage and the 0 -> 1 edge exist (at zero) before any request reaches stage 1;
+    # test_a_spoken_answer_moves_the_speech_stage_and_edge_metrics makes them move.
+    value(m, f"{EDGE_HISTOGRAM}_count", src="0", dst="1")
+    value(m, EDGE_BYTES, src="0", dst="1")
+    value(m, f"{TTFO}_count", stage="1")
+    for outcome in ("finished", "failed", "aborted"):
+        value(m, REQUESTS, outcome=outcome)
+
+
+def test_gauges_and_aborts_follow_a_streamed_request(server, client):
+    url = server["url"]
+    stream = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Write a long story about a dragon."}],
+        temperature=0, max_tokens=1500, stream=True, extra_body={"ignore_eos": True})
+    chunks = 0
+    for chunk in stream:
+        if chunk.choices and chunk.choices[0].delta.content:
+            chunks += 1
+            if chunks >= 3:
+                break
+    during = scrape(url)
+    stream.close()  # the client leaves: the server aborts the request on its stages
+    assert value(during, "omni_engine_stage_requests_running", stage="0") == 1
+    assert value(during, "omni_engine_stage_requests_waiting", stage="0") == 0
+    deadline = time.monotonic() + 15
+    while True:
+        after = scrape(url)
+        if value(after, "omni_engine_stage_requests_aborted_total", stage="0") >= 1:
+            break
+        assert time.monotonic() < deadline, after.get("omni_engine_stage_requests_aborted_total")
+        time.sleep(0.2)
+    assert value(after, REQUESTS, outcome="aborted") >= 1
+    assert value(after, "omni_engine_stage_requests_running", stage="0") == 0
+
+
+def test_a_spoken_answer_moves_the_speech_stage_and_edge_metrics(server, client):
+    """Chat with ``modalities: ["text", "audio"]`` runs stage 1 over the 0 -> 1 edge (skipped where the
+    server has no audio chat)."""
+    try:
+        response = client.chat.completions.create(
+            model=MODEL, messages=QUESTION, temperature=0, max_tokens=32,
+            extra_body={"modalities": ["text", "audio"], "audio": {"voice": "en", "format": "wav"}})
+    except openai.APIStatusError as exc:
+        pytest.skip(f"no audio chat over HTTP: {exc.status_code} {exc.message}")
+    audio = getattr(response.choices[0].message, "audio", None)
+    if not audio:
+        pytest.skip("no audio chat over HTTP: the answer has no audio")
+    m = scrape(server["url"])
+    for name in ("requests", "requests_finished", "outputs", "bytes_in", "bytes_out"):
+        assert value(m, f"omni_engine_stage_{name}_total", stage="1") >= 1, name
+    assert value(m, "omni_engine_stage_queue_time_seconds_count", stage="1") >= 1
+    assert value(m, "omni_engine_stage_run_time_seconds_count", stage="1") >= 1
+    assert value(m, f"{EDGE_HISTOGRAM}_count", src="0", dst="1") >= 1
+    assert value(m, EDGE_BYTES, src="0", dst="1") > 0
+    assert value(m, f"{TTFO}_count", stage="1") >= 1
+    assert value(m, f"{E2E}_count", final_stages="0,1") >= 1
+
+
+def test_health_is_503_soon_after_a_stage_is_killed_and_the_server_keeps_serving(server):
+    # Last in this module: it kills the speech stage.
+    url, log = server["url"], server["log"]
+    assert _status(f"{url}/health") == 200
+    pids = _stage_pids(log)
+    assert set(pids) == {0, 1}, _log_tail(log)
+    speech = psutil.Process(pids[1])
+    assert speech.ppid() == server["proc"].pid
+    os.kill(pids[1], signal.SIGKILL)
+    killed = time.monotonic()
+    while (status := _status(f"{url}/health")) != 503:
+        assert status == 200, status
+        assert time.monotonic() - killed < 2.0, "/health still 200 two seconds after the stage was killed"
+        time.sleep(0.05)
+    assert time.monotonic() - killed < 2.0
+    assert _status(f"{url}/v1/models") == 200
+    m = scrape(url)
+    assert value(m, "omni_engine_stage_up", stage="1") == 0
+    assert value(m, "omni_engine_stage_up", stage="0") == 1
+    assert value(m, ERRORS, stage="1", error="StageDeadError") == 1
+    # vLLM's watchdog (every 5 s) would stop a server whose engine died; ours keeps answering.
+    time.sleep(6)
+    assert server["proc"].poll() is None, _log_tail(log)
+    assert _status(f"{url}/v1/models") == 200
+    assert _status(f"{url}/health") == 503
