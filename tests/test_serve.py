@@ -125,6 +125,8 @@ def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(client):
     with pytest.raises(openai.BadRequestError) as bad:
         client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=-1)
     assert "max_tokens" in str(bad.value)
+    with pytest.raises(openai.BadRequestError):
+        client.chat.completions.create(model=MODEL, messages=[], max_tokens=8)
     with pytest.raises(openai.BadRequestError) as too_long:  # checked before any stage sees it
         client.completions.create(model=MODEL, prompt="hello " * 3000, max_tokens=4)
     assert "context length" in str(too_long.value)

@@ -23,13 +23,13 @@ from vllm import SamplingParams
 from vllm.sampling_params import RequestOutputKind
 
 from omni_engine.engines.llm import to_sampling_params
-from omni_engine.entrypoints.input_processors import StageInput, TextPassthrough
+from omni_engine.entrypoints.input_processors import StageInput
 from omni_engine.entrypoints.request_state import ClientRequestState, StageTrack, new_text_of
 from omni_engine.entrypoints.stage_context import StageContext
+from omni_engine.entrypoints.stage_graph import StageGraph
 from omni_engine.errors import StageDeadError, StageRequestError
 from omni_engine.metrics import OrchestratorMetrics, PipelineObserver
 from omni_engine.outputs import OmniRequestOutput
-from omni_engine.utils import resolve_dotted
 
 logger = logging.getLogger(__name__)
 
@@ -52,34 +52,22 @@ class PipelineOrchestrator:
     ) -> None:
         if execution_mode not in EXECUTION_MODES:
             raise ValueError(f"execution_mode must be one of {EXECUTION_MODES}, got {execution_mode!r}")
-        self.stages = {ctx.stage_id: ctx for ctx in stages}
-        self.stage_order = [ctx.stage_id for ctx in stages]
+        self.graph = StageGraph(stages)
+        self.stages = self.graph.contexts
+        self.stage_order = self.graph.order
+        self.sources = self.graph.sources
+        self.consumers = self.graph.consumers
         self.execution_mode = execution_mode
         self.edge_modes = dict(edge_modes or {})
         self.metrics = metrics or OrchestratorMetrics()
         # Told of every event as it happens (e.g. a Prometheus exporter); optional.
         self.observer: PipelineObserver | None = None
-        self.sources = {ctx.stage_id: self._sources_of(i, ctx) for i, ctx in enumerate(stages)}
-        self.consumers = {sid: [d for d in self.stage_order if sid in self.sources[d]] for sid in self.stage_order}
-        self._processor_factories = {sid: self._processor_factory(ctx) for sid, ctx in self.stages.items()}
         self._requests: dict[str, ClientRequestState] = {}
         # stage id -> sub-request id -> its request
         self._routes: dict[int, dict[str, ClientRequestState]] = {sid: {} for sid in self.stage_order}
         self._readers: dict[int, asyncio.Task] = {}
         self._idle = asyncio.Event()
         self._idle.set()
-
-    def _sources_of(self, index: int, ctx: StageContext) -> list[int]:
-        if ctx.stage_config is not None:
-            return list(ctx.stage_config.engine_input_source)
-        return [self.stage_order[index - 1]] if index > 0 else []
-
-    @staticmethod
-    def _processor_factory(ctx: StageContext) -> Any:
-        path = ctx.input_processor
-        if path is None:
-            return TextPassthrough
-        return resolve_dotted(path, f"stage {ctx.stage_id} custom_process_input_func")
 
     def _clients(self) -> list[Any]:
         return [ctx.client for ctx in self.stages.values()]
@@ -129,7 +117,7 @@ class PipelineOrchestrator:
         await self._idle.wait()
 
     def final_stage_ids(self) -> list[int]:
-        return [sid for sid in self.stage_order if self.stages[sid].is_final_output]
+        return self.graph.final_stage_ids()
 
     def stage_load(self) -> dict[int, tuple[int, int]]:
         """Per stage: (waiting, running) sub-requests -- submitted with no output yet, and producing."""
@@ -173,22 +161,22 @@ class PipelineOrchestrator:
             raise ValueError(f"execution_mode must be one of {EXECUTION_MODES}, got {execution_mode!r}")
         if entry_stage_id is not None and entry_stage_id not in self.stages:
             raise ValueError(f"entry_stage_id {entry_stage_id} not in the pipeline (stages {self.stage_order})")
-        finals = self._final_stages(entry_stage_id if final_stage_id is None else final_stage_id)
-        used = self._stages_needed(finals, entry_stage_id)
+        finals = self.graph.final_stages(entry_stage_id if final_stage_id is None else final_stage_id)
+        used = self.graph.stages_needed(finals, entry_stage_id)
         for sid in used:
             if self.stages[sid].client.is_dead:
                 raise self.stages[sid].client.dead_error
         state = ClientRequestState(
             request_id, prompt, self._params_per_stage(sampling_params_list), finals,
-            {sid: StageTrack(sources_pending=sum(1 for s in self.sources[sid] if s in used and sid != entry_stage_id),
+            {sid: StageTrack(sources_pending=len(self.graph.sources_within(sid, used, entry_stage_id)),
                              consumers_pending=sum(1 for d in self.consumers[sid] if d in used)) for sid in used},
             (metrics or self.metrics).new_request(request_id), metrics or self.metrics,
             execution_mode=execution_mode or self.execution_mode,
         )
         for sid in used:
-            srcs = [s for s in self.sources[sid] if s in used and sid != entry_stage_id]
+            srcs = self.graph.sources_within(sid, used, entry_stage_id)
             if srcs:
-                state.processors[sid] = self._processor_factories[sid](srcs, sid, prompt)
+                state.processors[sid] = self.graph.processor_factories[sid](srcs, sid, prompt)
         self._requests[request_id] = state
         self._idle.clear()
         self.start()
@@ -201,33 +189,6 @@ class PipelineOrchestrator:
             self._finish(state, exc)
             raise
         return state
-
-    def _final_stages(self, final_stage_id: int | Sequence[int] | None) -> set[int]:
-        if final_stage_id is None:
-            finals = self.final_stage_ids() or [self.stage_order[-1]]
-        elif isinstance(final_stage_id, int):
-            finals = [final_stage_id]
-        else:
-            finals = list(final_stage_id)
-        unknown = [sid for sid in finals if sid not in self.stages]
-        if unknown:
-            raise ValueError(f"final_stage_id {unknown} not in the pipeline (stages {self.stage_order})")
-        return set(finals)
-
-    def _stages_needed(self, finals: set[int], entry: int | None = None) -> list[int]:
-        """The final stages and everything upstream of them (up to ``entry``), in stage order."""
-        needed, todo = set(), list(finals)
-        while todo:
-            sid = todo.pop()
-            if sid not in needed:
-                needed.add(sid)
-                if sid != entry:
-                    todo.extend(self.sources[sid])
-        if entry is not None:
-            roots = [sid for sid in needed if not any(s in needed for s in self.sources[sid]) or sid == entry]
-            if roots != [entry]:
-                raise ValueError(f"final stage(s) {sorted(finals)} are not fed by entry stage {entry} alone")
-        return [sid for sid in self.stage_order if sid in needed]
 
     def _params_per_stage(self, sampling_params_list: Sequence[Any] | None) -> dict[int, Any]:
         given = list(sampling_params_list or [])
