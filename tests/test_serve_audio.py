@@ -5,9 +5,6 @@ from __future__ import annotations
 
 import base64
 import io
-import os
-import signal
-import subprocess
 import time
 import wave
 
@@ -15,7 +12,7 @@ import numpy as np
 import openai
 import pytest
 
-from tests.test_serve import CLI, START_TIMEOUT_S, _free_port, _healthy, _log_tail
+from tests.serve_helpers import openai_client, running_server
 
 pytestmark = [pytest.mark.llm, pytest.mark.tts]
 
@@ -26,43 +23,13 @@ STORY = [{"role": "user", "content": "Tell me a short story about a cat."}]
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory, smollm2_path):
-    port = _free_port()
-    log = tmp_path_factory.mktemp("serve-audio") / "server.log"
-    with open(log, "wb") as out:
-        proc = subprocess.Popen(
-            [*CLI, "serve", "stage_configs/smollm2_speech.yaml", "--port", str(port), "--served-model-name", MODEL],
-            stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
-        )
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while not _healthy(url):
-            if proc.poll() is not None:
-                pytest.fail(f"omni-engine serve exited with {proc.returncode}:\n{_log_tail(log)}")
-            if time.monotonic() > deadline:
-                pytest.fail(f"omni-engine serve not healthy after {START_TIMEOUT_S} s:\n{_log_tail(log)}")
-            time.sleep(1)
-        yield {"url": url, "proc": proc, "log": log}
-    finally:
-        try:
-            os.killpg(proc.pid, signal.SIGTERM)
-        except ProcessLookupError:
-            pass
-        try:
-            returncode = proc.wait(60)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            returncode = proc.wait(10)
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        assert returncode == 0, f"omni-engine serve exited with {returncode} on SIGTERM:\n{_log_tail(log)}"
+    with running_server("stage_configs/smollm2_speech.yaml", MODEL, tmp_path_factory.mktemp("serve-audio")) as srv:
+        yield srv
 
 
 @pytest.fixture(scope="module")
 def client(server):
-    return openai.OpenAI(base_url=f"{server['url']}/v1", api_key="unused", timeout=120, max_retries=0)
+    return openai_client(server)
 
 
 def read_wav(data: bytes) -> tuple[np.ndarray, int]:

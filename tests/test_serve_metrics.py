@@ -6,8 +6,6 @@ from __future__ import annotations
 import os
 import re
 import signal
-import subprocess
-import sys
 import time
 import urllib.error
 import urllib.request
@@ -17,15 +15,13 @@ import psutil
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.helpers import process_exists
+from tests.serve_helpers import http_status, log_tail, openai_client, running_server
 
 pytestmark = pytest.mark.llm
 
-CLI = [sys.executable, "-m", "omni_engine.entrypoints.cli.main"]
 CONFIG = "stage_configs/smollm2_speech.yaml"
 MODEL = "smollm2-speech-test"
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
-START_TIMEOUT_S = 240
 
 # Every family the exporter defines (sample names as exposed).
 STAGE_GAUGES = ["omni_engine_stage_up", "omni_engine_stage_requests_waiting", "omni_engine_stage_requests_running"]
@@ -40,28 +36,6 @@ REQUESTS = "omni_engine_requests_total"
 ERRORS = "omni_engine_stage_errors_total"
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _status(url: str, timeout: float = 2.0) -> int | None:
-    try:
-        with urllib.request.urlopen(url, timeout=timeout) as response:
-            return response.status
-    except urllib.error.HTTPError as exc:
-        return exc.code
-    except OSError:
-        return None
-
-
-def _log_tail(path, n: int = 4000) -> str:
-    return path.read_text(errors="replace")[-n:]
-
-
 def _stage_pids(log) -> dict[int, int]:
     """Stage id -> pid, from the server's "stage N: ready in X s (pid P)" lines."""
     found = re.findall(r"stage (\d+): ready in [\d.]+ s \(pid (\d+)\)", log.read_text(errors="replace"))
@@ -70,50 +44,13 @@ def _stage_pids(log) -> dict[int, int]:
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory, smollm2_path):
-    port = _free_port()
-    log = tmp_path_factory.mktemp("serve_metrics") / "server.log"
-    # The subprocess inherits OMNI_ENGINE_CACHE (the prepared model) from this environment.
-    with open(log, "wb") as out:
-        proc = subprocess.Popen(
-            [*CLI, "serve", CONFIG, "--port", str(port), "--served-model-name", MODEL],
-            stdout=out, stderr=subprocess.STDOUT, start_new_session=True, env=dict(os.environ),
-        )
-    url = f"http://127.0.0.1:{port}"
-    descendants: set[int] = set()
-    try:
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while _status(f"{url}/health") != 200:
-            if proc.poll() is not None:
-                pytest.fail(f"omni-engine serve exited with {proc.returncode}:\n{_log_tail(log)}")
-            if time.monotonic() > deadline:
-                pytest.fail(f"omni-engine serve not healthy after {START_TIMEOUT_S} s:\n{_log_tail(log)}")
-            time.sleep(1)
-        descendants = {p.pid for p in psutil.Process(proc.pid).children(recursive=True)}
-        yield {"url": url, "proc": proc, "log": log}
-    finally:
-        try:
-            os.killpg(proc.pid, signal.SIGTERM)
-        except ProcessLookupError:
-            pass
-        try:
-            returncode = proc.wait(60)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            returncode = proc.wait(10)
-        deadline = time.monotonic() + 15
-        while (left := [pid for pid in descendants if process_exists(pid)]) and time.monotonic() < deadline:
-            time.sleep(0.2)
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)  # nothing may be left in the group either
-        except ProcessLookupError:
-            pass
-        assert not left, f"processes left after the server stopped: {left}\n{_log_tail(log)}"
-        assert returncode == 0, f"omni-engine serve exited with {returncode} on SIGTERM:\n{_log_tail(log)}"
+    with running_server(CONFIG, MODEL, tmp_path_factory.mktemp("serve_metrics")) as srv:
+        yield srv
 
 
 @pytest.fixture(scope="module")
 def client(server):
-    return openai.OpenAI(base_url=f"{server['url']}/v1", api_key="unused", timeout=120, max_retries=0)
+    return openai_client(server)
 
 
 def scrape(url: str) -> dict[str, list[tuple[dict[str, str], float]]]:
@@ -238,25 +175,25 @@ def test_a_spoken_answer_moves_the_speech_stage_and_edge_metrics(server, client)
 def test_health_is_503_soon_after_a_stage_is_killed_and_the_server_keeps_serving(server):
     # Last in this module: it kills the speech stage.
     url, log = server["url"], server["log"]
-    assert _status(f"{url}/health") == 200
+    assert http_status(f"{url}/health") == 200
     pids = _stage_pids(log)
-    assert set(pids) == {0, 1}, _log_tail(log)
+    assert set(pids) == {0, 1}, log_tail(log)
     speech = psutil.Process(pids[1])
     assert speech.ppid() == server["proc"].pid
     os.kill(pids[1], signal.SIGKILL)
     killed = time.monotonic()
-    while (status := _status(f"{url}/health")) != 503:
+    while (status := http_status(f"{url}/health")) != 503:
         assert status == 200, status
         assert time.monotonic() - killed < 2.0, "/health still 200 two seconds after the stage was killed"
         time.sleep(0.05)
     assert time.monotonic() - killed < 2.0
-    assert _status(f"{url}/v1/models") == 200
+    assert http_status(f"{url}/v1/models") == 200
     m = scrape(url)
     assert value(m, "omni_engine_stage_up", stage="1") == 0
     assert value(m, "omni_engine_stage_up", stage="0") == 1
     assert value(m, ERRORS, stage="1", error="StageDeadError") == 1
     # vLLM's watchdog (every 5 s) would stop a server whose engine died; ours keeps answering.
     time.sleep(6)
-    assert server["proc"].poll() is None, _log_tail(log)
-    assert _status(f"{url}/v1/models") == 200
-    assert _status(f"{url}/health") == 503
+    assert server["proc"].poll() is None, log_tail(log)
+    assert http_status(f"{url}/v1/models") == 200
+    assert http_status(f"{url}/health") == 503

@@ -24,7 +24,11 @@ from vllm.sampling_params import RequestOutputKind
 
 from omni_engine.engines.llm import to_sampling_params
 from omni_engine.entrypoints.input_processors import StageInput
-from omni_engine.entrypoints.request_state import ClientRequestState, StageTrack, new_text_of
+from omni_engine.entrypoints.request_state import (
+    ClientRequestState,
+    StageTrack,
+    new_text_of,
+)
 from omni_engine.entrypoints.stage_context import StageContext
 from omni_engine.entrypoints.stage_graph import StageGraph
 from omni_engine.errors import StageDeadError, StageRequestError

@@ -52,8 +52,15 @@ from omni_engine.stage_engine.protocol import (
     StageShutdown,
     StageUtilityRequest,
 )
-from omni_engine.stage_engine.stage_process import StageProcess, StageProcessSpec, default_log_dir
-from omni_engine.stage_engine.stage_serialization import StageMsgpackDecoder, StageMsgpackEncoder
+from omni_engine.stage_engine.stage_process import (
+    StageProcess,
+    StageProcessSpec,
+    default_log_dir,
+)
+from omni_engine.stage_engine.stage_serialization import (
+    StageMsgpackDecoder,
+    StageMsgpackEncoder,
+)
 
 logger = logging.getLogger(__name__)
 

@@ -29,7 +29,12 @@ import uvloop
 import zmq
 
 from omni_engine import envs
-from omni_engine.connectors.shm import ShmAttachments, ShmPool, new_run_prefix, stage_prefix
+from omni_engine.connectors.shm import (
+    ShmAttachments,
+    ShmPool,
+    new_run_prefix,
+    stage_prefix,
+)
 from omni_engine.engines.base import StageEngine, StageEngineError
 from omni_engine.outputs import OmniRequestOutput
 from omni_engine.stage_engine.protocol import (
@@ -40,14 +45,17 @@ from omni_engine.stage_engine.protocol import (
     StageGenerateRequest,
     StageHealth,
     StageHealthCheck,
+    StageOutputs,
     StageReady,
     StageRequestType,
     StageResponseType,
-    StageOutputs,
     StageUtilityRequest,
     StageUtilityResult,
 )
-from omni_engine.stage_engine.stage_serialization import StageMsgpackDecoder, StageMsgpackEncoder
+from omni_engine.stage_engine.stage_serialization import (
+    StageMsgpackDecoder,
+    StageMsgpackEncoder,
+)
 from omni_engine.utils import call_quietly, die_with_parent
 
 logger = logging.getLogger(__name__)

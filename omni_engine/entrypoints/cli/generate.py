@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
 import signal
-import sys
 import time
 from pathlib import Path
 
 import numpy as np
+
+from omni_engine.entrypoints.cli.common import say, set_stage_env_defaults
 
 NAME = "generate"
 
@@ -31,12 +31,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     return parser
 
 
-def _say(msg: str) -> None:
-    print(f"[omni-engine] {msg}", file=sys.stderr, flush=True)
-
-
 def run(args: argparse.Namespace) -> int:
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    set_stage_env_defaults()
     import uvloop
 
     from omni_engine.config import ConfigError, load_pipeline_config
@@ -44,7 +40,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         config = load_pipeline_config(args.config)
     except ConfigError as exc:
-        _say(str(exc))
+        say(str(exc))
         return 2
     return uvloop.run(_generate(args, config))
 
@@ -71,9 +67,9 @@ async def _generate(args: argparse.Namespace, config) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, task.cancel)
     started = time.monotonic()
-    _say(f"starting {len(config.stage_args)} stage(s) from {args.config}")
-    async with await MultiStageEngineClient.from_config(config, progress=_say) as client:
-        _say(f"pipeline ready in {time.monotonic() - started:.1f} s ({config.runtime.execution_mode})")
+    say(f"starting {len(config.stage_args)} stage(s) from {args.config}")
+    async with await MultiStageEngineClient.from_config(config, progress=say) as client:
+        say(f"pipeline ready in {time.monotonic() - started:.1f} s ({config.runtime.execution_mode})")
         params = None
         if args.max_tokens is not None:
             params = dict(config.stage_args[0].default_sampling_params, max_tokens=args.max_tokens)
@@ -85,7 +81,7 @@ async def _generate(args: argparse.Namespace, config) -> int:
         async for output in client.generate(prompt, params, "cli-0"):
             if output.stage_id not in seen:
                 seen.add(output.stage_id)
-                _say(f"stage {output.stage_id}: first {output.final_output_type} after {time.monotonic() - t0:.2f} s")
+                say(f"stage {output.stage_id}: first {output.final_output_type} after {time.monotonic() - t0:.2f} s")
             if output.final_output_type == "text" and output.outputs:
                 text.append(output.outputs[0].text)
                 print(output.outputs[0].text, end="", flush=True)
@@ -93,7 +89,7 @@ async def _generate(args: argparse.Namespace, config) -> int:
                 audio.append(output.multimodal_output["audio"])
                 rate = output.multimodal_output["sample_rate"]
             if output.finished:
-                _say(f"stage {output.stage_id}: done after {time.monotonic() - t0:.2f} s")
+                say(f"stage {output.stage_id}: done after {time.monotonic() - t0:.2f} s")
         print()
     return _write_outputs(args.output_dir, "".join(text).strip(), audio, rate, write_wav)
 
@@ -102,9 +98,9 @@ def _write_outputs(out_dir: Path, text: str, audio: list[np.ndarray], rate: int,
     out_dir.mkdir(parents=True, exist_ok=True)
     if text:
         (out_dir / "answer.txt").write_text(text + "\n")
-        _say(f"wrote {out_dir / 'answer.txt'}")
+        say(f"wrote {out_dir / 'answer.txt'}")
     if audio:
         wave = np.concatenate(audio)
         path = write_wav(out_dir / "answer.wav", wave, rate)
-        _say(f"wrote {path}: {len(wave) / rate:.2f} s of audio at {rate} Hz")
+        say(f"wrote {path}: {len(wave) / rate:.2f} s of audio at {rate} Hz")
     return 0

@@ -13,9 +13,10 @@ from __future__ import annotations
 import argparse
 import os
 import signal
-import sys
 import time
 from pathlib import Path
+
+from omni_engine.entrypoints.cli.common import say, set_stage_env_defaults
 
 NAME = "serve"
 
@@ -34,12 +35,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     return parser
 
 
-def _say(msg: str) -> None:
-    print(f"[omni-engine] {msg}", file=sys.stderr, flush=True)
-
-
 def run(args: argparse.Namespace) -> int:
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    set_stage_env_defaults()
     # A dead stage makes /health 503 (for a supervisor to act on); the server itself keeps answering.
     os.environ.setdefault("VLLM_KEEP_ALIVE_ON_ENGINE_DEATH", "1")
     import uvloop
@@ -51,7 +48,7 @@ def run(args: argparse.Namespace) -> int:
         config = load_pipeline_config(args.config)
         text_stage_of(config)
     except (ConfigError, ValueError) as exc:
-        _say(str(exc))
+        say(str(exc))
         return 2
 
     # Until uvicorn's handlers are in place, SIGTERM interrupts start-up (as in
@@ -108,14 +105,14 @@ async def _serve(args: argparse.Namespace, config) -> int:
     try:
         listen_address, sock = setup_server(server_args, reuse_port=False)
     except OSError as exc:
-        _say(f"cannot listen on {args.host}:{args.port}: {exc}")
+        say(f"cannot listen on {args.host}:{args.port}: {exc}")
         return 1
     try:
-        _say(f"starting {len(config.stage_args)} stage(s) from {args.config}; "
+        say(f"starting {len(config.stage_args)} stage(s) from {args.config}; "
              f"text stage {text_stage.stage_id} served as {served_name!r}")
         # The text stage's config and tokenizer load while the stages start.
         client_result, text_result = await asyncio.gather(
-            OpenAIServingEngineClient.from_config(config, progress=_say),
+            OpenAIServingEngineClient.from_config(config, progress=say),
             asyncio.to_thread(build_text_stage_config, text_stage, served_name),
             return_exceptions=True,
         )
@@ -129,13 +126,13 @@ async def _serve(args: argparse.Namespace, config) -> int:
             from omni_engine.entrypoints.openai.metrics import register_pipeline_metrics
             register_pipeline_metrics(client)  # omni_engine_* series on vLLM's /metrics
             client.bind_loop()
-            _say(f"pipeline ready in {time.monotonic() - started:.1f} s ({config.runtime.execution_mode}); "
+            say(f"pipeline ready in {time.monotonic() - started:.1f} s ({config.runtime.execution_mode}); "
                  f"serving on {listen_address}")
             shutdown_task = await build_and_serve(client, listen_address, sock, server_args)
             await shutdown_task
         finally:
             await client.shutdown_async()
-            _say("stopped")
+            say("stopped")
     finally:
         sock.close()
     return 0

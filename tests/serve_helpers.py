@@ -1,0 +1,96 @@
+"""Running ``omni-engine serve`` as a subprocess for tests, as a supervisor would."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import openai
+import psutil
+import pytest
+
+from tests.helpers import process_exists
+
+CLI = [sys.executable, "-m", "omni_engine.entrypoints.cli.main"]
+START_TIMEOUT_S = 240
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def http_status(url: str, timeout: float = 2.0) -> int | None:
+    """The HTTP status of GET ``url`` (None: no answer)."""
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as response:
+            return response.status
+    except urllib.error.HTTPError as exc:
+        return exc.code
+    except OSError:
+        return None
+
+
+def log_tail(path: Path, n: int = 4000) -> str:
+    return path.read_text(errors="replace")[-n:]
+
+
+@contextlib.contextmanager
+def running_server(config: str, model: str, log_dir: Path) -> Iterator[dict[str, Any]]:
+    """``omni-engine serve`` in its own session until healthy; on exit SIGTERM, then
+    assert it exited 0 and left no process behind."""
+    port = free_port()
+    log = log_dir / "server.log"
+    with open(log, "wb") as out:
+        # Inherits OMNI_ENGINE_CACHE (the prepared model) from this environment.
+        proc = subprocess.Popen(
+            [*CLI, "serve", config, "--port", str(port), "--served-model-name", model],
+            stdout=out, stderr=subprocess.STDOUT, start_new_session=True, env=dict(os.environ),
+        )
+    url = f"http://127.0.0.1:{port}"
+    descendants: set[int] = set()
+    try:
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while http_status(f"{url}/health") != 200:
+            if proc.poll() is not None:
+                pytest.fail(f"omni-engine serve exited with {proc.returncode}:\n{log_tail(log)}")
+            if time.monotonic() > deadline:
+                pytest.fail(f"omni-engine serve not healthy after {START_TIMEOUT_S} s:\n{log_tail(log)}")
+            time.sleep(1)
+        descendants = {p.pid for p in psutil.Process(proc.pid).children(recursive=True)}
+        yield {"url": url, "proc": proc, "log": log}
+    finally:
+        _stop(proc, descendants, log)
+
+
+def _stop(proc: subprocess.Popen, descendants: set[int], log: Path) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGTERM)  # graceful, as a supervisor stops it
+    try:
+        returncode = proc.wait(60)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        returncode = proc.wait(10)
+    deadline = time.monotonic() + 15
+    while (left := [pid for pid in descendants if process_exists(pid)]) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)  # nothing may be left in the group either
+    assert not left, f"processes left after the server stopped: {left}\n{log_tail(log)}"
+    assert returncode == 0, f"omni-engine serve exited with {returncode} on SIGTERM:\n{log_tail(log)}"
+    assert "stage 0: ready" in log.read_text(errors="replace")
+
+
+def openai_client(server: dict[str, Any]) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{server['url']}/v1", api_key="unused", timeout=120, max_retries=0)
