@@ -6,10 +6,16 @@ Engines start once per test session (vLLM takes ~25 s here); tests share them.
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
 
 # Before vLLM is imported anywhere: a small KV cache on these machines.
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Stage logs of this session (failed stages keep theirs: several tests kill
+# stages on purpose) go to a directory removed when the session ends.
+_LOG_DIR = tempfile.mkdtemp(prefix="omni_test_logs_")
+os.environ["OMNI_ENGINE_LOG_DIR"] = _LOG_DIR
 
 from pathlib import Path  # noqa: E402
 
@@ -65,4 +71,5 @@ def no_leftover_segments():
     """After the whole session, no shared-memory segment of ours may remain."""
     yield
     leftover = [n for n in list_segments() if n.startswith(f"omni_{os.getpid()}_")]
+    shutil.rmtree(_LOG_DIR, ignore_errors=True)
     assert not leftover, f"shared-memory segments leaked: {leftover}"
