@@ -97,6 +97,20 @@ class LLMStageEngine(StageEngine):
         raise AttributeError(name)
 
 
+def parse_output_kind(kind: Any) -> Any:
+    """A ``RequestOutputKind`` from a config value: a name ("delta", "cumulative",
+    "final_only") or a number; anything else is passed on for vLLM to judge."""
+    if isinstance(kind, str):
+        try:
+            return RequestOutputKind[kind.upper()]
+        except KeyError:
+            raise ValueError(f"invalid sampling_params.output_kind {kind!r}; use delta, cumulative "
+                             "or final_only") from None
+    if isinstance(kind, int):
+        return RequestOutputKind(kind)
+    return kind
+
+
 def to_sampling_params(value: Any) -> SamplingParams:
     """``SamplingParams`` from what a caller or a stage config gives.
 
@@ -108,15 +122,8 @@ def to_sampling_params(value: Any) -> SamplingParams:
         return value
     if isinstance(value, dict):
         kwargs = dict(value)
-        kind = kwargs.get("output_kind")
-        if isinstance(kind, str):
-            try:
-                kwargs["output_kind"] = RequestOutputKind[kind.upper()]
-            except KeyError:
-                raise ValueError(f"invalid sampling_params.output_kind {kind!r}; use delta, cumulative "
-                                 "or final_only") from None
-        elif isinstance(kind, int):
-            kwargs["output_kind"] = RequestOutputKind(kind)
+        if "output_kind" in kwargs:
+            kwargs["output_kind"] = parse_output_kind(kwargs["output_kind"])
         try:
             return SamplingParams(**kwargs)
         except TypeError as exc:

@@ -22,7 +22,7 @@ from typing import Any
 from vllm import SamplingParams
 from vllm.sampling_params import RequestOutputKind
 
-from omni_engine.engines.llm import to_sampling_params
+from omni_engine.engines.llm import parse_output_kind
 from omni_engine.entrypoints.input_processors import StageInput
 from omni_engine.entrypoints.request_state import (
     ClientRequestState,
@@ -478,5 +478,5 @@ def _output_kind(params: Any) -> RequestOutputKind:
     if isinstance(params, SamplingParams):
         return params.output_kind
     if isinstance(params, dict) and "output_kind" in params:
-        return to_sampling_params({"output_kind": params["output_kind"]}).output_kind
+        return parse_output_kind(params["output_kind"])
     return RequestOutputKind.CUMULATIVE
