@@ -31,7 +31,6 @@ import asyncio
 import json
 import multiprocessing
 import os
-import platform
 import secrets
 import statistics
 import struct
@@ -44,11 +43,19 @@ from typing import Any
 import numpy as np
 import zmq
 
-REPO = Path(__file__).resolve().parent.parent
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from benchmarks.bench_common import (  # noqa: E402
+    REPO,
+    KiB,
+    MiB,
+    fmt_size,
+    machine_info,
+    memcpy_gbps,
+    num,
+    pct,
+    progress,
+)
 
-KiB, MiB = 1 << 10, 1 << 20
 TENSOR_SIZES = [1 * KiB, 16 * KiB, 256 * KiB, 1 * MiB, 4 * MiB, 16 * MiB, 64 * MiB]
 ECHO_FACTORY = "benchmarks.bench_models:make_echo"
 TENSOR_FACTORY = "benchmarks.bench_models:make_tensor_source"
@@ -57,24 +64,6 @@ FRAMES_ENV = {"OMNI_ENGINE_SHM_THRESHOLD": str(1 << 62)}
 # Bare-ZMQ peer protocol: request [type, body]; body starts with <QQ (reply
 # header bytes, reply data bytes) and is padded to the size of our request.
 _RAW_REQ, _RAW_STOP, _RAW_READY, _RAW_REPLY = b"\x00", b"\x04", b"\x10", b"\x11"
-
-
-def fmt_size(n: int) -> str:
-    return f"{n // MiB}M" if n >= MiB else f"{n // KiB}K"
-
-
-def num(v: float) -> str:
-    """Two decimals, or three significant figures below 0.1 (small-tensor GB/s)."""
-    return f"{v:.2f}" if v >= 0.1 else f"{v:.2g}" if v >= 0.0001 else "0"
-
-
-def progress(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
-
-
-def pct(values: list[float], q: float) -> float:
-    s = sorted(values)
-    return s[min(len(s) - 1, max(0, round(q / 100 * (len(s) - 1))))]
 
 
 def lat_summary(ns: list[int]) -> dict[str, float]:
@@ -318,29 +307,6 @@ async def outputs_per_second(client, total: int, window: int) -> dict[str, Any]:
 
 
 # --------------------------------------------------------------------------- phase 3
-def memcpy_gbps(size: int, budget_bytes: int) -> dict[str, float]:
-    """Best-of-5 in-process copy into an already-touched buffer, numpy (1 thread) and torch."""
-    import torch
-
-    src = np.full(size, 7, dtype=np.uint8)
-    dst = np.empty_like(src)
-    np.copyto(dst, src)
-    inner = max(1, min(2000, budget_bytes // 5 // size))
-    best = {}
-    for name, copy in (("numpy", lambda: np.copyto(dst, src)),
-                       ("torch", lambda: tdst.copy_(tsrc))):
-        tsrc, tdst = torch.from_numpy(src), torch.from_numpy(dst)
-        copy()
-        t_best = float("inf")
-        for _ in range(5):
-            t0 = time.perf_counter()
-            for _ in range(inner):
-                copy()
-            t_best = min(t_best, (time.perf_counter() - t0) / inner)
-        best[name] = size / t_best / 1e9
-    return best
-
-
 def reps_for(size: int, cfg: dict) -> int:
     return int(max(cfg["tensor_min_reps"], min(cfg["tensor_max_reps"], cfg["tensor_bytes"] // size)))
 
@@ -515,14 +481,6 @@ def leftovers(res: dict) -> list[str]:
     if paths:
         problems.append(f"socket files / runtime dirs left: {paths}")
     return problems
-
-
-def machine_info() -> dict[str, Any]:
-    import torch
-
-    return {"platform": platform.platform(), "python": platform.python_version(), "cpus": os.cpu_count(),
-            "torch": torch.__version__, "torch_threads": torch.get_num_threads(), "pyzmq": zmq.__version__,
-            "libzmq": zmq.zmq_version()}
 
 
 async def main_async(cfg: dict) -> dict:

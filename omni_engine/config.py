@@ -34,10 +34,12 @@ import yaml
 from omni_engine import config_validation as cv
 
 if TYPE_CHECKING:
+    from omni_engine.stage_engine.security import CurveKeys
     from omni_engine.stage_engine.stage_process import StageProcessSpec
 
 EXECUTION_MODES = ("sequential", "async_chunk")
 TRANSPORTS = ("ipc", "tcp")
+RESTART_POLICIES = cv.RESTART_POLICIES
 FINAL_OUTPUT_TYPES = ("text", "audio", "image", "latent", "tensor")
 
 
@@ -76,10 +78,47 @@ class EdgeConfig(_Base):
     custom_process_input_func: str | None = None
 
 
+class SecurityConfig(_Base):
+    """ZMQ CURVE on every stage's sockets (README "Security").
+
+    Key files are ``zmq.auth.create_certificates`` secret files
+    (``*.key_secret``), relative to the config file. With ``curve`` on and a
+    file not given, that keypair is generated in memory for the run.
+    """
+
+    curve: bool = False
+    # The pipeline client's keypair: it binds ROUTER/PULL, the CURVE server.
+    server_key: str | None = None
+    # The stages' keypair: they connect DEALER/PUSH as CURVE clients, and
+    # only this public key is admitted.
+    client_key: str | None = None
+
+    def curve_keys(self) -> CurveKeys | None:
+        """The keys for one run (None with CURVE off); ConfigError naming a bad file and its field."""
+        from omni_engine.stage_engine.security import CurveKeys, KeyFileError, KeyPair
+
+        if not self.curve:
+            return None
+        pairs = {}
+        for name in ("server_key", "client_key"):
+            path = getattr(self, name)
+            try:
+                pairs[name] = KeyPair.load(path) if path else KeyPair.generate()
+            except KeyFileError as exc:
+                raise ConfigError([f"runtime.security.{name}: {exc}"]) from None
+        return CurveKeys(pairs["server_key"], pairs["client_key"])
+
+
 class PipelineRuntimeConfig(_Base):
     execution_mode: str = "sequential"
+    # Requests in the pipeline at once; more are refused (HTTP 503), not queued without bound.
+    max_inflight_requests: Annotated[int, msgspec.Meta(ge=1)] = 1024
+    # Outputs of one request its caller has not read yet; past it the request
+    # is aborted with an error, so a caller that stops reading cannot grow memory.
+    max_undelivered_outputs: Annotated[int, msgspec.Meta(ge=1)] = 4096
     connectors: ConnectorsConfig = msgspec.field(default_factory=ConnectorsConfig)
     edges: list[EdgeConfig] = msgspec.field(default_factory=list)
+    security: SecurityConfig = msgspec.field(default_factory=SecurityConfig)
 
 
 class StageRuntimeConfig(_Base):
@@ -87,6 +126,13 @@ class StageRuntimeConfig(_Base):
     devices: str | int | list[int] | None = None
     max_batch_size: Annotated[int, msgspec.Meta(ge=1)] = 1
     transport: str = "ipc"
+    # "on-failure": a stage process that dies is started again (requests in
+    # flight through it still fail), at most max_restarts times per pipeline.
+    restart: str = "no"
+    max_restarts: Annotated[int, msgspec.Meta(ge=0)] = 3
+    # tcp only: the address the client binds for this stage (default 127.0.0.1:
+    # never reachable from other machines unless asked for).
+    host: str | None = None
 
 
 class StageConfig(_Base):
@@ -241,6 +287,7 @@ def parse_pipeline_config(data: Any, source: str = "<dict>") -> PipelineConfig:
     if shell is not None:
         sources = {s.stage_id: list(s.engine_input_source) for _, s in converted}
         cv.check_runtime(shell.runtime, report, sources, all_ids, EXECUTION_MODES)
+        cv.check_security(shell.runtime.security, report, _config_dir(source))
     if raw_stages and len(converted) == len(raw_stages) and len(first_index) == len(converted):
         cv.check_graph(converted, errors)
     if errors.errors or shell is None:
@@ -248,8 +295,14 @@ def parse_pipeline_config(data: Any, source: str = "<dict>") -> PipelineConfig:
     return PipelineConfig(stage_args=[s for _, s in converted], runtime=shell.runtime)
 
 
-def load_pipeline_config(path: str | Path) -> PipelineConfig:
-    """Read and validate a pipeline YAML file; ``source_path`` records where it came from."""
+def _config_dir(source: str) -> Path:
+    """Where relative paths in a config point from: its file's directory, else the cwd."""
+    path = Path(source)
+    return path.parent if path.is_file() else Path.cwd()
+
+
+def read_pipeline_yaml(path: str | Path) -> Any:
+    """The YAML of a pipeline config file, not yet validated (callers may adjust it first)."""
     path = Path(path)
     try:
         text = path.read_text(encoding="utf-8")
@@ -258,13 +311,17 @@ def load_pipeline_config(path: str | Path) -> PipelineConfig:
     except (OSError, UnicodeDecodeError) as exc:
         raise ConfigError([f"{path}: cannot read pipeline config: {exc}"], str(path)) from None
     try:
-        data = yaml.safe_load(text)
+        return yaml.safe_load(text)
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark is not None else ""
         problem = ", ".join(p for p in (getattr(exc, "context", None), getattr(exc, "problem", None)) if p)
         raise ConfigError([f"{path}: {where}YAML syntax error: {problem or exc}"], str(path)) from None
-    config = parse_pipeline_config(data, str(path))
+
+
+def load_pipeline_config(path: str | Path) -> PipelineConfig:
+    """Read and validate a pipeline YAML file; ``source_path`` records where it came from."""
+    config = parse_pipeline_config(read_pipeline_yaml(path), str(path))
     config.source_path = str(path)
     return config
 
@@ -272,6 +329,7 @@ def load_pipeline_config(path: str | Path) -> PipelineConfig:
 __all__ = [
     "EXECUTION_MODES",
     "FINAL_OUTPUT_TYPES",
+    "RESTART_POLICIES",
     "TRANSPORTS",
     "ConfigError",
     "ConnectorsConfig",
@@ -279,8 +337,10 @@ __all__ = [
     "OmniStage",
     "PipelineConfig",
     "PipelineRuntimeConfig",
+    "SecurityConfig",
     "StageConfig",
     "StageRuntimeConfig",
     "load_pipeline_config",
     "parse_pipeline_config",
+    "read_pipeline_yaml",
 ]

@@ -11,14 +11,23 @@ from __future__ import annotations
 
 import typing
 from collections.abc import Callable, Iterable
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import msgspec
 
+from omni_engine.stage_engine.stage_sockets import check_host
 from omni_engine.utils import resolve_dotted
 
+RESTART_POLICIES = ("no", "on-failure")
+
 if TYPE_CHECKING:
-    from omni_engine.config import EdgeConfig, PipelineRuntimeConfig, StageConfig
+    from omni_engine.config import (
+        EdgeConfig,
+        PipelineRuntimeConfig,
+        SecurityConfig,
+        StageConfig,
+    )
 
 # report(field_path, problem)
 Report = Callable[[str, str], None]
@@ -183,6 +192,15 @@ def check_stage(
     if stage.runtime.transport not in transports:
         report(f"{path}.runtime.transport",
                f"unknown transport {stage.runtime.transport!r}; expected one of {list(transports)}")
+    if stage.runtime.restart not in RESTART_POLICIES:
+        report(f"{path}.runtime.restart",
+               f"unknown restart policy {stage.runtime.restart!r}; expected one of {list(RESTART_POLICIES)}")
+    host = stage.runtime.host
+    if host is not None and stage.runtime.transport != "tcp":
+        report(f"{path}.runtime.host", f"host {host!r} applies only to transport: tcp "
+                                       f"(this stage uses {stage.runtime.transport!r})")
+    elif host is not None and (problem := check_host(host)) is not None:
+        report(f"{path}.runtime.host", f"{problem}; expected the address to bind, e.g. 127.0.0.1 (the default)")
     if stage.final_output_type is not None and stage.final_output_type not in output_types:
         report(f"{path}.final_output_type",
                f"unknown final_output_type {stage.final_output_type!r}; expected one of {list(output_types)}")
@@ -259,6 +277,33 @@ def _check_edge(
     if edge.custom_process_input_func is not None:
         check_dotted(edge.custom_process_input_func, "custom_process_input_func",
                      f"{path}.custom_process_input_func", report)
+
+
+def check_security(security: SecurityConfig, report: Report, base_dir: Path) -> None:
+    """``runtime.security``: key files exist and hold keys, and CURVE is on if they are given.
+
+    Relative key paths are resolved against ``base_dir`` (the config file's
+    directory) and stored back absolute, so later loads do not depend on the cwd.
+    """
+    from omni_engine.stage_engine.security import KeyFileError, KeyPair, curve_available
+
+    for name in ("server_key", "client_key"):
+        value = getattr(security, name)
+        field_path = f"runtime.security.{name}"
+        if value is None:
+            continue
+        if not security.curve:
+            report(field_path, "a key file is set but curve is false; set runtime.security.curve: true")
+            continue
+        path = Path(value).expanduser()
+        path = path if path.is_absolute() else base_dir / path
+        setattr(security, name, str(path))
+        try:
+            KeyPair.load(path)
+        except KeyFileError as exc:
+            report(field_path, str(exc))
+    if security.curve and not curve_available():
+        report("runtime.security.curve", "this libzmq has no CURVE support (zmq.has('curve') is False)")
 
 
 def find_cycles(sources: dict[int, list[int]]) -> list[list[int]]:

@@ -62,3 +62,9 @@ def stage_startup_timeout_s() -> float:
 def cache_dir() -> Path:
     raw = os.environ.get("OMNI_ENGINE_CACHE")
     return Path(raw) if raw else Path.home() / ".cache" / "omni_engine"
+
+
+def use_new_architecture() -> bool:
+    """``VLLM_OMNI_USE_NEW_ARCHITECTURE``: ``AsyncOmni`` on ZMQ stage processes
+    (1, the default) or on the deprecated ``multiprocessing.Queue`` ones (0)."""
+    return _bool("VLLM_OMNI_USE_NEW_ARCHITECTURE", True)

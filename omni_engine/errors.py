@@ -7,6 +7,9 @@ own engine's failures (500 and shut down vs. an error for one request).
 
 from __future__ import annotations
 
+from http import HTTPStatus
+
+from vllm.exceptions import GracefulHTTPError
 from vllm.v1.engine.exceptions import EngineDeadError, EngineGenerateError
 
 
@@ -45,3 +48,16 @@ class StageStartupError(RuntimeError):
         super().__init__(message)
         self.stage_id = stage_id
         self.exit_code = exit_code
+
+
+class PipelineOverloadedError(GracefulHTTPError):
+    """The pipeline is at a limit (``runtime.max_inflight_requests``, or a caller
+    not reading ``runtime.max_undelivered_outputs`` outputs); vLLM's server
+    answers it with HTTP 503, which clients and load balancers retry."""
+
+    def __init__(self, message: str, request_id: str | None = None) -> None:
+        super().__init__(message, HTTPStatus.SERVICE_UNAVAILABLE)
+        self.request_id = request_id
+
+    def __str__(self) -> str:
+        return self.message

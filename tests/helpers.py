@@ -28,6 +28,25 @@ def llm_engine_args(model_path: Path, **overrides: Any) -> dict[str, Any]:
     return args
 
 
+def tensor_pipeline_config(use_shm: bool = True) -> Any:
+    """Source -> sink of large tensors (``tests.models``): the source's output crosses to the
+    sink as a shared-memory handle. A prompt ``{"nbytes": N, "sink_delay": s}`` keeps its
+    request in flight in the sink, holding the source's slot, for ``s`` seconds."""
+    from omni_engine.config import parse_pipeline_config
+
+    return parse_pipeline_config({
+        "runtime": {"execution_mode": "sequential", "connectors": {"use_shm": use_shm}},
+        "stage_args": [
+            {"stage_id": 0, "stage_type": "generation",
+             "engine_args": {"model_factory": "tests.models:make_tensor_source"}},
+            {"stage_id": 1, "stage_type": "generation", "engine_input_source": [0],
+             "engine_args": {"model_factory": "tests.models:make_tensor_sink"},
+             "custom_process_input_func": "tests.models:ForwardTensor",
+             "final_output": True, "final_output_type": "tensor"},
+        ],
+    }, "<tensor pipeline>")
+
+
 def tts_spec(max_batch_size: int = 4) -> StageProcessSpec:
     return StageProcessSpec(
         "generation", {"model_factory": TTS_FACTORY}, runtime={"max_batch_size": max_batch_size},

@@ -6,6 +6,7 @@ processes inherit the test session's ``sys.path``.
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 import torch
@@ -26,17 +27,43 @@ class _Model:
 
 
 class TensorSource(_Model):
-    """Answers ``{"nbytes": N}`` with ``{"tensor": uint8 tensor of N bytes, all N % 251}``."""
+    """Answers ``{"nbytes": N}`` with ``{"tensor": uint8 tensor of N bytes, all N % 251}``.
+
+    With ``"into_slot": true`` the tensor is written straight into the stage's
+    shared memory (``empty_output``); with ``"fail": true`` it fails after
+    that, so the slot is never sent.
+    """
 
     async def generate(self, requests: list[GenerationRequest]) -> list[Any]:
-        return [{"tensor": torch.full((r.prompt["nbytes"],), r.prompt["nbytes"] % 251, dtype=torch.uint8)}
-                for r in requests]
+        from omni_engine.connectors.shm import empty_output
+
+        results: list[Any] = []
+        for r in requests:
+            n = r.prompt["nbytes"]
+            if r.prompt.get("into_slot"):
+                t = torch.frombuffer(empty_output(n, r.request_id), dtype=torch.uint8).fill_(n % 251)
+            else:
+                t = torch.full((n,), n % 251, dtype=torch.uint8)
+            results.append(RuntimeError("failed after writing its output") if r.prompt.get("fail")
+                           else {"tensor": t})
+        return results
 
 
 class TensorSink(_Model):
-    """Reports where the tensor it was given lives and what it holds."""
+    """Reports where the tensor it was given lives and what it holds.
+
+    ``delay`` (or a request's ``"delay"``): seconds a batch takes -- work that
+    keeps a request in flight, so a test can abort it or kill a stage while
+    the tensor is held.
+    """
+
+    def __init__(self, delay: float = 0.0) -> None:
+        self.delay = delay
 
     async def generate(self, requests: list[GenerationRequest]) -> list[Any]:
+        delay = max([self.delay] + [r.prompt.get("delay", 0.0) for r in requests])
+        if delay:
+            await asyncio.sleep(delay)
         results = []
         for r in requests:
             t = r.prompt["tensor"]
@@ -52,21 +79,51 @@ def make_tensor_source() -> TensorSource:
     return TensorSource()
 
 
-def make_tensor_sink() -> TensorSink:
-    return TensorSink()
+class CheckedTensorSource(_Model):
+    """TensorSource that judges each prompt alone (a bad one fails alone, as ValueError)
+    and may first wait ``delay`` seconds, so that a request stays in flight."""
+
+    MAX_BYTES = 64 << 20
+
+    async def generate(self, requests: list[GenerationRequest]) -> list[Any]:
+        results: list[Any] = []
+        for r in requests:
+            p = r.prompt
+            ok = (isinstance(p, dict) and type(p.get("nbytes")) is int and 0 <= p["nbytes"] <= self.MAX_BYTES
+                  and isinstance(p.get("delay", 0), (int, float)) and 0 <= p.get("delay", 0) <= 10)
+            if not ok:
+                results.append(ValueError(f"prompt must be {{'nbytes': 0..{self.MAX_BYTES}, 'delay': 0..10}}, "
+                                          f"got {type(p).__name__}"))
+                continue
+            deadline = asyncio.get_running_loop().time() + p.get("delay", 0)
+            while not r.aborted and asyncio.get_running_loop().time() < deadline:
+                await asyncio.sleep(0.01)  # in steps: an aborted request stops waiting
+            results.append({"tensor": torch.full((p["nbytes"],), p["nbytes"] % 251, dtype=torch.uint8)})
+        return results
+
+
+def make_checked_tensor_source() -> CheckedTensorSource:
+    return CheckedTensorSource()
+
+
+def make_tensor_sink(delay: float = 0.0) -> TensorSink:
+    return TensorSink(delay)
 
 
 class ForwardTensor:
-    """Input processor: the source's tensor goes on as the next stage's prompt."""
+    """Input processor: the source's tensor goes on as the next stage's prompt
+    (with the request's ``"sink_delay"``, if it has one, as the sink's ``"delay"``)."""
 
     def __init__(self, sources: list[int], dst: int, prompt: Any = None) -> None:
         self.sources = sources
+        self.extra = {"delay": prompt["sink_delay"]} if isinstance(prompt, dict) and "sink_delay" in prompt else {}
 
     def on_output(self, output: Any, new_text: str) -> list[StageInput]:
         return []
 
     def on_finish(self, outputs: dict[int, list[Any]], text: dict[int, str]) -> list[StageInput]:
-        return [StageInput({"tensor": outputs[s][-1].multimodal_output["tensor"]}) for s in self.sources]
+        return [StageInput({"tensor": outputs[s][-1].multimodal_output["tensor"], **self.extra})
+                for s in self.sources]
 
 
 class Calc(_Model):

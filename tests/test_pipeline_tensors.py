@@ -8,27 +8,13 @@ import gc
 
 import pytest
 
-from omni_engine.config import parse_pipeline_config
 from omni_engine.connectors.shm import list_segments
 from omni_engine.entrypoints.multi_stage_engine_client import MultiStageEngineClient
+from tests.helpers import tensor_pipeline_config
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 
 NBYTES = 8 << 20
-
-
-def config(use_shm: bool):
-    return parse_pipeline_config({
-        "runtime": {"execution_mode": "sequential", "connectors": {"use_shm": use_shm}},
-        "stage_args": [
-            {"stage_id": 0, "stage_type": "generation",
-             "engine_args": {"model_factory": "tests.models:make_tensor_source"}},
-            {"stage_id": 1, "stage_type": "generation", "engine_input_source": [0],
-             "engine_args": {"model_factory": "tests.models:make_tensor_sink"},
-             "custom_process_input_func": "tests.models:ForwardTensor",
-             "final_output": True, "final_output_type": "tensor"},
-        ],
-    }, "<tensor pipeline>")
 
 
 async def run_once(client, request_id):
@@ -39,7 +25,7 @@ async def run_once(client, request_id):
 
 @pytest.mark.parametrize("use_shm", [True, False])
 async def test_tensor_crosses_stages_without_the_client_copying_it(use_shm):
-    client = await MultiStageEngineClient.from_config(config(use_shm))
+    client = await MultiStageEngineClient.from_config(tensor_pipeline_config(use_shm))
     source = client.stage_contexts[0].client
     try:
         result = await run_once(client, "t0")
@@ -62,6 +48,34 @@ async def test_tensor_crosses_stages_without_the_client_copying_it(use_shm):
         segments = len(list_segments(source.shm_prefix))
         await run_once(client, "t1")
         assert len(list_segments(source.shm_prefix)) == segments
+    finally:
+        await client.shutdown_async()
+    assert not list_segments(source.shm_prefix)
+
+
+async def test_an_output_written_into_shared_memory_is_sent_without_a_copy():
+    """``empty_output``: the model writes into a slot of its stage's pool; the
+    slot itself goes to the sink, and comes back after the request. A slot
+    whose output is never sent (the request failed) comes back too."""
+    client = await MultiStageEngineClient.from_config(tensor_pipeline_config())
+    source = client.stage_contexts[0].client
+    try:
+        outputs = [o async for o in client.generate({"nbytes": NBYTES, "into_slot": True}, None, "slot")]
+        result = outputs[-1].multimodal_output
+        assert result["nbytes"] == NBYTES and result["all_same"] and result["first"] == NBYTES % 251
+        assert result["segment"].startswith(source.shm_prefix + "_")
+        del outputs, result
+        gc.collect()
+        async with asyncio.timeout(10):
+            while (await source.call_utility_async("shm_stats"))["leased"]:
+                await asyncio.sleep(0.05)
+        with pytest.raises(Exception, match="failed after writing its output"):
+            async for _ in client.generate({"nbytes": NBYTES, "into_slot": True, "fail": True}, None, "fails"):
+                pass
+        async with asyncio.timeout(10):
+            while (await source.call_utility_async("shm_stats"))["leased"]:
+                await asyncio.sleep(0.05)
+        assert len(list_segments(source.shm_prefix)) == 1  # one slot, reused
     finally:
         await client.shutdown_async()
     assert not list_segments(source.shm_prefix)

@@ -11,7 +11,7 @@ import pytest
 from vllm import SamplingParams
 from vllm.sampling_params import RequestOutputKind
 
-from omni_engine.connectors.shm import list_segments
+from omni_engine.connectors.shm import list_segments, new_run_prefix, stage_prefix
 from omni_engine.errors import StageDeadError
 from omni_engine.stage_engine.stage_core_client import StageEngineCoreClient
 from omni_engine.stage_engine.stage_process import StageProcess, StageProcessSpec
@@ -81,7 +81,7 @@ def external_stage_on_5555(smollm2_path):
     """A stage process started on its own, connecting to the seed test's fixed addresses."""
     process = StageProcess(
         0, StageProcessSpec("llm", llm_engine_args(smollm2_path)),
-        "tcp://127.0.0.1:5555", "tcp://127.0.0.1:5556", "omni_external_s0", log_path=_log("external"),
+        "tcp://127.0.0.1:5555", "tcp://127.0.0.1:5556", stage_prefix(new_run_prefix(), 0), log_path=_log("external"),
     )
     process.start()
     yield process

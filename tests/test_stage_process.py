@@ -12,10 +12,10 @@ from omni_engine.engines.tts import SpeechParams
 from omni_engine.errors import StageRequestError, StageStartupError
 from omni_engine.stage_engine.protocol import StageRequestType
 from omni_engine.stage_engine.stage_core_client import StageEngineCoreClient
-from omni_engine.stage_engine.stage_process import StageProcessSpec
+from omni_engine.stage_engine.stage_process import StageProcess, StageProcessSpec
 from tests.helpers import collect, process_exists, tts_spec, wait_group_gone
 
-pytestmark = [pytest.mark.asyncio(loop_scope="session"), pytest.mark.tts]
+pytestmark = pytest.mark.tts  # async tests: the session loop (pyproject.toml)
 
 
 async def test_speech_stage_returns_plausible_audio(tts_stage):
@@ -115,6 +115,13 @@ async def test_startup_timeout_kills_the_stage():
     with pytest.raises(StageStartupError, match="did not become ready within"):
         await client.start()
     assert not process_exists(client.process.pid)
+
+
+def test_a_stage_started_with_a_foreign_shm_prefix_is_refused_before_it_spawns():
+    """A client ignores a READY whose prefix is not a stage prefix (it decides what is
+    unlinked when the stage dies), so such a stage would never start: say so at once."""
+    with pytest.raises(ValueError, match=r"stage 3: shm_prefix 'omni_external_s0' is not a stage prefix"):
+        StageProcess(3, tts_spec(), "tcp://127.0.0.1:1", "tcp://127.0.0.1:2", "omni_external_s0")
 
 
 async def test_stale_socket_dirs_of_dead_clients_are_removed_at_start(tmp_path):

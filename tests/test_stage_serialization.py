@@ -64,6 +64,7 @@ from omni_engine.stage_engine.stage_serialization import (
     DataLocation,
     StageMsgpackDecoder,
     StageMsgpackEncoder,
+    WireFormatError,
     register_wire_struct,
 )
 
@@ -809,9 +810,9 @@ def test_bad_ndarray_headers():
         StageMsgpackDecoder().decode(_tensor_ext(["|O", [1], DataLocation.INLINE, b"\0" * 8], CustomType.NDARRAY))
 
 
-def test_missing_shm_segment_is_an_os_error():
+def test_missing_shm_segment_is_a_wire_error_naming_it():
     header = ["float32", [2], DataLocation.SHM, "omni_1_00000000_s0_404", 0, 8, None]
-    with pytest.raises(FileNotFoundError):
+    with pytest.raises(WireFormatError, match=r"omni_1_00000000_s0_404.*No such file"):
         StageMsgpackDecoder().decode(_tensor_ext(header))
 
 
@@ -854,3 +855,97 @@ def test_garbage_never_crashes(data):
         except (msgspec.DecodeError, msgspec.ValidationError, ValueError, TypeError, OSError,
                 IndexError, KeyError, AttributeError, OverflowError, RuntimeError):
             pass
+
+
+# ----------------------------------------------------- hostile headers (no socket)
+def test_huge_declared_image_is_refused_before_allocating():
+    """A 40000x40000 RGBA header with one byte of data: refused at once, no 6.4 GB allocation."""
+    header = ["RGBA", [40000, 40000], DataLocation.INLINE, b"x"]
+    with pytest.raises(WireFormatError, match=r"ext PIL_IMAGE.*needs 6400000000"):
+        StageMsgpackDecoder().decode(_tensor_ext(header, CustomType.PIL_IMAGE))
+    with pytest.raises(WireFormatError, match="unsupported mode"):
+        StageMsgpackDecoder().decode(_tensor_ext(["XYZ", [1, 1], DataLocation.INLINE, b"x"], CustomType.PIL_IMAGE))
+
+
+@pytest.mark.parametrize("name", ["qint8", "__class__", "Tensor", 7, None])
+def test_tensor_dtype_names_come_from_a_table(name):
+    with pytest.raises(WireFormatError, match="unknown torch dtype"):
+        StageMsgpackDecoder().decode(_tensor_ext([name, [1], DataLocation.INLINE, b"\0"]))
+
+
+@pytest.mark.parametrize("dtype", [{"names": ["a"], "formats": ["u1"], "itemsize": 2**40}, "i4,i4", "V0", "|O"])
+def test_ndarray_dtypes_must_be_plain(dtype):
+    with pytest.raises(WireFormatError, match="ndarray"):
+        StageMsgpackDecoder().decode(_tensor_ext([dtype, [0], DataLocation.INLINE, b""], CustomType.NDARRAY))
+
+
+def test_shm_handles_of_other_runs_and_bad_ranges_are_refused(run_prefix):
+    """A decoder attaches only its pipeline's segments, only inside their bounds."""
+    pool = ShmPool(stage_prefix(run_prefix, 3), max_bytes=1 << 20, min_slot=SHM)
+    foreign = ShmPool(stage_prefix(f"omni_1_{os.urandom(4).hex()}", 0), max_bytes=1 << 20, min_slot=SHM)
+    mine, theirs = pool.lease(SHM, "r"), foreign.lease(SHM, "r")
+    attachments = ShmAttachments(f"omni_{os.getpid()}_")
+    decoder = StageMsgpackDecoder(shm=attachments)
+    try:
+        ok = decoder.decode(_tensor_ext(["uint8", [4], DataLocation.SHM, mine.name, 0, 4, None]))
+        assert ok.shape == (4,)
+        bad = {
+            "not one of this pipeline's": [theirs.name, 0, 4, None],
+            "outside segment": [mine.name, SHM - 2, 4, None],
+            "is not \\[str name": [mine.name, -1.5, 4, None],
+            "owner": [mine.name, 0, 4, ["not", "a", "str"]],
+            "invalid shared-memory segment name": ["omni_\0x", 0, 4, None],
+        }
+        for match, handle in bad.items():
+            with pytest.raises(WireFormatError, match=match):
+                decoder.decode(_tensor_ext(["uint8", [4], DataLocation.SHM, *handle]))
+        assert theirs.name not in {n for n in attachments._segments}
+    finally:
+        del ok
+        attachments.detach()
+        pool.close()
+        foreign.close()
+
+
+def test_failed_message_reports_no_shm_views(run_prefix):
+    """A message that fails after a good shared-memory tensor leaves no view to track."""
+    pool = ShmPool(stage_prefix(run_prefix, 4), max_bytes=1 << 20, min_slot=SHM)
+    seg = pool.lease(SHM, "r")
+    views = []
+    attachments = ShmAttachments()
+    decoder = StageMsgpackDecoder(shm=attachments, on_shm_view=lambda *v: views.append(v))
+    good = Ext(int(CustomType.TORCH_TENSOR), msgspec.msgpack.encode(["uint8", [4], DataLocation.SHM, seg.name, 0, 4, "r"]))
+    bad = Ext(int(CustomType.TORCH_TENSOR), msgspec.msgpack.encode(["uint8", [9], DataLocation.INLINE, b"\0"]))
+    try:
+        with pytest.raises(WireFormatError, match="needs 9"):
+            decoder.decode(msgspec.msgpack.encode([good, bad]))
+        assert views == []
+        decoder.decode(msgspec.msgpack.encode([good]))
+        assert [v[:2] for v in views] == [(seg.name, "r")]
+    finally:
+        views.clear()
+        attachments.detach()
+        pool.close()
+
+
+def test_request_output_routing_fields_are_typed():
+    values = ["id", None, None, None, [], True] + [None] * (len(REQUEST_OUTPUT_FIELDS) - 6) + [0, "text", {}]
+    body = lambda v: msgspec.msgpack.encode(Ext(int(CustomType.OMNI_REQUEST_OUTPUT), msgspec.msgpack.encode(v)))
+    assert StageMsgpackDecoder().decode(body(values)).request_id == "id"
+    for index, wrong in ((0, ["unhashable"]), (5, "yes"), (4, 3)):
+        broken = list(values)
+        broken[index] = wrong
+        with pytest.raises(WireFormatError, match="malformed RequestOutput"):
+            StageMsgpackDecoder().decode(body(broken))
+    with pytest.raises(WireFormatError, match="multimodal_output"):
+        StageMsgpackDecoder().decode(body(values[:-1] + [[1, 2]]))
+
+
+def test_deep_nesting_is_a_wire_error():
+    nested = msgspec.msgpack.encode(["a"])
+    for _ in range(3000):
+        nested = msgspec.msgpack.encode(Ext(int(CustomType.REQUEST_OUTPUT), nested))
+    with pytest.raises(WireFormatError, match="nested too deeply"):
+        StageMsgpackDecoder().decode(nested)
+    with pytest.raises(WireFormatError, match="nested too deeply"):
+        StageMsgpackDecoder().decode(b"\x91" * 100_000 + b"\xc0")

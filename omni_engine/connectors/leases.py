@@ -79,6 +79,15 @@ class ShmLeaseBook:
             if self._views[name] <= 0 and (owner is None or owner in self._ended):
                 self._release_locked(name)
 
+    def begin_request(self, request_id: str) -> None:
+        """``request_id`` is in use (again): its slots wait for its end anew.
+
+        Ids may be reused once a request has ended; without this a new request
+        under an ended id would give its slots back while still in flight.
+        """
+        with self._lock:
+            self._ended.pop(request_id, None)
+
     def end_request(self, request_id: str) -> None:
         """The request is over everywhere: slots without live views go back."""
         with self._lock:

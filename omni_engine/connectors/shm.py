@@ -20,6 +20,7 @@ import mmap
 import os
 import re
 import secrets
+import stat
 import threading
 from dataclasses import dataclass
 
@@ -40,6 +41,40 @@ def new_run_prefix() -> str:
 
 def stage_prefix(run_prefix: str, stage_id: int) -> str:
     return f"{run_prefix}_s{stage_id}"
+
+
+_STAGE_PREFIX_RE = re.compile(r"^omni_\d+_[0-9a-f]+_s\d+$")
+
+
+def is_stage_prefix(prefix: str) -> bool:
+    """Whether ``prefix`` has the shape :func:`stage_prefix` gives (``omni_<pid>_<hex>_s<id>``)."""
+    return isinstance(prefix, str) and _STAGE_PREFIX_RE.match(prefix) is not None
+
+
+def process_prefix(pid: int | None = None) -> str:
+    """``omni_<pid>_``: every segment made for the client process ``pid`` (default: this one).
+
+    A pipeline's stages have their own run prefixes, but all of them hold the
+    client's pid, so this is what a decoder may attach: the segments of its
+    own pipeline, and nothing else in /dev/shm.
+    """
+    return f"{SEGMENT_PREFIX}{os.getpid() if pid is None else pid}_"
+
+
+def owner_process_prefix(prefix: str) -> str:
+    """The :func:`process_prefix` of the client that made ``prefix`` (a run or stage prefix).
+
+    A prefix not made by :func:`new_run_prefix` falls back to every segment of
+    ours (``omni_``).
+    """
+    match = _RUN_RE.match(prefix + "_")
+    return process_prefix(int(match.group(1))) if match else SEGMENT_PREFIX
+
+
+def check_segment_name(name: str) -> None:
+    """ValueError unless ``name`` is a plain file name of ours (no path, no NUL)."""
+    if not isinstance(name, str) or "/" in name or "\0" in name or not name.startswith(SEGMENT_PREFIX):
+        raise ValueError(f"invalid shared-memory segment name {name!r}")
 
 
 class ShmSegment:
@@ -80,11 +115,14 @@ class ShmSegment:
     @classmethod
     def attach(cls, name: str) -> "ShmSegment":
         """Map an existing segment (the consumer side)."""
-        if "/" in name or not name.startswith(SEGMENT_PREFIX):
-            raise ValueError(f"invalid shared-memory segment name {name!r}")
-        fd = os.open(envs.shm_dir() / name, os.O_RDWR)
+        check_segment_name(name)
+        # O_NOFOLLOW: a symlink planted in /dev/shm must not map another file.
+        fd = os.open(envs.shm_dir() / name, os.O_RDWR | os.O_NOFOLLOW)
         try:
-            size = os.fstat(fd).st_size
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                raise ValueError(f"shared-memory segment {name!r} is not a regular file")
+            size = st.st_size
             mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE)
         finally:
             os.close(fd)
@@ -155,11 +193,40 @@ class SegmentIndex:
 
 SEGMENT_INDEX = SegmentIndex()
 
+# The pool of the stage this process serves (set by the stage process), for
+# models that write large outputs straight into shared memory.
+_output_pool: "ShmPool | None" = None
+
+
+def set_output_pool(pool: "ShmPool | None") -> None:
+    global _output_pool
+    _output_pool = pool
+
+
+def empty_output(nbytes: int, request_id: str) -> np.ndarray:
+    """An uninitialised uint8 buffer for an output of ``request_id``.
+
+    In a stage process with shared memory on, and at least the shm threshold
+    in size, it is a slot of the stage's pool: a tensor or array viewing it is
+    sent as a handle with no copy at all (``torch.frombuffer(buf, dtype=...)``
+    or ``buf.view(dtype)``). Elsewhere, ordinary memory. A slot whose output is
+    never sent goes back to the pool when the request ends.
+    """
+    pool = _output_pool
+    if pool is not None and nbytes >= envs.shm_threshold():
+        segment = pool.lease(nbytes, request_id, sent=False)
+        if segment is not None:
+            return segment.array[:nbytes]
+    return np.empty(nbytes, dtype=np.uint8)
+
 
 @dataclass(slots=True)
 class _Lease:
     segment: ShmSegment
     owner: str
+    # False for a slot handed to a model to write an output into (empty_output)
+    # until the encoder sends its handle; unsent slots go back when the request ends.
+    sent: bool = True
 
 
 class ShmPool:
@@ -190,7 +257,7 @@ class ShmPool:
     def num_leased(self) -> int:
         return len(self._leased)
 
-    def lease(self, nbytes: int, owner: str) -> ShmSegment | None:
+    def lease(self, nbytes: int, owner: str, sent: bool = True) -> ShmSegment | None:
         size = max(self.min_slot, 1 << max(0, nbytes - 1).bit_length())
         with self._lock:
             if self._closed:
@@ -198,8 +265,20 @@ class ShmPool:
             free = self._free.get(size)
             segment = free.pop() if free else self._create_locked(size)
             if segment is not None:
-                self._leased[segment.name] = _Lease(segment, owner)
+                self._leased[segment.name] = _Lease(segment, owner, sent)
             return segment
+
+    def mark_sent(self, name: str) -> None:
+        """The handle of a leased slot left for the client: from now on the client frees it."""
+        lease = self._leased.get(name)
+        if lease is not None:
+            lease.sent = True
+
+    def release_unsent(self, owner: str) -> int:
+        """Take back the slots of a finished request that were never sent (e.g. it failed)."""
+        with self._lock:
+            names = [name for name, lease in self._leased.items() if lease.owner == owner and not lease.sent]
+        return self.release(names) if names else 0
 
     def _create_locked(self, size: int) -> ShmSegment | None:
         free_bytes = sum(slot * len(free) for slot, free in self._free.items())
@@ -275,16 +354,28 @@ class ShmPool:
 
 
 class ShmAttachments:
-    """A consumer's cache of attached segments (mapping is costly; reuse it)."""
+    """A consumer's cache of attached segments (mapping is costly; reuse it).
 
-    def __init__(self) -> None:
+    Only segments under ``allowed_prefix`` are attached: a handle comes off a
+    socket, and must not map an arbitrary segment of another program or run.
+    """
+
+    def __init__(self, allowed_prefix: str = SEGMENT_PREFIX) -> None:
+        if not allowed_prefix.startswith(SEGMENT_PREFIX):
+            raise ValueError(f"allowed_prefix {allowed_prefix!r} must start with {SEGMENT_PREFIX!r}")
+        self.allowed_prefix = allowed_prefix
         self._lock = threading.Lock()
         self._segments: dict[str, ShmSegment] = {}
 
     def view(self, name: str, offset: int, nbytes: int) -> memoryview:
+        """A view of ``[offset, offset+nbytes)`` of segment ``name``; ValueError/OSError if refused."""
         with self._lock:
             segment = self._segments.get(name)
             if segment is None:
+                check_segment_name(name)
+                if not name.startswith(self.allowed_prefix):
+                    raise ValueError(f"shared-memory segment {name!r} is not one of this pipeline's "
+                                     f"(expected prefix {self.allowed_prefix!r})")
                 segment = ShmSegment.attach(name)
                 self._segments[name] = segment
                 SEGMENT_INDEX.add(segment)
@@ -312,7 +403,7 @@ def default_attachments() -> ShmAttachments:
     """The process-wide attachment cache: a segment is mapped once per process."""
     global _DEFAULT_ATTACHMENTS
     if _DEFAULT_ATTACHMENTS is None:
-        _DEFAULT_ATTACHMENTS = ShmAttachments()
+        _DEFAULT_ATTACHMENTS = ShmAttachments(process_prefix())
     return _DEFAULT_ATTACHMENTS
 
 

@@ -56,6 +56,9 @@ class GenerationStageEngine(StageEngine):
         self._pending: dict[str, _Pending] = {}
         self._wakeup = asyncio.Event()
         self._batcher: asyncio.Task | None = None
+        # The batch being computed and the model call computing it: cancelled
+        # once every request in it is aborted, so the stage is free again.
+        self._running: tuple[list[_Pending], asyncio.Task] | None = None
 
     @property
     def output_type(self) -> str:
@@ -80,6 +83,7 @@ class GenerationStageEngine(StageEngine):
         finally:
             pending.request.aborted = True  # a no-op if done; stops the model if cancelled
             self._pending.pop(request_id, None)
+            self._cancel_abandoned_batch()
         yield OmniRequestOutput(
             request_id, finished=True, stage_id=self.stage_id,
             final_output_type=self.output_type, multimodal_output=result,
@@ -105,11 +109,20 @@ class GenerationStageEngine(StageEngine):
 
     async def _run_batch(self, batch: list[_Pending]) -> None:
         assert self.model is not None
+        call = asyncio.create_task(self.model.generate([p.request for p in batch]))
+        self._running = (batch, call)
         try:
-            results = await self.model.generate([p.request for p in batch])
+            results = await call
+        except asyncio.CancelledError:
+            if asyncio.current_task().cancelling():
+                raise  # the batcher itself is stopped (shutdown)
+            logger.debug("stage %d: batch of %d cancelled: all its requests were aborted", self.stage_id, len(batch))
+            return
         except Exception as exc:  # noqa: BLE001 - fails this batch only
             logger.exception("stage %d: batch of %d failed", self.stage_id, len(batch))
             results = [exc] * len(batch)
+        finally:
+            self._running = None
         if len(results) != len(batch):
             error = StageEngineError(f"model returned {len(results)} results for a batch of {len(batch)}")
             results = [error] * len(batch)
@@ -121,12 +134,21 @@ class GenerationStageEngine(StageEngine):
             else:
                 pending.future.set_result(result)
 
+    def _cancel_abandoned_batch(self) -> None:
+        """Stop the model call of a batch nobody waits for any more: a model that
+        ignores ``request.aborted`` would otherwise hold the stage until it ends."""
+        if self._running is not None:
+            batch, call = self._running
+            if all(p.future.done() for p in batch):
+                call.cancel()
+
     async def abort(self, request_ids: Sequence[str]) -> None:
         for request_id in request_ids:
             pending = self._pending.pop(request_id, None)
             if pending is not None:
                 pending.request.aborted = True
                 pending.future.cancel()
+        self._cancel_abandoned_batch()
 
     def num_unfinished_requests(self) -> int:
         return len(self._pending)

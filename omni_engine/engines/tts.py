@@ -278,13 +278,16 @@ class EspeakTTSModel:
         self._closed = False
 
     def _params(self, raw: Any) -> SpeechParams:
-        if raw is None:
+        # vLLM-Omni callers pass a vLLM SamplingParams for every stage; it says
+        # nothing about speech, so it means the defaults.
+        if raw is None or type(raw).__name__ == "SamplingParams":
             return SpeechParams(voice=self._default_voice)
         if isinstance(raw, SpeechParams):
             return raw
         if isinstance(raw, Mapping):
             return msgspec.convert({"voice": self._default_voice, **raw}, SpeechParams)
-        raise TypeError(f"speech params must be None, SpeechParams or a dict, got {type(raw).__name__}")
+        raise TypeError(f"speech params must be None, a dict, SpeechParams or SamplingParams (defaults), "
+                        f"got {type(raw).__name__}")
 
     def _render(self, request: GenerationRequest) -> dict[str, Any] | Exception:
         if request.aborted:

@@ -17,17 +17,21 @@ from typing import Any
 import msgspec
 from vllm.engine.protocol import EngineClient
 
-from omni_engine.config import PipelineConfig, load_pipeline_config
+from omni_engine.config import PipelineConfig, StageConfig, load_pipeline_config
 from omni_engine.entrypoints.pipeline_orchestrator import PipelineOrchestrator
 from omni_engine.entrypoints.stage_context import StageContext
+from omni_engine.entrypoints.stage_supervisor import StageClientMaker, StageSupervisor
 from omni_engine.errors import StageDeadError
 from omni_engine.metrics import OrchestratorMetrics
 from omni_engine.outputs import OmniRequestOutput
+from omni_engine.stage_engine.base_client import BaseStageClient
 from omni_engine.stage_engine.stage_core_client import StageEngineCoreClient
+from omni_engine.stage_engine.stage_process import StageProcessSpec
 
 logger = logging.getLogger(__name__)
 
 Progress = Callable[[str], None]
+StageClientFactory = Callable[[StageConfig, StageProcessSpec], BaseStageClient]
 
 
 class MultiStageEngineClient(EngineClient):
@@ -39,11 +43,19 @@ class MultiStageEngineClient(EngineClient):
         execution_mode: str = "sequential",
         edge_modes: dict[tuple[int, int], str] | None = None,
         config: PipelineConfig | None = None,
+        stage_makers: dict[int, StageClientMaker] | None = None,
     ) -> None:
+        """``stage_makers`` make a new client (and process) for a stage; stages
+        with ``runtime.restart: on-failure`` are restarted with them."""
         self.stage_contexts = list(stages)
         self.config = config
         self.metrics = OrchestratorMetrics()
-        self.orchestrator = PipelineOrchestrator(stages, execution_mode, edge_modes, self.metrics)
+        limits = {}
+        if config is not None:
+            limits = dict(max_inflight_requests=config.runtime.max_inflight_requests,
+                          max_undelivered_outputs=config.runtime.max_undelivered_outputs)
+        self.orchestrator = PipelineOrchestrator(stages, execution_mode, edge_modes, self.metrics, **limits)
+        self.supervisor = StageSupervisor(self.stage_contexts, stage_makers or {})
         self._resumed = asyncio.Event()
         self._resumed.set()
         self._stopped = False
@@ -56,9 +68,15 @@ class MultiStageEngineClient(EngineClient):
     # ------------------------------------------------------------ building
     @classmethod
     async def from_config(
-        cls, config: PipelineConfig | str | Path, *, progress: Progress | None = None
+        cls, config: PipelineConfig | str | Path, *, progress: Progress | None = None,
+        make_stage_client: StageClientFactory | None = None,
     ) -> "MultiStageEngineClient":
-        """Validate the config, start every stage process (in parallel), and connect."""
+        """Validate the config, start every stage process (in parallel), and connect.
+
+        ``make_stage_client(stage_config, process_spec)`` builds the client of
+        one stage; the default is a ZMQ ``StageEngineCoreClient`` (the legacy
+        architecture passes its ``multiprocessing.Queue`` one).
+        """
         cfg = config if isinstance(config, PipelineConfig) else load_pipeline_config(config)
         say = progress or (lambda msg: None)
         connector_env = _connector_env(cfg)
@@ -68,12 +86,15 @@ class MultiStageEngineClient(EngineClient):
             spec = stage.process_spec()
             spec.env = {**connector_env, **spec.env}
             specs[stage.stage_id] = spec
-        clients = {
-            stage.stage_id: StageEngineCoreClient(
-                stage.stage_id, process=specs[stage.stage_id], transport=stage.runtime.transport
-            )
-            for stage in cfg.stage_args
-        }
+        # One set of CURVE keys per run, shared by every stage (None: CURVE off).
+        curve = cfg.runtime.security.curve_keys()
+
+        def zmq_client(stage: StageConfig, spec: StageProcessSpec) -> StageEngineCoreClient:
+            return StageEngineCoreClient(stage.stage_id, process=spec, transport=stage.runtime.transport,
+                                         host=stage.runtime.host, curve=curve)
+
+        make_client = make_stage_client or zmq_client
+        clients = {stage.stage_id: make_client(stage, specs[stage.stage_id]) for stage in cfg.stage_args}
 
         async def start(stage_id: int) -> None:
             say(f"stage {stage_id}: starting process")
@@ -101,7 +122,9 @@ class MultiStageEngineClient(EngineClient):
         edge_modes = {
             (edge.from_stage, edge.to): edge.execution_mode for edge in cfg.runtime.edges if edge.execution_mode
         }
-        return cls(contexts, cfg.runtime.execution_mode, edge_modes, cfg)
+        makers = {stage.stage_id: (lambda stage=stage: make_client(stage, specs[stage.stage_id]))
+                  for stage in cfg.stage_args}
+        return cls(contexts, cfg.runtime.execution_mode, edge_modes, cfg, makers)
 
     async def __aenter__(self) -> "MultiStageEngineClient":
         return self
@@ -280,6 +303,7 @@ class MultiStageEngineClient(EngineClient):
         if self._stopped:
             return
         self._stopped = True
+        await self.supervisor.stop()
         await self.orchestrator.stop()
         await asyncio.gather(*(ctx.client.shutdown() for ctx in self.stage_contexts), return_exceptions=True)
 

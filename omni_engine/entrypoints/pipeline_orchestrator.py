@@ -24,6 +24,7 @@ from vllm.sampling_params import RequestOutputKind
 
 from omni_engine.engines.llm import parse_output_kind
 from omni_engine.entrypoints.input_processors import StageInput
+from omni_engine.entrypoints.request_events import RequestEventRecorder
 from omni_engine.entrypoints.request_state import (
     ClientRequestState,
     StageTrack,
@@ -31,7 +32,11 @@ from omni_engine.entrypoints.request_state import (
 )
 from omni_engine.entrypoints.stage_context import StageContext
 from omni_engine.entrypoints.stage_graph import StageGraph
-from omni_engine.errors import StageDeadError, StageRequestError
+from omni_engine.errors import (
+    PipelineOverloadedError,
+    StageDeadError,
+    StageRequestError,
+)
 from omni_engine.metrics import OrchestratorMetrics, PipelineObserver
 from omni_engine.outputs import OmniRequestOutput
 
@@ -53,6 +58,8 @@ class PipelineOrchestrator:
         execution_mode: str = "sequential",
         edge_modes: dict[tuple[int, int], str] | None = None,
         metrics: OrchestratorMetrics | None = None,
+        max_inflight_requests: int = 1024,
+        max_undelivered_outputs: int = 4096,
     ) -> None:
         if execution_mode not in EXECUTION_MODES:
             raise ValueError(f"execution_mode must be one of {EXECUTION_MODES}, got {execution_mode!r}")
@@ -64,17 +71,16 @@ class PipelineOrchestrator:
         self.execution_mode = execution_mode
         self.edge_modes = dict(edge_modes or {})
         self.metrics = metrics or OrchestratorMetrics()
-        # Told of every event as it happens (e.g. a Prometheus exporter); optional.
-        self.observer: PipelineObserver | None = None
+        # Bounds on what overload can make the client hold (see PipelineRuntimeConfig).
+        self.max_inflight_requests = max_inflight_requests
+        self.max_undelivered_outputs = max_undelivered_outputs
+        self.events = RequestEventRecorder()
         self._requests: dict[str, ClientRequestState] = {}
         # stage id -> sub-request id -> its request
         self._routes: dict[int, dict[str, ClientRequestState]] = {sid: {} for sid in self.stage_order}
         self._readers: dict[int, asyncio.Task] = {}
         self._idle = asyncio.Event()
         self._idle.set()
-
-    def _clients(self) -> list[Any]:
-        return [ctx.client for ctx in self.stages.values()]
 
     def edge_mode(self, src: int, dst: int, state: ClientRequestState | None = None) -> str:
         return self.edge_modes.get((src, dst), state.execution_mode if state else self.execution_mode)
@@ -132,14 +138,14 @@ class PipelineOrchestrator:
                     load[sid][k in track.first_output_at] += 1
         return {sid: (w, r) for sid, (w, r) in load.items()}
 
-    def _observe(self, event: str, *args: Any) -> None:
-        observer = self.observer
-        if observer is None:
-            return
-        try:
-            getattr(observer, event)(*args)
-        except Exception:  # noqa: BLE001 - metrics must never break a request
-            logger.exception("pipeline observer %s failed", event)
+    @property
+    def observer(self) -> PipelineObserver | None:
+        """Told of every event as it happens (e.g. a Prometheus exporter); optional."""
+        return self.events.observer
+
+    @observer.setter
+    def observer(self, observer: PipelineObserver | None) -> None:
+        self.events.observer = observer
 
     # --------------------------------------------------------------- submit
     async def submit_request(
@@ -161,6 +167,10 @@ class PipelineOrchestrator:
         """
         if request_id in self._requests:
             raise ValueError(f"request id {request_id!r} is already in the pipeline")
+        if len(self._requests) >= self.max_inflight_requests:
+            raise PipelineOverloadedError(
+                f"request {request_id!r} refused: the pipeline already has {len(self._requests)} requests in "
+                f"flight (runtime.max_inflight_requests); retry later", request_id)
         if execution_mode is not None and execution_mode not in EXECUTION_MODES:
             raise ValueError(f"execution_mode must be one of {EXECUTION_MODES}, got {execution_mode!r}")
         if entry_stage_id is not None and entry_stage_id not in self.stages:
@@ -203,6 +213,10 @@ class PipelineOrchestrator:
         return params
 
     async def _submit_sub_request(self, state: ClientRequestState, sid: int, inp: StageInput) -> int:
+        if state.ended:
+            # Aborted while an earlier submit of its routing step was awaited:
+            # nothing more may reach a stage, or it would run for nobody.
+            return 0
         track = state.stages[sid]
         k = track.submitted
         track.submitted += 1
@@ -210,28 +224,21 @@ class PipelineOrchestrator:
         params = inp.sampling_params if inp.sampling_params is not None else state.params[sid]
         track.inflight[sub_id] = k
         track.kinds[sub_id] = _output_kind(params)
-        state.sub_ids.append(sub_id)
+        track.sub_ids.append(sub_id)
         self._routes[sid][sub_id] = state
-        stage_metrics = state.pipeline_metrics.stage(sid)
-        stage_metrics.requests += 1
-        track.submitted_at.setdefault(k, asyncio.get_running_loop().time())
+        self.events.submitting(state, sid, k)
         client = self.stages[sid].client
         sent_before = client.bytes_sent
         await client.submit_request(sub_id, inp.prompt, params, end_on_finish=False)
         nbytes = client.bytes_sent - sent_before
-        stage_metrics.bytes_in += nbytes
-        self._observe("on_submit", sid, nbytes)
+        self.events.submitted(state, sid, nbytes)
         return nbytes
 
     async def _forward_to_next_stage(self, state: ClientRequestState, dst: int, inputs: list[StageInput],
                                      src_times: dict[int, float] | None = None) -> None:
         """Submit ``inputs`` to ``dst``; ``src_times``: when each source produced what they were built from."""
         for inp in inputs:
-            nbytes = await self._submit_sub_request(state, dst, inp)
-            if self.observer is not None and src_times:
-                now = asyncio.get_running_loop().time()
-                for src, t in src_times.items():
-                    self._observe("on_forward", src, dst, nbytes, max(0.0, now - t))
+            self.events.forwarded(dst, await self._submit_sub_request(state, dst, inp), src_times)
 
     # -------------------------------------------------------------- outputs
     async def _read_stage(self, ctx: StageContext) -> None:
@@ -286,7 +293,7 @@ class PipelineOrchestrator:
         sub_id = output.request_id
         k = track.inflight[sub_id]
         now = asyncio.get_running_loop().time()
-        self._note_output(state, sid, k, now, output.finished)
+        self.events.output(state, sid, k, now, output.finished)
         new_text = new_text_of(track, sub_id, output)
         track.text += new_text
         if track.consumers_pending:
@@ -300,26 +307,12 @@ class PipelineOrchestrator:
                 if dst in state.stages and self.edge_mode(sid, dst, state) == "async_chunk":
                     await self._forward_to_next_stage(state, dst, state.processors[dst].on_output(output, new_text),
                                                       {sid: now})
+            if state.ended:  # aborted while forwarding
+                return
         if sid in state.final_stages:
             self._emit(state, sid, k, output)
         if track.complete and not track.done:
             await self._stage_done(state, sid)
-
-    def _note_output(self, state: ClientRequestState, sid: int, k: int, now: float, finished: bool) -> None:
-        track = state.stages[sid]
-        stage_metrics = state.pipeline_metrics.stage(sid)
-        stage_metrics.outputs += 1
-        if k not in track.first_output_at:
-            track.first_output_at[k] = now
-            queue_s = now - track.submitted_at.get(k, now)
-            stage_metrics.queue_time_s += queue_s
-            state.metrics.first_output.setdefault(sid, now)
-            self._observe("on_first_output", sid, queue_s)
-        if finished:
-            run_s = now - track.first_output_at[k]
-            stage_metrics.finished += 1
-            stage_metrics.run_time_s += run_s
-            self._observe("on_finished", sid, run_s)
 
     def _emit(self, state: ClientRequestState, sid: int, k: int, output: OmniRequestOutput) -> None:
         """Deliver to the caller in sub-request order; ``finished`` only on the stage's last."""
@@ -343,6 +336,12 @@ class PipelineOrchestrator:
         output.finished = output.finished and track.complete and not track.held
         track.closed = output.finished
         state.queue.put_nowait(output)
+        if state.queue.qsize() > self.max_undelivered_outputs and not state.overflowed:
+            # The caller stopped reading: end the request rather than hold its outputs without bound.
+            state.overflowed = True
+            asyncio.get_running_loop().create_task(self._fail(state, PipelineOverloadedError(
+                f"request {state.request_id!r} aborted: its caller left {state.queue.qsize()} outputs unread "
+                f"(runtime.max_undelivered_outputs is {self.max_undelivered_outputs})", state.request_id)))
 
     async def _stage_done(self, state: ClientRequestState, sid: int) -> None:
         """``sid`` has nothing more for this request: feed its consumers, close it."""
@@ -369,6 +368,8 @@ class PipelineOrchestrator:
                         src_track.outputs = []  # every consumer has what it needs
                 await self._forward_to_next_stage(state, dst, inputs, {
                     s: state.metrics.stage_done.get(s, asyncio.get_running_loop().time()) for s in srcs})
+                if state.ended:  # aborted while forwarding
+                    return
                 if dst_track.complete and not dst_track.done:
                     await self._stage_done(state, dst)
         if all(state.stages[f].done for f in state.final_stages):
@@ -392,7 +393,7 @@ class PipelineOrchestrator:
             for sub_id in sub_ids:
                 self._routes[sid].pop(sub_id, None)
             track.inflight.clear()
-            state.pipeline_metrics.stage(sid).aborted += len(sub_ids)
+            self.events.aborted(state, sid, len(sub_ids))
             client = self.stages[sid].client
             if not client.is_dead:
                 try:
@@ -401,9 +402,7 @@ class PipelineOrchestrator:
                     logger.debug("abort of %s on stage %d failed", sub_ids, sid, exc_info=True)
 
     async def _fail(self, state: ClientRequestState, error: BaseException) -> None:
-        if isinstance(error, StageRequestError):
-            state.pipeline_metrics.stage(error.stage_id).failed += 1
-            self._observe("on_error", error.stage_id, error.error_type)
+        self.events.failed(state, error)
         await self._abort_everywhere(state)
         self._finish(state, error)
 
@@ -418,23 +417,20 @@ class PipelineOrchestrator:
         """End the request: the caller's stream ends (or raises); its memory is freed."""
         if self._requests.pop(state.request_id, None) is None:
             return
+        state.ended = True
         if not self._requests:
             self._idle.set()
             self._stop_readers_if_idle()
         for sid, track in state.stages.items():
             for sub_id in track.inflight:
                 self._routes[sid].pop(sub_id, None)
-        state.metrics.finished = asyncio.get_running_loop().time()
-        if self.observer is not None:
-            outcome = ("finished" if error is None
-                       else "aborted" if isinstance(error, asyncio.CancelledError) else "failed")
-            ttfo = {sid: max(0.0, t) for sid in sorted(state.final_stages)
-                    if (t := state.metrics.time_to_first_output(sid)) is not None}
-            self._observe("on_request_done", max(0.0, state.metrics.e2e_s or 0.0), ttfo, outcome,
-                          tuple(sorted(state.final_stages)))
-        for book in {id(c.lease_book): c.lease_book for c in self._clients() if c.lease_book}.values():
-            for sub_id in state.sub_ids:
-                book.end_request(sub_id)
+        self.events.done(state, error)
+        # Sub-requests were submitted with end_on_finish=False: their stage
+        # clients keep them (and their shared-memory slots) until told here.
+        for sid, track in state.stages.items():
+            client = self.stages[sid].client
+            for sub_id in track.sub_ids:
+                client.end_request(sub_id)
         for track in state.stages.values():
             track.held.clear()
             track.outputs = []

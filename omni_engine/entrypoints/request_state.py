@@ -28,6 +28,8 @@ class StageTrack:
     # Text seen so far per (sub-request, completion index), for cumulative outputs.
     seen: dict[tuple[str, int], int] = field(default_factory=dict)
     submitted: int = 0
+    # Every sub-request id ever sent to this stage (ended on the stage client at the end).
+    sub_ids: list[str] = field(default_factory=list)
     text: str = ""
     # Outputs kept for consumers that start when this stage is done (sequential).
     outputs: list[OmniRequestOutput] = field(default_factory=list)
@@ -60,8 +62,12 @@ class ClientRequestState:
     pipeline_metrics: OrchestratorMetrics
     execution_mode: str = "sequential"
     processors: dict[int, InputProcessor] = field(default_factory=dict)
-    sub_ids: list[str] = field(default_factory=list)
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+    # Set once the caller left too many outputs unread (the request is being failed).
+    overflowed: bool = False
+    # Set when the request ends (finished, failed or aborted): a routing step
+    # that awaited meanwhile must not submit anything more for it.
+    ended: bool = False
 
 
 def new_text_of(track: StageTrack, sub_id: str, output: OmniRequestOutput) -> str:

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from omni_engine.config import StageConfig
-from omni_engine.stage_engine.stage_core_client import StageEngineCoreClient
+from omni_engine.stage_engine.base_client import BaseStageClient
 
 
 @dataclass
@@ -19,7 +19,7 @@ class StageContext:
 
     stage_id: int
     stage_config: StageConfig | None
-    client: StageEngineCoreClient
+    client: BaseStageClient
     connectors: dict[str, Any] = field(default_factory=dict)
     is_final_output: bool = False
     final_output_type: str = "text"

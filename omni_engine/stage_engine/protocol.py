@@ -79,6 +79,12 @@ class StageOutputs(msgspec.Struct, array_like=True, gc=False):
     timestamp: float = 0.0
 
 
+# StageError.error_type of a GENERATE refused because its id is in flight.
+DUPLICATE_REQUEST = "DuplicateRequest"
+# StageError.error_type of a message that did not decode.
+MALFORMED_MESSAGE = "MalformedMessage"
+
+
 class StageError(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     """A failure of one request (request_id set) or of one message (None)."""
 

@@ -23,7 +23,6 @@ from __future__ import annotations
 import dataclasses
 import enum
 import logging
-import math
 import pickle
 import warnings
 from collections.abc import Callable, Sequence
@@ -45,6 +44,15 @@ from omni_engine.connectors.shm import SEGMENT_INDEX, ShmAttachments, ShmPool
 from omni_engine.engines.tts import SpeechParams
 from omni_engine.inputs import OmniDiffusionSamplingParams, OmniTextPrompt
 from omni_engine.outputs import REQUEST_OUTPUT_FIELDS, OmniRequestOutput
+from omni_engine.stage_engine.wire_headers import (
+    WireFormatError,
+    check_header,
+    check_image,
+    check_shape,
+    check_shm_handle,
+    numpy_dtype,
+    torch_dtype,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -129,20 +137,11 @@ def register_wire_struct(cls: type[msgspec.Struct]) -> type[msgspec.Struct]:
 register_wire_struct(SpeechParams)
 
 
-def _torch_dtype(name: str) -> torch.dtype:
-    dtype = getattr(torch, name, None)
-    if not isinstance(dtype, torch.dtype):
-        raise ValueError(f"unknown torch dtype {name!r} in tensor header")
-    return dtype
-
-
-def _check_shape(shape: Any, itemsize: int, nbytes: int, what: str) -> tuple[int, ...]:
-    if not isinstance(shape, list) or not all(isinstance(d, int) and d >= 0 for d in shape):
-        raise ValueError(f"{what} header has an invalid shape {shape!r}")
-    need = math.prod(shape) * itemsize
-    if need != nbytes:
-        raise ValueError(f"{what} data is {nbytes} bytes but shape {shape} needs {need}")
-    return tuple(shape)
+def _ext_name(code: int) -> str:
+    try:
+        return f"ext {CustomType(code).name}"
+    except ValueError:
+        return f"ext {code}"
 
 
 class StageMsgpackEncoder:
@@ -306,6 +305,8 @@ class StageMsgpackEncoder:
             if segment is not None:
                 segment.array[:nbytes] = data
                 found = (segment.name, 0)
+        elif found is not None and self.shm_pool is not None:
+            self.shm_pool.mark_sent(found[0])  # a slot a model wrote its output into (empty_output)
         if found is not None:
             header += [DataLocation.SHM, found[0], found[1], nbytes, self._owner]
         else:
@@ -321,10 +322,15 @@ ShmViewCallback = Callable[[str, "str | None", np.ndarray], None]
 class StageMsgpackDecoder:
     """Decodes ``[body, *aux_frames]``. One per thread.
 
+    Input comes off a socket, so every header is checked before it is used;
+    anything wrong is a ``WireFormatError`` naming the ext type and the field.
+    Shared-memory handles attach only segments ``shm`` allows.
+
     ``on_shm_view(segment, owner_request, view)`` is called for every
     shared-memory view handed out (a uint8 array that every tensor/array
     decoded from it references), so the owner of the views (the client)
-    can tell the producer when a slot is free again.
+    can tell the producer when a slot is free again. It is called once the
+    whole message decoded: a message that fails half-way leaves no views behind.
     """
 
     def __init__(
@@ -342,15 +348,25 @@ class StageMsgpackDecoder:
         self._any = msgspec.msgpack.Decoder(ext_hook=self._ext_hook)
         self._typed: dict[type, msgspec.msgpack.Decoder] = {}
         self._aux: Sequence[Any] | None = None
+        self._views: list[tuple[str, str | None, np.ndarray]] = []
 
     def decode(self, bufs: Any) -> Any:
         if not isinstance(bufs, (list, tuple)):
             bufs = [bufs]
         self._aux = bufs
         try:
-            return self._decoder.decode(bufs[0])
+            obj = self._decoder.decode(bufs[0])
+        except msgspec.DecodeError as exc:
+            raise WireFormatError(str(exc)) from None
+        except RecursionError:
+            raise WireFormatError("message is nested too deeply") from None
         finally:
             self._aux = None
+            views, self._views = self._views, []
+        if self.on_shm_view is not None:
+            for name, owner, view in views:
+                self.on_shm_view(name, owner, view)
+        return obj
 
     def _typed_decoder(self, cls: type) -> msgspec.msgpack.Decoder:
         decoder = self._typed.get(cls)
@@ -359,6 +375,20 @@ class StageMsgpackDecoder:
         return decoder
 
     def _ext_hook(self, code: int, data: memoryview) -> Any:
+        try:
+            return self._decode_ext(code, data)
+        except WireFormatError as exc:
+            # Name the path to the failing ext, a few levels deep (nesting is attacker-chosen).
+            inner = str(exc)
+            raise WireFormatError(inner if inner.count(" > ") >= 3 else f"{_ext_name(code)} > {inner}") from None
+        except msgspec.DecodeError as exc:
+            raise WireFormatError(f"{_ext_name(code)}: {exc}") from None
+        except RecursionError:
+            raise WireFormatError(f"{_ext_name(code)}: nested too deeply") from None
+        except Exception as exc:  # noqa: BLE001 - foreign constructors (vLLM's __post_init__) reject bad values with any type
+            raise WireFormatError(f"{_ext_name(code)}: {type(exc).__name__}: {exc}") from exc
+
+    def _decode_ext(self, code: int, data: memoryview) -> Any:
         if code == CustomType.TORCH_TENSOR:
             return self._decode_tensor(data)
         if code == CustomType.NDARRAY:
@@ -377,78 +407,93 @@ class StageMsgpackDecoder:
             return self._decode_image(data)
         if code == CustomType.PICKLE:
             if not self.allow_pickle:
-                raise ValueError(
+                raise WireFormatError(
                     "received a pickled object (ext 111) but pickle is disabled; "
                     "set OMNI_ENGINE_ALLOW_PICKLE=1 on both ends to allow it"
                 )
             return pickle.loads(data)
-        raise ValueError(f"unknown msgpack ext type code {code} in stage message")
+        raise WireFormatError(f"unknown msgpack ext type code {code} in stage message")
 
     def _decode_wire_struct(self, data: memoryview) -> Any:
         name, raw = msgspec.msgpack.decode(data, type=tuple[str, msgspec.Raw])
         cls = _WIRE_STRUCTS.get(name)
         if cls is None:
-            raise ValueError(f"unknown wire struct {name!r} (not registered with register_wire_struct)")
+            raise WireFormatError(f"unknown wire struct {name!r} (not registered with register_wire_struct)")
         return self._typed_decoder(cls).decode(raw)
 
     def _decode_request_output(self, code: int, data: memoryview) -> RequestOutput:
         values = self._any.decode(data)
         if not isinstance(values, list) or len(values) < len(REQUEST_OUTPUT_FIELDS):
-            raise ValueError("malformed RequestOutput on the wire: too few fields")
+            raise WireFormatError("malformed RequestOutput on the wire: too few fields")
         cls = OmniRequestOutput if code == CustomType.OMNI_REQUEST_OUTPUT else RequestOutput
         out = cls.__new__(cls)
         out.__dict__.update(zip(REQUEST_OUTPUT_FIELDS, values))
+        # The fields the client routes by; the rest is the consumer's to read.
+        if not isinstance(out.request_id, str) or type(out.finished) is not bool or not isinstance(out.outputs, list):
+            raise WireFormatError(
+                f"malformed RequestOutput on the wire: request_id {type(out.request_id).__name__}, finished "
+                f"{type(out.finished).__name__}, outputs {type(out.outputs).__name__} (expected str, bool, list)")
         if code == CustomType.OMNI_REQUEST_OUTPUT:
             extra = values[len(REQUEST_OUTPUT_FIELDS):]
             if len(extra) < len(_OMNI_EXTRA_FIELDS):
-                raise ValueError("malformed OmniRequestOutput on the wire: missing stage fields")
+                raise WireFormatError("malformed OmniRequestOutput on the wire: missing stage fields")
             out.__dict__.update(zip(_OMNI_EXTRA_FIELDS, extra))
             if out.multimodal_output is None:
                 out.multimodal_output = {}
+            elif not isinstance(out.multimodal_output, dict):
+                raise WireFormatError(f"malformed OmniRequestOutput {out.request_id!r}: multimodal_output is "
+                                      f"{type(out.multimodal_output).__name__}, expected a dict")
         return out
 
     def _decode_data(self, header: list[Any], what: str) -> memoryview | np.ndarray:
         """The bytes a tensor header points at (header[2:] is the location)."""
+        location = header[2]
+        if location == DataLocation.INLINE:
+            if not isinstance(header[3], bytes):
+                raise WireFormatError(f"malformed {what} header: inline data is {type(header[3]).__name__}, not bin")
+            return memoryview(header[3])
+        if location == DataLocation.FRAME:
+            index, num_aux = header[3], len(self._aux or ()) - 1
+            if type(index) is not int or not 0 < index <= num_aux:
+                raise WireFormatError(f"malformed {what} header: {what} refers to frame {index!r}, "
+                                      f"message has {num_aux} data frame(s)")
+            return memoryview(self._aux[index]).cast("B")
+        if location != DataLocation.SHM:
+            raise WireFormatError(f"malformed {what} header: unknown data location {location!r}")
+        return self._shm_view(header, what)
+
+    def _shm_view(self, header: list[Any], what: str) -> np.ndarray:
+        name, offset, nbytes, owner = check_shm_handle(header, what)
         try:
-            location = DataLocation(header[2])
-            if location is DataLocation.INLINE:
-                return memoryview(header[3])
-            if location is DataLocation.FRAME:
-                index = header[3]
-                if not isinstance(index, int) or not 0 < index < len(self._aux or ()):
-                    raise ValueError(f"{what} refers to frame {index!r}, message has {len(self._aux or ()) - 1}")
-                return memoryview(self._aux[index]).cast("B")
-            name, offset, nbytes, owner = header[3:7]
-        except (IndexError, TypeError, ValueError) as exc:
-            raise ValueError(f"malformed {what} header: {exc}") from None
+            mapped = self.shm.view(name, offset, nbytes)
+        except (OSError, ValueError) as exc:
+            raise WireFormatError(f"{what} in shared-memory segment {name!r} [{offset}, +{nbytes}) "
+                                  f"cannot be mapped: {exc}") from None
         # numpy re-exports a buffer from its underlying object, so an array
         # built on a memoryview does not keep that memoryview alive: hand out
         # (and let on_shm_view track) an array that decoded values reference.
-        view = np.frombuffer(self.shm.view(name, offset, nbytes), dtype=np.uint8)
-        if self.on_shm_view is not None:
-            self.on_shm_view(name, owner, view)
+        view = np.frombuffer(mapped, dtype=np.uint8)
+        self._views.append((name, owner, view))
         return view
 
     def _decode_tensor(self, data: memoryview) -> torch.Tensor:
-        header = msgspec.msgpack.decode(data)
-        dtype = _torch_dtype(header[0])
+        header = check_header(msgspec.msgpack.decode(data), "tensor")
+        dtype, itemsize = torch_dtype(header[0])
         buf = self._decode_data(header, "tensor")
-        itemsize = torch.empty((), dtype=dtype).element_size()
-        shape = _check_shape(header[1], itemsize, len(buf), "tensor")
+        shape = check_shape(header[1], itemsize, len(buf), "tensor")
         if len(buf) == 0:
             return torch.empty(shape, dtype=dtype)
         return torch.from_numpy(np.frombuffer(buf, dtype=np.uint8)).view(dtype).view(shape)
 
     def _decode_ndarray(self, data: memoryview) -> np.ndarray:
-        header = msgspec.msgpack.decode(data)
-        dtype = np.dtype(header[0])
-        if dtype.hasobject:
-            raise ValueError(f"refusing numpy array of object dtype {dtype}")
+        header = check_header(msgspec.msgpack.decode(data), "ndarray")
+        dtype = numpy_dtype(header[0])
         buf = self._decode_data(header, "ndarray")
-        shape = _check_shape(header[1], dtype.itemsize, len(buf), "ndarray")
+        shape = check_shape(header[1], dtype.itemsize, len(buf), "ndarray")
         return np.frombuffer(buf, dtype=dtype).reshape(shape)
 
     def _decode_image(self, data: memoryview) -> Image.Image:
-        header = msgspec.msgpack.decode(data)
+        header = check_header(msgspec.msgpack.decode(data), "image")
         buf = self._decode_data(header, "image")
-        return Image.frombytes(header[0], tuple(header[1]), bytes(buf))
+        mode, size = check_image(header[0], header[1], len(buf))
+        return Image.frombytes(mode, size, bytes(buf))

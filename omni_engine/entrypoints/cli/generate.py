@@ -8,8 +8,6 @@ on stderr: stage start-up, time to first output and completion of each.
 from __future__ import annotations
 
 import argparse
-import asyncio
-import signal
 import time
 from pathlib import Path
 
@@ -59,13 +57,11 @@ def _chat_prompt(config, question: str) -> str:
 async def _generate(args: argparse.Namespace, config) -> int:
     from omni_engine.audio import write_wav
     from omni_engine.entrypoints.multi_stage_engine_client import MultiStageEngineClient
+    from omni_engine.entrypoints.signals import cancel_on_signals
 
     prompt = args.prompt if args.raw else _chat_prompt(config, args.prompt)
     # SIGTERM/SIGINT: unwind through `async with` so every stage is shut down.
-    task = asyncio.current_task()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, task.cancel)
+    cancel_on_signals()
     started = time.monotonic()
     say(f"starting {len(config.stage_args)} stage(s) from {args.config}")
     async with await MultiStageEngineClient.from_config(config, progress=say) as client:

@@ -137,6 +137,14 @@ class PipelineMetricsCollector(PipelineObserver, Collector):
         yield up
         yield waiting
         yield running
+        supervisor = getattr(self.client, "supervisor", None)
+        if supervisor is not None:
+            restarts = CounterMetricFamily(PREFIX + "stage_restarts",
+                                           "Per stage: restarts after the stage died (runtime.restart)",
+                                           labels=["stage"])
+            for sid in stage_ids:
+                restarts.add_metric([str(sid)], supervisor.restarts.get(sid, 0))
+            yield restarts
 
         stage_counters = (
             ("stage_requests", "requests", "Per stage: (sub-)requests submitted"),

@@ -1,0 +1,358 @@
+"""``BaseStageClient``: the transport-independent half of a stage client.
+
+Request bookkeeping (which requests are in flight, their queued outputs,
+abort dropping what is queued), calls that wait for an answer (health,
+utility), startup against the process sentinel, and death (every waiter
+fails at once, naming the stage) do not depend on how messages travel.
+``StageEngineCoreClient`` carries them over ZMQ; the legacy architecture's
+``OmniStage`` over ``multiprocessing.Queue``. The orchestrator talks to
+either through this interface, so both fail the same way.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+from collections import deque
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from omni_engine import envs
+from omni_engine.errors import StageDeadError, StageRequestError, StageStartupError
+from omni_engine.outputs import OmniRequestOutput
+from omni_engine.stage_engine.protocol import (
+    DUPLICATE_REQUEST,
+    StageAbortRequest,
+    StageGenerateRequest,
+    StageHealthCheck,
+    StageReady,
+    StageRequestType,
+    StageResponseType,
+    StageShutdown,
+    StageUtilityRequest,
+)
+from omni_engine.stage_engine.stage_process import StageProcess, StageProcessSpec
+
+logger = logging.getLogger(__name__)
+
+StageItem = OmniRequestOutput | StageRequestError
+
+
+class BaseStageClient:
+    """Submit, stream outputs, abort, health and utility calls for one stage.
+
+    Subclasses provide ``_send`` (one request out), ``_recv_ready`` (wait for
+    the stage's READY) and feed decoded answers to ``_on_response``.
+    """
+
+    def __init__(self, stage_id: int, process: StageProcessSpec | None = None,
+                 startup_timeout: float | None = None) -> None:
+        self.stage_id = stage_id
+        self.process_spec = process
+        self.startup_timeout = envs.stage_startup_timeout_s() if startup_timeout is None else startup_timeout
+        self.process: StageProcess | None = None
+        self.ready: StageReady | None = None
+        self.dead_error: StageDeadError | None = None
+        # Batches not yet taken by a reader. A deque (not an asyncio.Queue)
+        # so that an abort can drop what is queued for the aborted requests:
+        # their outputs may hold shared-memory slots.
+        self._batches: deque[list[StageItem]] = deque()
+        self._batch_ready = asyncio.Event()
+        self._pending_items: list[Any] = []
+        self._requests: set[str] = set()
+        # Requests whose resources stay held after the stage finishes them,
+        # until end_request(): under an orchestrator a shared-memory handle
+        # may still be on its way to the next stage.
+        self._manual_end: set[str] = set()
+        self._calls: dict[int, asyncio.Future] = {}
+        self._call_ids = itertools.count(1)
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._stopped = False
+        # Told when the stage dies unexpectedly (not at shutdown): e.g. the
+        # pipeline's restart policy.
+        self.on_dead: Callable[[StageDeadError], None] | None = None
+        # Wire traffic, for metrics (transports that cannot count leave 0).
+        self.bytes_sent = 0
+        self.bytes_received = 0
+
+    # ------------------------------------------------------------ transport
+    async def _send(self, req_type: StageRequestType, msg: Any) -> None:
+        raise NotImplementedError
+
+    async def _recv_ready(self) -> StageReady:
+        raise NotImplementedError
+
+    @property
+    def lease_book(self) -> Any:
+        """The shared-memory lease book of the transport (None: it has none)."""
+        return None
+
+    def _hold_request(self, request_id: str) -> None:
+        """A request starts: what the transport frees at its end waits for that end."""
+
+    def _release_request(self, request_id: str) -> None:
+        """Free what the transport holds for a request that ended (shared memory)."""
+
+    def _release_stage(self) -> None:
+        """Free what the transport holds for a stage that is gone."""
+
+    # ------------------------------------------------------------- requests
+    async def submit_request(self, request_id: str, prompt: Any, sampling_params: Any = None, *,
+                             end_on_finish: bool = True) -> None:
+        """Send a GENERATE; outputs come from ``get_output_async``.
+
+        With ``end_on_finish`` False the request's shared-memory slots stay
+        leased after it finishes, until ``end_request``.
+        """
+        self._check_alive()
+        if request_id in self._requests:
+            raise ValueError(f"stage {self.stage_id}: request id {request_id!r} is already in flight")
+        msg = StageGenerateRequest(request_id, prompt, sampling_params, self._loop.time())
+        self._requests.add(request_id)
+        self._hold_request(request_id)
+        if not end_on_finish:
+            self._manual_end.add(request_id)
+        try:
+            await self._send(StageRequestType.GENERATE, msg)
+        except BaseException:
+            self._requests.discard(request_id)
+            self._manual_end.discard(request_id)
+            raise
+
+    async def abort_request(self, request_ids: str | Sequence[str]) -> None:
+        """Abort in the stage and forget locally; late outputs of these ids are dropped."""
+        ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
+        for rid in ids:
+            self._end_request(rid)
+        self._drop_queued(set(ids))
+        if self.dead_error is None and ids:
+            await self._send(StageRequestType.ABORT, StageAbortRequest(ids))
+
+    def end_request(self, request_id: str) -> None:
+        """The pipeline is done with ``request_id``: free its shared-memory slots."""
+        self._manual_end.discard(request_id)
+        self._release_request(request_id)
+
+    def _end_request(self, request_id: str) -> None:
+        self._requests.discard(request_id)
+        self._manual_end.discard(request_id)
+        self._release_request(request_id)
+
+    def num_unfinished_requests(self) -> int:
+        return len(self._requests)
+
+    def state_counts(self) -> dict[str, int]:
+        """What this client still holds per request: all zero once the pipeline is idle.
+
+        ``in_flight``: submitted, not finished; ``held``: finished, shared
+        memory kept until ``end_request``; ``queued``: outputs no reader took.
+        """
+        queued = sum(len(batch) for batch in self._batches) + len(self._pending_items)
+        return {"in_flight": len(self._requests), "held": len(self._manual_end), "queued": queued}
+
+    async def get_output_async(self) -> OmniRequestOutput:
+        """The next output of any request; raises ``StageRequestError`` for a failed
+        request and ``StageDeadError`` once the stage is dead."""
+        while not self._pending_items:
+            self._pending_items = await self.get_outputs_async()
+            self._pending_items.reverse()
+        item = self._pending_items.pop()
+        if isinstance(item, StageRequestError):
+            raise item
+        return item
+
+    async def get_outputs_async(self) -> list[StageItem]:
+        """The next batch, outputs and per-request errors in stage order."""
+        while not self._batches:
+            if self.dead_error is not None:
+                raise self.dead_error
+            self._batch_ready.clear()
+            await self._batch_ready.wait()
+        return self._batches.popleft()
+
+    def _put_batch(self, items: list[StageItem]) -> None:
+        self._batches.append(items)
+        self._batch_ready.set()
+
+    def _drop_queued(self, request_ids: set[str]) -> None:
+        """Forget queued outputs of ``request_ids`` (aborted: nobody will read them)."""
+        kept = deque()
+        for batch in self._batches:
+            batch = [item for item in batch if item.request_id not in request_ids]
+            if batch:
+                kept.append(batch)
+        self._batches = kept
+        self._pending_items = [item for item in self._pending_items if item.request_id not in request_ids]
+
+    # -------------------------------------------------------- health, utility
+    async def check_health(self, timeout: float = 10.0) -> None:
+        """Raise ``StageDeadError`` unless the stage answers healthy within ``timeout``."""
+        call_id = next(self._call_ids)
+        health = await self._call(StageRequestType.HEALTH_CHECK, StageHealthCheck(call_id), call_id, timeout)
+        if not health.healthy:
+            raise StageDeadError(self.stage_id, f"stage {self.stage_id} reports unhealthy")
+
+    async def call_utility_async(self, utility: str, /, *args: Any, call_timeout: float | None = None,
+                                 **kwargs: Any) -> Any:
+        """Call an engine method in the stage (pause_generation, collective_rpc, ...).
+
+        ``kwargs`` go to the method (vLLM's collective_rpc takes ``method`` and
+        ``timeout`` itself); ``call_timeout`` bounds the wait for the answer.
+        """
+        call_id = next(self._call_ids)
+        msg = StageUtilityRequest(call_id, utility, list(args), kwargs)
+        result = await self._call(StageRequestType.UTILITY, msg, call_id, call_timeout)
+        if result.error is not None:
+            raise RuntimeError(result.error)
+        return result.result
+
+    async def _call(self, req_type: StageRequestType, msg: Any, call_id: int, timeout: float | None) -> Any:
+        self._check_alive()
+        future = self._loop.create_future()
+        self._calls[call_id] = future
+        try:
+            await self._send(req_type, msg)
+            return await asyncio.wait_for(future, timeout)
+        except asyncio.TimeoutError:
+            raise StageDeadError(self.stage_id, f"stage {self.stage_id} did not answer {req_type.name} "
+                                                f"within {timeout} s") from None
+        finally:
+            self._calls.pop(call_id, None)
+
+    def _check_alive(self) -> None:
+        if self.dead_error is not None:
+            raise self.dead_error
+        if self.ready is None:
+            raise RuntimeError(f"stage {self.stage_id} client is not started")
+
+    # ------------------------------------------------------------- answers
+    def _on_response(self, rtype: StageResponseType, msg: Any) -> None:
+        """One decoded answer from the stage."""
+        if rtype is StageResponseType.OUTPUT:
+            self._on_outputs(msg.outputs)
+        elif rtype is StageResponseType.ERROR:
+            self._on_error(msg)
+        elif rtype in (StageResponseType.HEALTH, StageResponseType.UTILITY_RESULT):
+            future = self._calls.get(msg.call_id)
+            if future is None or future.done():
+                logger.info("stage %d: %s for call %d dropped: no call waits for it (timed out?)",
+                            self.stage_id, rtype.name, msg.call_id)
+            else:
+                future.set_result(msg)
+        elif rtype is StageResponseType.DEAD:
+            # While we stop the stage (SIGTERM after a SHUTDOWN timed out) its DEAD is expected.
+            self._set_dead(StageDeadError(self.stage_id, f"stage {self.stage_id} reported a fatal error: "
+                                                         f"{msg.message}"), notify=not self._stopped)
+        else:  # READY belongs on the request socket, once
+            logger.warning("stage %d: unexpected %s on the output socket dropped", self.stage_id, rtype.name)
+
+    def _on_outputs(self, outputs: list[Any]) -> None:
+        items = []
+        for output in outputs:
+            if not isinstance(output, OmniRequestOutput) or output.request_id not in self._requests:
+                continue  # aborted, or not ours
+            if output.finished:
+                self._requests.discard(output.request_id)
+                if output.request_id not in self._manual_end:
+                    self._release_request(output.request_id)
+            items.append(output)
+        if items:
+            self._put_batch(items)
+
+    def _on_error(self, msg: Any) -> None:
+        if msg.request_id is None:
+            logger.warning("stage %d reported: %s", self.stage_id, msg.message)
+            return
+        if msg.request_id not in self._requests:
+            logger.debug("stage %d: error for a request not in flight dropped: %s", self.stage_id, msg.message)
+            return
+        if msg.error_type == DUPLICATE_REQUEST:
+            # We never send a second GENERATE for an id in flight (submit_request
+            # refuses it), so this one came from elsewhere; ours runs on.
+            logger.warning("stage %d: %s", self.stage_id, msg.message)
+            return
+        self._end_request(msg.request_id)
+        self._put_batch([StageRequestError(self.stage_id, msg.request_id, msg.message, msg.error_type)])
+
+    # ------------------------------------------------------ startup, death
+    async def _wait_ready(self) -> None:
+        """Wait for READY, failing fast (with the log's tail) if the process dies first."""
+        exited = self._loop.create_future()
+        if self.process is not None:
+            self._loop.add_reader(self.process.sentinel, lambda: exited.done() or exited.set_result(None))
+        ready_task = asyncio.create_task(self._recv_ready())
+        try:
+            done, _ = await asyncio.wait({ready_task, exited}, timeout=self.startup_timeout,
+                                         return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            if self.process is not None:
+                self._loop.remove_reader(self.process.sentinel)
+            ready_task.cancel()
+        if ready_task in done and not ready_task.cancelled() and ready_task.exception() is None:
+            self.ready = ready_task.result()
+            return
+        if exited in done:
+            self.process.join(1)
+            tail = self.process.log_tail()
+            detail = (f"last lines of {self.process.log_path}:\n{tail}" if tail else
+                      "it wrote no log, so it failed before the stage code ran (a script that starts "
+                      "stages needs an `if __name__ == '__main__':` guard: stages are spawned)")
+            raise StageStartupError(self.stage_id, f"{self.process.describe_exit()} during startup; {detail}",
+                                    self.process.exitcode)
+        tail = f"; last lines of {self.process.log_path}:\n{self.process.log_tail()}" if self.process else ""
+        raise StageStartupError(self.stage_id, f"stage {self.stage_id} did not become ready within "
+                                               f"{self.startup_timeout:.0f} s{tail}")
+
+    def _watch_process(self) -> None:
+        if self.process is not None:
+            self._loop.add_reader(self.process.sentinel, self._on_process_exit)
+
+    def _on_process_exit(self) -> None:
+        process = self.process
+        self._loop.remove_reader(process.sentinel)
+        process.join(0.5)
+        # Reap what the stage started (vLLM's EngineCore) before anyone retries.
+        process.kill_group()
+        tail = process.log_tail(15)
+        self._set_dead(StageDeadError(
+            self.stage_id, f"{process.describe_exit()}" + (f"; last log lines:\n{tail}" if tail else ""),
+            process.exitcode))
+
+    async def _stop_process(self, timeout: float) -> None:
+        """Ask the stage to exit (SHUTDOWN), then stop its process group; keep logs of failed stages."""
+        if self.process is not None and self.process.pid is not None and self._loop is not None:
+            self._loop.remove_reader(self.process.sentinel)  # (none to remove if it never started)
+        asked = False
+        if self.ready is not None and self.dead_error is None:
+            try:
+                await self._send(StageRequestType.SHUTDOWN, StageShutdown("client shutdown"))
+                asked = True
+            except Exception:  # noqa: BLE001 - the stage may be gone already; stopped below
+                logger.debug("stage %d: SHUTDOWN not sent", self.stage_id, exc_info=True)
+        if self.process is not None:
+            await asyncio.to_thread(self.process.stop, timeout if asked else 0.0)
+            if self.process.exitcode == 0:
+                self.process.log_path.unlink(missing_ok=True)
+
+    def _set_dead(self, error: StageDeadError, notify: bool = True) -> StageDeadError:
+        """Fail everything waiting on this stage and free what it held. Idempotent."""
+        if self.dead_error is not None:
+            return self.dead_error
+        self.dead_error = error
+        if notify:
+            logger.error("%s", error)
+        for future in self._calls.values():
+            if not future.done():
+                future.set_exception(error)
+        self._requests.clear()
+        self._manual_end.clear()
+        self._batch_ready.set()  # waiters see dead_error once the queue is drained
+        self._release_stage()
+        if notify and self.on_dead is not None:
+            self.on_dead(error)
+        return error
+
+    @property
+    def is_dead(self) -> bool:
+        return self.dead_error is not None

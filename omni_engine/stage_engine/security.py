@@ -1,0 +1,192 @@
+"""ZMQ CURVE on stage sockets: keys, socket set-up, and who may connect.
+
+Roles follow ZMQ's: the pipeline's client process binds ROUTER and PULL and is
+the CURVE *server*; a stage process connects DEALER and PUSH and is a CURVE
+*client*. CURVE alone only proves that a peer knows the server's public key,
+which is no secret, so the binding side also runs a ZAP authenticator that
+admits only the allowed client public keys: a peer without the stages' secret
+key can neither submit requests nor inject outputs, and (since the client only
+ever sends to the stage that completed the handshake) reads nothing either.
+
+Keys stay in memory: loaded from certificate files named in the config
+(``SecurityConfig.curve_keys``), or generated per run, and handed to a spawned stage inside its process spec (the
+spawn pipe), never on a command line, in the environment or in a file.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import zmq
+import zmq.auth
+import zmq.utils.z85
+from zmq.auth.thread import ThreadAuthenticator
+from zmq.utils.monitor import recv_monitor_message
+
+logger = logging.getLogger(__name__)
+
+ZAP_DOMAIN = "omni_engine"
+
+_HANDSHAKE_EVENTS = (
+    zmq.EVENT_HANDSHAKE_SUCCEEDED
+    | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+    | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+    | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+)
+
+
+def curve_available() -> bool:
+    return bool(zmq.has("curve"))
+
+
+class KeyFileError(ValueError):
+    """A key file that cannot be used; the message names the file."""
+
+
+@dataclass(frozen=True)
+class KeyPair:
+    """A CURVE keypair, z85-encoded as ZMQ takes it. The secret never shows in a repr."""
+
+    public: bytes
+    secret: bytes = field(repr=False)
+
+    @classmethod
+    def generate(cls) -> KeyPair:
+        public, secret = zmq.curve_keypair()
+        return cls(public, secret)
+
+    @classmethod
+    def load(cls, path: str | Path) -> KeyPair:
+        """Read a ``zmq.auth.create_certificates`` secret file (``*.key_secret``)."""
+        path = Path(path)
+        if not path.is_file():
+            raise KeyFileError(f"key file {path} not found")
+        try:
+            public, secret = zmq.auth.load_certificate(path)
+        except (OSError, ValueError, UnicodeDecodeError) as exc:
+            raise KeyFileError(f"key file {path} is not a ZMQ certificate: {exc}") from None
+        if not secret:
+            raise KeyFileError(f"key file {path} has no secret key (the .key file holds only the public "
+                               "key; name the .key_secret file)")
+        if not _valid_z85_key(public) or not _valid_z85_key(secret):
+            raise KeyFileError(f"key file {path} does not hold 40-character z85 CURVE keys")
+        if path.stat().st_mode & 0o077:
+            logger.warning("secret key file %s is readable by other users; chmod 600 it", path)
+        return cls(public, secret)
+
+
+def _valid_z85_key(key: bytes | None) -> bool:
+    try:
+        return key is not None and len(zmq.utils.z85.decode(key)) == 32
+    except (ValueError, KeyError, TypeError):
+        return False
+
+
+@dataclass(frozen=True)
+class StageCurveKeys:
+    """What a stage process holds: its own keypair and the server's public key, no server secret."""
+
+    keypair: KeyPair
+    server_public: bytes
+
+
+@dataclass(frozen=True)
+class CurveKeys:
+    """One pipeline's CURVE keys: the server's keypair, the stages' keypair, and who may connect."""
+
+    server: KeyPair
+    client: KeyPair
+    # Client public keys the ZAP check admits; by default only the stages' own.
+    allowed_clients: frozenset[bytes] = frozenset()
+
+    def __post_init__(self) -> None:
+        if not self.allowed_clients:
+            object.__setattr__(self, "allowed_clients", frozenset({self.client.public}))
+
+    @classmethod
+    def generate(cls) -> CurveKeys:
+        """Ephemeral keys for one run (``curve: true`` without key files)."""
+        return cls(KeyPair.generate(), KeyPair.generate())
+
+    def for_stage(self) -> StageCurveKeys:
+        return StageCurveKeys(self.client, self.server.public)
+
+
+def make_server(sock: zmq.Socket, keys: CurveKeys) -> None:
+    """Make a binding socket a CURVE server that asks ZAP about every client key."""
+    sock.curve_server = True
+    sock.curve_secretkey = keys.server.secret
+    sock.curve_publickey = keys.server.public
+    sock.zap_domain = ZAP_DOMAIN.encode()
+
+
+def make_client(sock: zmq.Socket, keys: StageCurveKeys) -> None:
+    """Make a connecting socket a CURVE client of the server with ``keys.server_public``."""
+    sock.curve_serverkey = keys.server_public
+    sock.curve_publickey = keys.keypair.public
+    sock.curve_secretkey = keys.keypair.secret
+
+
+class _AllowedKeys:
+    """ZAP credentials provider: admits exactly the allowed client public keys."""
+
+    def __init__(self, allowed: frozenset[bytes]) -> None:
+        self.allowed = allowed
+
+    def callback(self, domain: str, key: bytes) -> bool:
+        if key in self.allowed:
+            return True
+        logger.warning("refused a CURVE peer with an unknown client key (domain %s)", domain)
+        return False
+
+
+def start_authenticator(ctx: zmq.Context, keys: CurveKeys) -> ThreadAuthenticator:
+    """Run ZAP for ``ctx`` in a thread of its own. Start it before binding: without a
+    ZAP handler ZMQ admits any client that knows the server key."""
+    auth = ThreadAuthenticator(ctx)
+    auth.start()
+    auth.configure_curve_callback(ZAP_DOMAIN, credentials_provider=_AllowedKeys(keys.allowed_clients))
+    return auth
+
+
+class CurveHandshakeError(RuntimeError):
+    """A stage's CURVE handshake with its client failed: it cannot be served."""
+
+
+def watch_handshake(sock: zmq.Socket) -> zmq.Socket:
+    """A monitor of ``sock``'s handshakes; call before ``connect`` so no event is missed."""
+    return sock.get_monitor_socket(_HANDSHAKE_EVENTS)
+
+
+def wait_for_handshake(sock: zmq.Socket, monitor: zmq.Socket, wake: zmq.Socket, address: str) -> None:
+    """Block until the first handshake on ``sock`` ends; ``CurveHandshakeError`` saying why it failed.
+
+    Returns early, without consuming it, when ``wake`` becomes readable
+    (shutdown). A failure is final: a wrong key does not get right by retrying,
+    and failing now gives a clear error instead of a startup timeout.
+    """
+    poller = zmq.Poller()
+    poller.register(monitor, zmq.POLLIN)
+    poller.register(wake, zmq.POLLIN)
+    try:
+        while True:
+            events = dict(poller.poll())
+            if wake in events:
+                return
+            event = recv_monitor_message(monitor)
+            kind = event["event"]
+            if kind == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                return
+            if kind == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
+                raise CurveHandshakeError(
+                    f"CURVE: the client at {address} refused this stage's key (ZAP status {event['value']}); "
+                    "the stage's client key is not one the client allows")
+            if kind in (zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL, zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL):
+                raise CurveHandshakeError(
+                    f"CURVE handshake with the client at {address} failed ({zmq.Event(kind).name}): "
+                    "the stage has the wrong server public key, or the client does not use CURVE")
+    finally:
+        sock.disable_monitor()
+        monitor.close(linger=0)

@@ -1,0 +1,276 @@
+"""``StageEngineCore``: one engine serving requests, whatever carries them.
+
+The request handling of a stage process (one task per request, abort, health,
+utility calls, a fatal error ending the stage) does not depend on how requests
+arrive and answers leave. ``StageEngineCoreProc`` carries them over ZMQ; the
+legacy architecture (``omni_engine.legacy``) over ``multiprocessing.Queue``.
+Both subclass this, so the two architectures run the same engine code and
+fail with the same errors.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import sys
+from typing import Any, ClassVar, Protocol
+
+import uvloop
+
+from omni_engine.engines.base import StageEngine, StageEngineError
+from omni_engine.stage_engine.protocol import (
+    DUPLICATE_REQUEST,
+    StageAbortRequest,
+    StageDead,
+    StageError,
+    StageGenerateRequest,
+    StageHealth,
+    StageHealthCheck,
+    StageRequestType,
+    StageResponseType,
+    StageUtilityRequest,
+    StageUtilityResult,
+)
+from omni_engine.utils import die_with_parent
+
+logger = logging.getLogger(__name__)
+
+_OUTPUT = StageResponseType.OUTPUT
+
+
+class ResponseSink(Protocol):
+    """Where answers go: ``put((StageResponseType, payload))``, thread-safe, non-blocking."""
+
+    def put(self, item: Any) -> None: ...
+
+
+class StageEngineCore:
+    """Runs one ``StageEngine`` on a uvloop event loop; subclasses add the transport."""
+
+    # Utility calls the stage process answers itself (not its engine).
+    PROC_UTILITY_METHODS: ClassVar[frozenset[str]] = frozenset({"num_unfinished_requests"})
+
+    def __init__(self, stage_id: int, engine: StageEngine, out_q: ResponseSink) -> None:
+        self.stage_id = stage_id
+        self.engine = engine
+        self._out_q = out_q
+        self._requests: dict[str, asyncio.Task] = {}
+        self._exit_code = 0
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._shutdown: asyncio.Event | None = None
+
+    # ------------------------------------------------------------ transport
+    def _start_transport(self) -> None:
+        """Start receiving requests (after the engine is loaded); announce READY."""
+        raise NotImplementedError
+
+    async def _stop_transport(self) -> None:
+        """Flush what is queued for the client and release the transport."""
+        raise NotImplementedError
+
+    # ------------------------------------------------------------------ run
+    def run(self) -> int:
+        """Serve until SHUTDOWN, a signal, or a fatal engine error; returns the exit code."""
+        return uvloop.run(self._run())
+
+    async def _run(self) -> int:
+        self._loop = asyncio.get_running_loop()
+        self._shutdown = asyncio.Event()
+        await self.engine.start()
+        self._start_transport()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            self._loop.add_signal_handler(sig, self._on_signal, sig)
+        logger.info("stage %d ready (pid %d)", self.stage_id, os.getpid())
+        try:
+            await self._shutdown.wait()
+        finally:
+            tasks = list(self._requests.values())
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            try:
+                await self.engine.shutdown()
+            except Exception:  # noqa: BLE001 - shutting down regardless
+                logger.exception("stage %d: engine shutdown failed", self.stage_id)
+            await self._stop_transport()
+        return self._exit_code
+
+    def num_unfinished_requests(self) -> int:
+        """Requests this stage still holds anything for.
+
+        A request in flight has a task here and state in the engine (vLLM's
+        output processor, the batcher's queue); either one outliving the
+        request is a leak, so the larger of the two counts is reported.
+        """
+        return max(len(self._requests), self.engine.num_unfinished_requests())
+
+    def _dispatch_threadsafe(self, req_type: StageRequestType, msg: Any) -> None:
+        """Hand a decoded request from a transport thread to the event loop."""
+        self._call_threadsafe(self._dispatch, req_type, msg)
+
+    def _call_threadsafe(self, fn: Any, *args: Any) -> None:
+        assert self._loop is not None
+        try:
+            self._loop.call_soon_threadsafe(fn, *args)
+        except RuntimeError:  # loop closed: shutting down
+            pass
+
+    def _dispatch(self, req_type: StageRequestType, msg: Any) -> None:
+        if req_type is StageRequestType.GENERATE:
+            self._add_request(msg)
+        elif req_type is StageRequestType.ABORT:
+            # Cancel now, not in the task: a GENERATE right behind the ABORT
+            # may reuse the id, and must not find the old request running.
+            for rid in msg.request_ids:
+                task = self._requests.pop(rid, None)
+                if task is not None:
+                    task.cancel()
+            asyncio.create_task(self._abort(msg))
+        elif req_type is StageRequestType.HEALTH_CHECK:
+            asyncio.create_task(self._health(msg))
+        elif req_type is StageRequestType.UTILITY:
+            asyncio.create_task(self._utility(msg))
+        elif req_type is StageRequestType.SHUTDOWN:
+            assert self._shutdown is not None
+            self._shutdown.set()
+
+    def _fatal(self, exc: BaseException, tell_client: bool = True) -> None:
+        """The stage can no longer serve: tell the client (DEAD), then exit.
+
+        Not telling is for a client we never reached (failed handshake): a PUSH
+        without a peer blocks, and the exit must not wait on it.
+        """
+        logger.error("stage %d: fatal error: %r", self.stage_id, exc)
+        self._die(f"stage {self.stage_id}: {type(exc).__name__}: {exc}", 1, tell_client)
+
+    def _on_signal(self, sig: int) -> None:
+        """SIGTERM/SIGINT end the stage as a crash does: the client hears DEAD at once.
+
+        The client stops a stage with SHUTDOWN; a signal comes from someone
+        else (an operator, a supervisor, the client's death via PDEATHSIG),
+        so the requests in flight fail now, naming the stage and the signal,
+        instead of when the process is finally gone.
+        """
+        name = signal.Signals(sig).name
+        logger.warning("stage %d: received %s; exiting", self.stage_id, name)
+        self._die(f"stage {self.stage_id}: terminated by {name}", 128 + sig)
+
+    def _die(self, message: str, exit_code: int, tell_client: bool = True) -> None:
+        assert self._shutdown is not None
+        if self._shutdown.is_set():
+            return  # already on its way out
+        if tell_client:
+            self._out_q.put((StageResponseType.DEAD, StageDead(message)))
+        self._exit_code = exit_code
+        self._shutdown.set()
+
+    # ---------------------------------------------------------- handlers
+    def _add_request(self, req: StageGenerateRequest) -> None:
+        rid = req.request_id
+        if rid in self._requests:
+            self._send_error(f"stage {self.stage_id}: GENERATE for request {rid!r} refused: that request id is "
+                             "already running", rid, DUPLICATE_REQUEST)
+            return
+        task = asyncio.create_task(self._generate(req), name=f"stage{self.stage_id}-{rid}")
+        self._requests[rid] = task
+        task.add_done_callback(lambda t, rid=rid: self._request_done(rid, t))
+
+    def _request_done(self, rid: str, task: asyncio.Task) -> None:
+        if self._requests.get(rid) is task:
+            del self._requests[rid]
+        self._on_request_done(rid)
+
+    def _on_request_done(self, request_id: str) -> None:
+        """A request's task ended (finished, failed or aborted); its outputs are queued."""
+
+    async def _generate(self, req: StageGenerateRequest) -> None:
+        put = self._out_q.put
+        try:
+            async for output in self.engine.generate(req.request_id, req.prompt, req.sampling_params):
+                put((_OUTPUT, output))
+        except asyncio.CancelledError:
+            raise
+        except StageEngineError as exc:
+            self._send_error(f"stage {self.stage_id}: request {req.request_id!r} failed: {exc}", req.request_id,
+                             type(exc).__name__)
+            self._fatal(exc)
+        except Exception as exc:  # noqa: BLE001 - a request failure is not a stage failure
+            logger.info("stage %d: request %s failed", self.stage_id, req.request_id, exc_info=True)
+            self._send_error(f"stage {self.stage_id}: request {req.request_id!r} failed: {type(exc).__name__}: {exc}",
+                             req.request_id, type(exc).__name__)
+
+    async def _abort(self, msg: StageAbortRequest) -> None:
+        # An id submitted again since the ABORT arrived is a new request: spare it.
+        request_ids = [rid for rid in msg.request_ids if rid not in self._requests]
+        if not request_ids:
+            return
+        try:
+            await self.engine.abort(request_ids)
+        except StageEngineError as exc:
+            self._fatal(exc)
+        except Exception:  # noqa: BLE001
+            logger.exception("stage %d: abort of %s failed", self.stage_id, msg.request_ids)
+
+    async def _health(self, msg: StageHealthCheck) -> None:
+        healthy = True
+        try:
+            await self.engine.check_health()
+        except Exception as exc:  # noqa: BLE001 - reported, not raised
+            logger.warning("stage %d: health check failed: %r", self.stage_id, exc)
+            healthy = False
+        self._out_q.put((StageResponseType.HEALTH, StageHealth(msg.call_id, healthy, len(self._requests), os.getpid())))
+
+    async def _utility(self, msg: StageUtilityRequest) -> None:
+        result = StageUtilityResult(msg.call_id)
+        if msg.method in self.PROC_UTILITY_METHODS:
+            result.result = getattr(self, msg.method)()
+        elif msg.method not in self.engine.UTILITY_METHODS:
+            result.error = (f"stage {self.stage_id} ({type(self.engine).__name__}) has no utility method "
+                            f"{msg.method!r}; available: {sorted(self.engine.UTILITY_METHODS)}")
+        else:
+            try:
+                value = getattr(self.engine, msg.method)(*msg.args, **msg.kwargs)
+                result.result = await value if asyncio.iscoroutine(value) else value
+            except Exception as exc:  # noqa: BLE001 - reported to the caller
+                result.error = f"stage {self.stage_id}: {msg.method} failed: {type(exc).__name__}: {exc}"
+        self._out_q.put((StageResponseType.UTILITY_RESULT, result))
+
+    def _send_error(self, message: str, request_id: str | None, error_type: str) -> None:
+        self._out_q.put((StageResponseType.ERROR, StageError(message, request_id, error_type)))
+
+
+def enter_stage_process(stage_id: int, parent_pid: int | None, log_path: str | None, env: dict[str, str] | None,
+                        log_level: str) -> None:
+    """What every stage process does first, whatever its transport.
+
+    Not daemonic (vLLM starts children of its own), so the process ties its
+    life to the client with the parent-death signal and its own process group,
+    which the client kills as a whole if the stage dies.
+    """
+    die_with_parent()
+    if parent_pid is not None and os.getppid() != parent_pid:
+        sys.exit(1)  # the client died before we could watch it
+    os.setpgid(0, 0)
+    if log_path:
+        fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        os.dup2(fd, 1)
+        os.dup2(fd, 2)
+        os.close(fd)
+    os.environ.update(env or {})
+    logging.basicConfig(level=log_level, format=f"%(asctime)s stage{stage_id} %(levelname)s %(name)s: %(message)s")
+
+
+def serve_stage(stage_id: int, make_core: Any) -> None:
+    """Build the stage (``make_core()``), serve it, exit with its exit code; failures are logged."""
+    exit_code = 1
+    try:
+        exit_code = make_core().run()
+    except SystemExit as exc:
+        exit_code = exc.code if isinstance(exc.code, int) else 1
+    except BaseException:  # noqa: BLE001 - logged for the client to show
+        logger.exception("stage %d failed", stage_id)
+    finally:
+        logging.shutdown()
+    sys.exit(exit_code)

@@ -1,0 +1,61 @@
+"""The generation engine's batcher and aborts, in-process (the engine is what is tested)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+
+from omni_engine.engines.generation import GenerationStageEngine
+
+SINK = {"model_factory": "tests.models:make_tensor_sink"}  # sleeps a request's "delay", ignoring aborts
+
+
+async def run(engine: GenerationStageEngine, request_id: str, delay: float) -> list:
+    prompt = {"tensor": torch.full((8,), 3, dtype=torch.uint8), "delay": delay}
+    return [o async for o in engine.generate(request_id, prompt, None)]
+
+
+async def until_running(engine: GenerationStageEngine, n: int) -> None:
+    async with asyncio.timeout(10):
+        while engine._running is None or len(engine._running[0]) != n:
+            await asyncio.sleep(0.01)
+
+
+@pytest.fixture
+async def engine(request):
+    engine = GenerationStageEngine(0, SINK, max_batch_size=request.param)
+    await engine.start()
+    yield engine
+    await engine.shutdown()
+
+
+@pytest.mark.parametrize("engine", [1], indirect=True)
+@pytest.mark.parametrize("how", ["abort", "caller cancels"])
+async def test_a_batch_whose_requests_all_went_away_stops_and_frees_the_stage(engine, how):
+    """A model that ignores ``request.aborted`` must not hold the stage for a request nobody wants."""
+    held = asyncio.create_task(run(engine, "held", 600))
+    await until_running(engine, 1)
+    if how == "abort":
+        await engine.abort(["held"])
+    else:
+        held.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await held
+    async with asyncio.timeout(10):  # not 600 s
+        (output,) = await run(engine, "next", 0)
+    assert output.finished and output.multimodal_output["first"] == 3
+    assert engine.num_unfinished_requests() == 0 and engine._running is None
+
+
+@pytest.mark.parametrize("engine", [2], indirect=True)
+async def test_a_batch_with_one_request_left_runs_to_its_end(engine):
+    first = asyncio.create_task(run(engine, "aborted", 0.5))
+    second = asyncio.create_task(run(engine, "kept", 0.5))
+    await until_running(engine, 2)
+    await engine.abort(["aborted"])
+    with pytest.raises(asyncio.CancelledError):
+        await first
+    (output,) = await asyncio.wait_for(second, 10)
+    assert output.request_id == "kept" and output.finished and output.multimodal_output["all_same"]
