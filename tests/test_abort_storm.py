@@ -49,5 +49,5 @@ async def test_the_pipeline_serves_after_the_storm(speech_pipeline, chat_prompt)
     plans = make_plans(4, [chat_prompt("What is the capital of France?")], seed=0, abort_fraction=0.0)
     outcomes = await run_storm(speech_pipeline, plans, 4, timeout=180)
     assert not summarize(outcomes)["failures"]
-    assert all("Paris" in o.text for o in outcomes)
+    assert all("Paris" in o.text for o in outcomes), [o.text for o in outcomes]
     assert not await wait_clean(speech_pipeline)

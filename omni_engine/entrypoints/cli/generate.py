@@ -66,9 +66,7 @@ async def _generate(args: argparse.Namespace, config) -> int:
     say(f"starting {len(config.stage_args)} stage(s) from {args.config}")
     async with await MultiStageEngineClient.from_config(config, progress=say) as client:
         say(f"pipeline ready in {time.monotonic() - started:.1f} s ({config.runtime.execution_mode})")
-        params = None
-        if args.max_tokens is not None:
-            params = dict(config.stage_args[0].default_sampling_params, max_tokens=args.max_tokens)
+        params = _entry_params(config, args.max_tokens)
         text: list[str] = []
         audio: list[np.ndarray] = []
         rate = 0
@@ -88,6 +86,19 @@ async def _generate(args: argparse.Namespace, config) -> int:
                 say(f"stage {output.stage_id}: done after {time.monotonic() - t0:.2f} s")
         print()
     return _write_outputs(args.output_dir, "".join(text).strip(), audio, rate, write_wav)
+
+
+def _entry_params(config, max_tokens: int | None) -> dict | None:
+    """Sampling params for the entry stage. An LLM entry stage is asked for DELTA
+    text, which this command prints and joins as it arrives, whatever the config's
+    default kind (vLLM's default is CUMULATIVE)."""
+    entry = config.stage_args[0]
+    if entry.stage_type != "llm":
+        return None
+    params = dict(entry.default_sampling_params, output_kind="delta")
+    if max_tokens is not None:
+        params["max_tokens"] = max_tokens
+    return params
 
 
 def _write_outputs(out_dir: Path, text: str, audio: list[np.ndarray], rate: int, write_wav) -> int:
