@@ -83,8 +83,12 @@ async def test_curve_stage_over_tcp_serves_and_binds_loopback(curve_pipeline):
     await _speak(pipeline, "curve-1")
 
 
+# The strangers' own context: not Context.instance(), which other test modules use too.
+_STRANGERS = zmq.Context()
+
+
 def _stranger(kind: int, address: str, keys: StageCurveKeys | None) -> tuple[zmq.Socket, zmq.Socket]:
-    sock = zmq.Context.instance().socket(kind)
+    sock = _STRANGERS.socket(kind)
     sock.setsockopt(zmq.LINGER, 0)
     if keys is not None:
         make_client(sock, keys)

@@ -179,7 +179,8 @@ async def test_client_output_socket_survives_hostile_frames(fuzz_client, foreign
 async def test_stranger_on_request_socket_is_drained_not_obeyed(fuzz_client, caplog):
     """A second READY (and junk) on the ROUTER, from a peer that is not our stage."""
     client = fuzz_client
-    dealer = zmq.asyncio.Context.instance().socket(zmq.DEALER)
+    ctx = zmq.asyncio.Context()
+    dealer = ctx.socket(zmq.DEALER)
     dealer.setsockopt(zmq.LINGER, 0)
     dealer.connect(client.input_address)
     ready = StageReady(CLIENT_STAGE_ID, os.getpid(), client.ready.shm_prefix, {})
@@ -193,7 +194,8 @@ async def test_stranger_on_request_socket_is_drained_not_obeyed(fuzz_client, cap
         await _check_serves(client, "after-stranger")
         assert not await _poll(dealer, 0.2), "the stranger received something"
     finally:
-        dealer.close()
+        dealer.close(linger=0)
+        ctx.term()
     assert "unexpected READY from peer" in caplog.text
 
 

@@ -410,9 +410,17 @@ class OutputInjector:
         self.push.send_multipart(frames)
         deadline = time.monotonic() + timeout
         while self.client.bytes_received < target:
-            assert time.monotonic() < deadline, f"client did not read {frames!r:.200}"
+            assert time.monotonic() < deadline, (
+                f"client did not read {frames!r:.200}; {self._pending()}")
             time.sleep(0.0005)
         assert not self.client.is_dead, (frames, self.client.dead_error)
+
+    def _pending(self) -> str:
+        """Where an undelivered message is stuck: still queued in our PUSH (never
+        connected), or waiting in the client's PULL (the client did not wake up)."""
+        pull = self.client._output.getsockopt(zmq.EVENTS) & zmq.POLLIN
+        push = self.push.getsockopt(zmq.EVENTS) & zmq.POLLOUT
+        return f"client PULL readable: {bool(pull)}, injector PUSH writable: {bool(push)}"
 
     def barrage(self, examples: int, extra_names: tuple[str, ...] = ()) -> None:
         @fuzz_settings(examples)
