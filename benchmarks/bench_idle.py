@@ -30,18 +30,7 @@ from benchmarks.bench_common import (  # noqa: E402
     save_figure,
     write_json,
 )
-
-CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
-
-
-def cpu_seconds(pid: int) -> float | None:
-    """User + system CPU seconds of one process (None once it is gone)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(") ", 1)[1].split()
-    except OSError:
-        return None
-    return (int(fields[11]) + int(fields[12])) / CLOCK_TICKS
+from tests.stress.rss import cpu_snapshot  # noqa: E402  (one /proc reader for the soak and this)
 
 
 def children(pid: int) -> list[int]:
@@ -72,11 +61,11 @@ def watched_processes(client: Any) -> dict[str, int]:
 
 async def idle_cpu(client: Any, seconds: float) -> dict[str, float]:
     procs = watched_processes(client)
-    before = {name: cpu_seconds(pid) for name, pid in procs.items()}
+    before = cpu_snapshot(procs)
     t0 = time.monotonic()
     await asyncio.sleep(seconds)  # the client's own loop is idle meanwhile
     wall = time.monotonic() - t0
-    after = {name: cpu_seconds(pid) for name, pid in procs.items()}
+    after = cpu_snapshot(procs)
     return {name: round(100 * (after[name] - before[name]) / wall, 3)
             for name in procs if before[name] is not None and after[name] is not None}
 

@@ -66,6 +66,19 @@ async def tts_stage():
     await client.shutdown()
 
 
+@pytest_asyncio.fixture(scope="module", loop_scope="session")
+async def speech_pipeline(smollm2_path):
+    """A speech pipeline of the module's own (stress tests: no other test's requests in it),
+    checked after shutdown for leftover processes, segments and request state."""
+    from tests.stress.checks import after_shutdown
+    from tests.stress.pipeline import speech_config, start_pipeline
+
+    client = await start_pipeline(speech_config(model=smollm2_path))
+    yield client
+    await client.shutdown_async()
+    assert not await after_shutdown(client)
+
+
 @pytest.fixture(scope="session", autouse=True)
 def no_leftover_segments():
     """After the whole session, no shared-memory segment of ours may remain."""

@@ -8,24 +8,15 @@ from __future__ import annotations
 import json
 
 import pytest
-import pytest_asyncio
 
-from tests.stress.checks import after_shutdown, wait_clean
-from tests.stress.pipeline import QUESTIONS, speech_config, start_pipeline
+from tests.stress.checks import wait_clean
+from tests.stress.pipeline import QUESTIONS
 from tests.stress.storm import KINDS, make_plans, run_storm, summarize
 
 pytestmark = [pytest.mark.asyncio(loop_scope="session"), pytest.mark.llm, pytest.mark.tts]
 
 REQUESTS = 100
 CONCURRENCY = 8
-
-
-@pytest_asyncio.fixture(scope="module", loop_scope="session")
-async def speech_pipeline(smollm2_path):
-    client = await start_pipeline(speech_config(model=smollm2_path))
-    yield client
-    await client.shutdown_async()
-    assert not await after_shutdown(client)
 
 
 async def test_abort_storm_leaves_no_state_and_the_rest_finish(speech_pipeline, chat_prompt):

@@ -8,10 +8,8 @@ from __future__ import annotations
 import json
 
 import pytest
-import pytest_asyncio
 
-from tests.stress.checks import after_shutdown
-from tests.stress.pipeline import QUESTIONS, speech_config, start_pipeline
+from tests.stress.pipeline import QUESTIONS
 from tests.stress.soak import soak
 
 pytestmark = [pytest.mark.asyncio(loop_scope="session"), pytest.mark.llm, pytest.mark.tts]
@@ -21,14 +19,6 @@ WARMUP = 50
 # 8 tokens still make a sentence to speak; more does not fit 200 requests in CI time on two CPU cores.
 MAX_TOKENS = 8
 MAX_GROWTH_PCT = 25.0
-
-
-@pytest_asyncio.fixture(scope="module", loop_scope="session")
-async def speech_pipeline(smollm2_path):
-    client = await start_pipeline(speech_config(model=smollm2_path))
-    yield client
-    await client.shutdown_async()
-    assert not await after_shutdown(client)
 
 
 async def test_short_soak_completes_every_request_with_flat_memory(speech_pipeline, chat_prompt):
