@@ -135,7 +135,7 @@ class ForwardStampedTensor:
         return []
 
     def on_finish(self, outputs: dict[int, list[Any]], text: dict[int, str]) -> list[Any]:
-        from omni_engine.entrypoints.input_processors import StageInput
+        from omni_engine.pipeline.input_processors import StageInput
 
         made = outputs[self.source][-1].multimodal_output
         return [StageInput({"tensor": made["tensor"], "made_at": made["made_at"]})]

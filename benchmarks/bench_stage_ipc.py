@@ -224,8 +224,8 @@ def wire_sizes() -> dict[str, int]:
     import torch
 
     from omni_engine.outputs import OmniRequestOutput
-    from omni_engine.stage_engine.protocol import StageGenerateRequest, StageOutputs
-    from omni_engine.stage_engine.stage_serialization import StageMsgpackEncoder
+    from omni_engine.wire.protocol import StageGenerateRequest, StageOutputs
+    from omni_engine.wire.stage_serialization import StageMsgpackEncoder
 
     enc = StageMsgpackEncoder(shm_threshold=1 << 62)
     req = enc.encode(StageGenerateRequest("l12345", "ping", None, time.monotonic()))

@@ -13,7 +13,7 @@ import torch
 
 from omni_engine.connectors.shm import SEGMENT_INDEX
 from omni_engine.engines.generation_model import GenerationRequest
-from omni_engine.entrypoints.input_processors import StageInput
+from omni_engine.pipeline.input_processors import StageInput
 
 
 class _Model:

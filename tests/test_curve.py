@@ -27,7 +27,7 @@ from omni_engine.config import ConfigError, load_pipeline_config
 from omni_engine.connectors.shm import new_run_prefix, stage_prefix
 from omni_engine.entrypoints.multi_stage_engine_client import MultiStageEngineClient
 from omni_engine.errors import StageStartupError
-from omni_engine.stage_engine.protocol import StageDead, StageReady, StageResponseType, StageUtilityResult
+from omni_engine.wire.protocol import StageDead, StageReady, StageResponseType, StageUtilityResult
 from omni_engine.stage_engine.security import CurveKeys, KeyPair, StageCurveKeys, make_client
 from omni_engine.stage_engine.stage_core_client import StageEngineCoreClient
 from omni_engine.stage_engine.stage_sockets import make_addresses

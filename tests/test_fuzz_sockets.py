@@ -26,7 +26,7 @@ import zmq
 from msgspec.msgpack import Ext
 
 from omni_engine.connectors.shm import SEGMENT_INDEX, ShmPool, list_segments, stage_prefix
-from omni_engine.stage_engine.protocol import (
+from omni_engine.wire.protocol import (
     StageAbortRequest,
     StageGenerateRequest,
     StageReady,
@@ -36,7 +36,7 @@ from omni_engine.stage_engine.protocol import (
     StageUtilityRequest,
 )
 from omni_engine.stage_engine.stage_core_client import StageEngineCoreClient
-from omni_engine.stage_engine.stage_serialization import CustomType
+from omni_engine.wire.stage_serialization import CustomType
 from tests.helpers import collect
 from tests.wire_fuzz import OutputInjector, RawStage, fuzz_stage_spec, stage_barrage
 

@@ -21,8 +21,8 @@ from omni_engine.audio import wav_bytes
 from omni_engine.config import load_pipeline_config, parse_pipeline_config
 from omni_engine.connectors.shm import list_segments
 from omni_engine.entrypoints.multi_stage_engine_client import MultiStageEngineClient
-from omni_engine.entrypoints.pipeline_orchestrator import PipelineOrchestrator, RequestAbortedError
-from omni_engine.entrypoints.stage_context import StageContext
+from omni_engine.pipeline.orchestrator import PipelineOrchestrator, RequestAbortedError
+from omni_engine.pipeline.stage_context import StageContext
 from omni_engine.errors import PipelineOverloadedError, StageDeadError
 from omni_engine.legacy import start_legacy_pipeline
 from omni_engine.metrics import OrchestratorMetrics

@@ -7,8 +7,8 @@ from vllm.sampling_params import RequestOutputKind
 from vllm.v1.engine import EngineCoreRequest
 
 from omni_engine.entrypoints.openai.serving_client import engine_core_request_to_prompt
-from omni_engine.stage_engine.protocol import StageGenerateRequest
-from omni_engine.stage_engine.stage_serialization import (
+from omni_engine.wire.protocol import StageGenerateRequest
+from omni_engine.wire.stage_serialization import (
     StageMsgpackDecoder,
     StageMsgpackEncoder,
 )

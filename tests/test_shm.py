@@ -31,7 +31,7 @@ from omni_engine.connectors.shm import (
     unlink_prefix,
 )
 from omni_engine.outputs import OmniRequestOutput
-from omni_engine.stage_engine.stage_serialization import (
+from omni_engine.wire.stage_serialization import (
     StageMsgpackDecoder,
     StageMsgpackEncoder,
 )

@@ -20,7 +20,7 @@ import pytest_asyncio
 
 from omni_engine.connectors.shm import list_segments
 from omni_engine.entrypoints.multi_stage_engine_client import MultiStageEngineClient
-from omni_engine.entrypoints.pipeline_orchestrator import RequestAbortedError
+from omni_engine.pipeline.orchestrator import RequestAbortedError
 from omni_engine.errors import StageDeadError
 from tests.helpers import process_exists, tensor_pipeline_config, wait_group_gone
 from tests.stress.checks import after_shutdown, wait_clean

@@ -10,7 +10,7 @@ import pytest
 from omni_engine.connectors.shm import list_segments
 from omni_engine.engines.tts import SpeechParams
 from omni_engine.errors import StageRequestError, StageStartupError
-from omni_engine.stage_engine.protocol import StageRequestType
+from omni_engine.wire.protocol import StageRequestType
 from omni_engine.stage_engine.stage_core_client import StageEngineCoreClient
 from omni_engine.stage_engine.stage_process import StageProcess, StageProcessSpec
 from tests.helpers import collect, process_exists, tts_spec, wait_group_gone

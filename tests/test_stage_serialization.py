@@ -41,7 +41,7 @@ from omni_engine.connectors.shm import (
 from omni_engine.engines.tts import SpeechParams
 from omni_engine.inputs import OmniDiffusionSamplingParams, OmniTextPrompt
 from omni_engine.outputs import REQUEST_OUTPUT_FIELDS, OmniRequestOutput
-from omni_engine.stage_engine.protocol import (
+from omni_engine.wire.protocol import (
     REQUEST_STRUCTS,
     RESPONSE_STRUCTS,
     StageAbortRequest,
@@ -59,7 +59,7 @@ from omni_engine.stage_engine.protocol import (
     StageUtilityRequest,
     StageUtilityResult,
 )
-from omni_engine.stage_engine.stage_serialization import (
+from omni_engine.wire.stage_serialization import (
     CustomType,
     DataLocation,
     StageMsgpackDecoder,

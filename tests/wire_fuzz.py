@@ -30,8 +30,8 @@ from omni_engine.connectors.shm import (
     stage_prefix,
 )
 from omni_engine.outputs import OmniRequestOutput
-from omni_engine.stage_engine.framing import REQUEST_TYPES, decode_frames
-from omni_engine.stage_engine.protocol import (
+from omni_engine.wire.framing import REQUEST_TYPES, decode_frames
+from omni_engine.wire.protocol import (
     REQUEST_STRUCTS,
     RESPONSE_STRUCTS,
     StageDead,
@@ -47,7 +47,7 @@ from omni_engine.stage_engine.protocol import (
     StageUtilityResult,
 )
 from omni_engine.stage_engine.stage_process import StageProcess, StageProcessSpec, cleanup_stage
-from omni_engine.stage_engine.stage_serialization import (
+from omni_engine.wire.stage_serialization import (
     CustomType,
     DataLocation,
     StageMsgpackDecoder,
@@ -248,7 +248,7 @@ class RequestOracle:
 
     def expect(self, frames: list[bytes]) -> tuple[str, str | None]:
         """("malformed", request id or None) | ("generate", request id) | ("other", None)."""
-        from omni_engine.stage_engine.framing import guess_request_id
+        from omni_engine.wire.framing import guess_request_id
 
         zframes = [zmq.Frame(f) for f in frames]
         try:

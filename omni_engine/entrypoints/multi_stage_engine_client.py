@@ -18,9 +18,9 @@ import msgspec
 from vllm.engine.protocol import EngineClient
 
 from omni_engine.config import PipelineConfig, StageConfig, load_pipeline_config
-from omni_engine.entrypoints.pipeline_orchestrator import PipelineOrchestrator
-from omni_engine.entrypoints.stage_context import StageContext
-from omni_engine.entrypoints.stage_supervisor import StageClientMaker, StageSupervisor
+from omni_engine.pipeline.orchestrator import PipelineOrchestrator
+from omni_engine.pipeline.stage_context import StageContext
+from omni_engine.pipeline.stage_supervisor import StageClientMaker, StageSupervisor
 from omni_engine.errors import StageDeadError
 from omni_engine.metrics import OrchestratorMetrics
 from omni_engine.outputs import OmniRequestOutput

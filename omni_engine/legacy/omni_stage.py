@@ -21,7 +21,7 @@ from typing import Any
 from omni_engine.errors import StageDeadError
 from omni_engine.legacy.stage_worker import run_legacy_stage_worker
 from omni_engine.stage_engine.base_client import BaseStageClient
-from omni_engine.stage_engine.protocol import (
+from omni_engine.wire.protocol import (
     StageReady,
     StageRequestType,
     StageResponseType,

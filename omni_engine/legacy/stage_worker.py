@@ -18,7 +18,7 @@ import threading
 from typing import Any
 
 from omni_engine.engines.base import StageEngine
-from omni_engine.stage_engine.protocol import (
+from omni_engine.wire.protocol import (
     StageReady,
     StageRequestType,
     StageResponseType,

@@ -21,7 +21,7 @@ from typing import Any
 from omni_engine import envs
 from omni_engine.errors import StageDeadError, StageRequestError, StageStartupError
 from omni_engine.outputs import OmniRequestOutput
-from omni_engine.stage_engine.protocol import (
+from omni_engine.wire.protocol import (
     DUPLICATE_REQUEST,
     StageAbortRequest,
     StageGenerateRequest,

@@ -20,7 +20,7 @@ from typing import Any, ClassVar, Protocol
 import uvloop
 
 from omni_engine.engines.base import StageEngine, StageEngineError
-from omni_engine.stage_engine.protocol import (
+from omni_engine.wire.protocol import (
     DUPLICATE_REQUEST,
     StageAbortRequest,
     StageDead,

@@ -35,8 +35,8 @@ from omni_engine.connectors.shm import (
 from omni_engine.errors import StageDeadError
 from omni_engine.stage_engine import security
 from omni_engine.stage_engine.base_client import BaseStageClient
-from omni_engine.stage_engine.framing import RESPONSE_TYPES, decode_frames
-from omni_engine.stage_engine.protocol import (
+from omni_engine.wire.framing import RESPONSE_TYPES, decode_frames
+from omni_engine.wire.protocol import (
     RESPONSE_STRUCTS,
     StageReleaseRequest,
     StageRequestType,
@@ -49,7 +49,7 @@ from omni_engine.stage_engine.stage_process import (
     cleanup_stage,
     default_log_dir,
 )
-from omni_engine.stage_engine.stage_serialization import (
+from omni_engine.wire.stage_serialization import (
     StageMsgpackDecoder,
     StageMsgpackEncoder,
     WireFormatError,

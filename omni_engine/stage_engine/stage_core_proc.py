@@ -36,12 +36,12 @@ from omni_engine.connectors.shm import (
 from omni_engine.engines.base import StageEngine
 from omni_engine.outputs import OmniRequestOutput
 from omni_engine.stage_engine import security
-from omni_engine.stage_engine.framing import (
+from omni_engine.wire.framing import (
     REQUEST_TYPES,
     decode_frames,
     guess_request_id,
 )
-from omni_engine.stage_engine.protocol import (
+from omni_engine.wire.protocol import (
     MALFORMED_MESSAGE,
     REQUEST_STRUCTS,
     StageError,
@@ -56,7 +56,7 @@ from omni_engine.stage_engine.stage_core import (
     enter_stage_process,
     serve_stage,
 )
-from omni_engine.stage_engine.stage_serialization import (
+from omni_engine.wire.stage_serialization import (
     StageMsgpackDecoder,
     StageMsgpackEncoder,
     WireFormatError,

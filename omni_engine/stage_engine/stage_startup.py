@@ -16,8 +16,8 @@ import zmq
 
 from omni_engine.connectors.shm import is_stage_prefix
 from omni_engine.errors import StageStartupError
-from omni_engine.stage_engine.framing import RESPONSE_TYPES, message_kind
-from omni_engine.stage_engine.protocol import StageReady, StageResponseType
+from omni_engine.wire.framing import RESPONSE_TYPES, message_kind
+from omni_engine.wire.protocol import StageReady, StageResponseType
 from omni_engine.stage_engine.stage_process import StageProcess
 from omni_engine.stage_engine.stage_sockets import recv_frames
 

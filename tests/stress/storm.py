@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from omni_engine.entrypoints.multi_stage_engine_client import MultiStageEngineClient
-from omni_engine.entrypoints.pipeline_orchestrator import RequestAbortedError
+from omni_engine.pipeline.orchestrator import RequestAbortedError
 from tests.stress.pipeline import text_params
 
 KINDS = ("before_first", "mid_text", "mid_audio", "after_finish")

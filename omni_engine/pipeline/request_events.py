@@ -12,7 +12,7 @@ import asyncio
 import logging
 from typing import Any
 
-from omni_engine.entrypoints.request_state import ClientRequestState
+from omni_engine.pipeline.request_state import ClientRequestState
 from omni_engine.errors import StageRequestError
 from omni_engine.metrics import PipelineObserver
 

@@ -8,7 +8,7 @@ from typing import Any, ClassVar
 
 from vllm.sampling_params import RequestOutputKind
 
-from omni_engine.entrypoints.input_processors import InputProcessor
+from omni_engine.pipeline.input_processors import InputProcessor
 from omni_engine.metrics import OrchestratorMetrics, RequestMetrics
 from omni_engine.outputs import OmniRequestOutput
 

@@ -15,7 +15,7 @@ import asyncio
 import logging
 from collections.abc import Callable, Sequence
 
-from omni_engine.entrypoints.stage_context import StageContext
+from omni_engine.pipeline.stage_context import StageContext
 from omni_engine.errors import StageDeadError
 from omni_engine.stage_engine.base_client import BaseStageClient
 

@@ -11,9 +11,9 @@ from typing import Any, TypeVar
 
 import msgspec
 
-from omni_engine.stage_engine.protocol import StageRequestType, StageResponseType
-from omni_engine.stage_engine.stage_serialization import StageMsgpackDecoder
-from omni_engine.stage_engine.wire_headers import WireFormatError
+from omni_engine.wire.protocol import StageRequestType, StageResponseType
+from omni_engine.wire.stage_serialization import StageMsgpackDecoder
+from omni_engine.wire.headers import WireFormatError
 
 T = TypeVar("T", StageRequestType, StageResponseType)
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from omni_engine.entrypoints.input_processors import TextPassthrough
-from omni_engine.entrypoints.stage_context import StageContext
+from omni_engine.pipeline.input_processors import TextPassthrough
+from omni_engine.pipeline.stage_context import StageContext
 from omni_engine.utils import resolve_dotted
 
 

@@ -1,0 +1,101 @@
+"""Edge input processors: how one stage's outputs become the next stage's inputs.
+
+A stage config names a processor factory by dotted path
+(``custom_process_input_func``), called as ``factory(sources, dst, prompt)``;
+the orchestrator makes one processor per request and destination stage, so a
+processor may keep state (e.g. half a sentence) and sees every source of a
+fan-in.
+
+* ``on_output`` is called for every upstream output in ``async_chunk`` mode;
+  whatever it returns is forwarded at once, so the downstream stage works
+  while the upstream one is still generating.
+* ``on_finish`` is called once when every source stage is done with the
+  request (in both modes), with each source's outputs and text; in
+  ``sequential`` mode it is the only call.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from omni_engine.outputs import OmniRequestOutput
+
+
+@dataclass(slots=True)
+class StageInput:
+    """One request for a downstream stage. ``sampling_params`` None means the
+    stage's own parameters for this request."""
+
+    prompt: Any
+    sampling_params: Any = None
+
+
+class InputProcessor(Protocol):
+    def on_output(self, output: OmniRequestOutput, new_text: str) -> list[StageInput]: ...
+
+    def on_finish(self, outputs: dict[int, list[OmniRequestOutput]], text: dict[int, str]) -> list[StageInput]: ...
+
+
+class TextPassthrough:
+    """Default: the upstream text goes on as the prompt (whole, or chunk by chunk)."""
+
+    def __init__(self, sources: list[int], dst: int, prompt: Any = None) -> None:
+        self.sources, self.dst = sources, dst
+
+    def on_output(self, output: OmniRequestOutput, new_text: str) -> list[StageInput]:
+        return [StageInput(new_text)] if new_text else []
+
+    def on_finish(self, outputs: dict[int, list[OmniRequestOutput]], text: dict[int, str]) -> list[StageInput]:
+        joined = "\n".join(t for t in text.values() if t)
+        return [StageInput(joined)] if joined.strip() else []
+
+
+# A sentence ends at . ! ? (or their CJK forms), optionally followed by closing
+# quotes/brackets, then whitespace. Abbreviations may split early; for speech
+# that costs a pause, not a word.
+_SENTENCE_END = re.compile(r"""[.!?。！？…]+["'”’)\]]*(?=\s)|[。！？]""")
+
+
+class SentenceSplitter:
+    """Forwards complete sentences as they appear in the streamed text.
+
+    In ``async_chunk`` mode each sentence goes downstream (e.g. to speech
+    synthesis) as soon as it is complete; the rest is flushed at the end.
+    In ``sequential`` mode the whole text goes as one input.
+    """
+
+    def __init__(self, sources: list[int], dst: int, prompt: Any = None, min_chars: int = 2) -> None:
+        self.sources, self.dst = sources, dst
+        self.min_chars = min_chars
+        self._pending = ""
+        self._streamed = False
+
+    def on_output(self, output: OmniRequestOutput, new_text: str) -> list[StageInput]:
+        self._streamed = True
+        self._pending += new_text
+        inputs = []
+        while match := _SENTENCE_END.search(self._pending):
+            sentence, self._pending = self._pending[: match.end()], self._pending[match.end():]
+            if len(sentence.strip()) >= self.min_chars:
+                inputs.append(StageInput(sentence.strip()))
+            elif inputs:  # a stray "." joins the previous sentence
+                inputs[-1].prompt += sentence.strip()
+        return inputs
+
+    def on_finish(self, outputs: dict[int, list[OmniRequestOutput]], text: dict[int, str]) -> list[StageInput]:
+        if not self._streamed:
+            self._pending = "\n".join(t for t in text.values() if t)
+        rest, self._pending = self._pending.strip(), ""
+        return [StageInput(rest)] if rest else []
+
+
+def sentences(sources: list[int], dst: int, prompt: Any = None) -> SentenceSplitter:
+    """Factory for stage configs: ``omni_engine.pipeline.input_processors:sentences``."""
+    return SentenceSplitter(sources, dst, prompt)
+
+
+def text(sources: list[int], dst: int, prompt: Any = None) -> TextPassthrough:
+    """Factory for stage configs: ``omni_engine.pipeline.input_processors:text``."""
+    return TextPassthrough(sources, dst, prompt)

@@ -1,0 +1,478 @@
+"""``PipelineOrchestrator``: routes each request through the stage graph.
+
+One asyncio task per stage reads that stage's outputs (a batch per message)
+and routes every output by the request it belongs to: to the caller when the
+stage is a final one, and to the stages it feeds, either chunk by chunk
+(``async_chunk``) or once the source is done (``sequential``). There is no
+polling loop anywhere: every task waits on a socket or a queue.
+
+Requests downstream of the entry stage are *sub-requests*: in ``async_chunk``
+mode a text stage's sentences become several speech requests. Sub-request k
+of request R is called ``R`` (k = 0) or ``R#k`` in its stage; their outputs
+reach the caller in k order, relabelled ``R``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncGenerator, Sequence
+from typing import Any
+
+from vllm import SamplingParams
+from vllm.sampling_params import RequestOutputKind
+
+from omni_engine.engines.llm import parse_output_kind
+from omni_engine.pipeline.input_processors import StageInput
+from omni_engine.pipeline.request_events import RequestEventRecorder
+from omni_engine.pipeline.request_state import (
+    ClientRequestState,
+    StageTrack,
+    new_text_of,
+)
+from omni_engine.pipeline.stage_context import StageContext
+from omni_engine.pipeline.stage_graph import StageGraph
+from omni_engine.errors import (
+    PipelineOverloadedError,
+    StageDeadError,
+    StageRequestError,
+)
+from omni_engine.metrics import OrchestratorMetrics, PipelineObserver
+from omni_engine.outputs import OmniRequestOutput
+
+logger = logging.getLogger(__name__)
+
+EXECUTION_MODES = ("sequential", "async_chunk")
+
+
+class RequestAbortedError(asyncio.CancelledError):
+    """The request was aborted (by ``abort_request`` or the caller leaving)."""
+
+
+class PipelineOrchestrator:
+    """Runs requests through a graph of stages, each behind its own client."""
+
+    def __init__(
+        self,
+        stages: Sequence[StageContext],
+        execution_mode: str = "sequential",
+        edge_modes: dict[tuple[int, int], str] | None = None,
+        metrics: OrchestratorMetrics | None = None,
+        max_inflight_requests: int = 1024,
+        max_undelivered_outputs: int = 4096,
+    ) -> None:
+        if execution_mode not in EXECUTION_MODES:
+            raise ValueError(f"execution_mode must be one of {EXECUTION_MODES}, got {execution_mode!r}")
+        self.graph = StageGraph(stages)
+        self.stages = self.graph.contexts
+        self.stage_order = self.graph.order
+        self.sources = self.graph.sources
+        self.consumers = self.graph.consumers
+        self.execution_mode = execution_mode
+        self.edge_modes = dict(edge_modes or {})
+        self.metrics = metrics or OrchestratorMetrics()
+        # Bounds on what overload can make the client hold (see PipelineRuntimeConfig).
+        self.max_inflight_requests = max_inflight_requests
+        self.max_undelivered_outputs = max_undelivered_outputs
+        self.events = RequestEventRecorder()
+        self._requests: dict[str, ClientRequestState] = {}
+        # stage id -> sub-request id -> its request
+        self._routes: dict[int, dict[str, ClientRequestState]] = {sid: {} for sid in self.stage_order}
+        self._readers: dict[int, asyncio.Task] = {}
+        self._idle = asyncio.Event()
+        self._idle.set()
+
+    def edge_mode(self, src: int, dst: int, state: ClientRequestState | None = None) -> str:
+        return self.edge_modes.get((src, dst), state.execution_mode if state else self.execution_mode)
+
+    # ------------------------------------------------------------ lifecycle
+    def start(self) -> None:
+        """Start one output reader per stage (idempotent; needs a running loop).
+
+        Readers run while requests are in the pipeline and stop when it is
+        idle, so an idle pipeline has no task at all, and another
+        orchestrator may use the same stage clients afterwards.
+        """
+        for sid, ctx in self.stages.items():
+            task = self._readers.get(sid)
+            if task is None or task.done():
+                self._readers[sid] = asyncio.create_task(self._read_stage(ctx), name=f"orchestrator-stage{sid}")
+
+    def _stop_readers_if_idle(self) -> None:
+        if self._requests:
+            return
+        current = asyncio.current_task()
+        for sid, task in list(self._readers.items()):
+            if task is not current:
+                task.cancel()
+                del self._readers[sid]
+
+    async def stop(self) -> None:
+        for task in self._readers.values():
+            task.cancel()
+        await asyncio.gather(*self._readers.values(), return_exceptions=True)
+        self._readers.clear()
+        for state in list(self._requests.values()):
+            self._finish(state, StageDeadError(-1, "pipeline is shut down"))
+
+    @property
+    def num_requests(self) -> int:
+        return len(self._requests)
+
+    def request_ids(self) -> list[str]:
+        return list(self._requests)
+
+    async def wait_idle(self) -> None:
+        """Return once no request is in the pipeline."""
+        await self._idle.wait()
+
+    def final_stage_ids(self) -> list[int]:
+        return self.graph.final_stage_ids()
+
+    def stage_load(self) -> dict[int, tuple[int, int]]:
+        """Per stage: (waiting, running) sub-requests -- submitted with no output yet, and producing."""
+        load = {sid: [0, 0] for sid in self.stage_order}
+        for state in list(self._requests.values()):
+            for sid, track in state.stages.items():
+                for k in track.inflight.values():
+                    load[sid][k in track.first_output_at] += 1
+        return {sid: (w, r) for sid, (w, r) in load.items()}
+
+    @property
+    def observer(self) -> PipelineObserver | None:
+        """Told of every event as it happens (e.g. a Prometheus exporter); optional."""
+        return self.events.observer
+
+    @observer.setter
+    def observer(self, observer: PipelineObserver | None) -> None:
+        self.events.observer = observer
+
+    # --------------------------------------------------------------- submit
+    async def submit_request(
+        self,
+        request_id: str,
+        prompt: Any,
+        sampling_params_list: Sequence[Any] | None = None,
+        final_stage_id: int | Sequence[int] | None = None,
+        metrics: OrchestratorMetrics | None = None,
+        execution_mode: str | None = None,
+        entry_stage_id: int | None = None,
+    ) -> ClientRequestState:
+        """Register the request and send it to its entry stage(s).
+
+        ``execution_mode`` overrides the pipeline's for this request (edges
+        with their own mode in the config keep it). ``entry_stage_id`` starts
+        the request at that stage with ``prompt`` as its input, ignoring its
+        sources (e.g. a speech stage alone); the final stages default to it.
+        """
+        if request_id in self._requests:
+            raise ValueError(f"request id {request_id!r} is already in the pipeline")
+        if len(self._requests) >= self.max_inflight_requests:
+            raise PipelineOverloadedError(
+                f"request {request_id!r} refused: the pipeline already has {len(self._requests)} requests in "
+                f"flight (runtime.max_inflight_requests); retry later", request_id)
+        if execution_mode is not None and execution_mode not in EXECUTION_MODES:
+            raise ValueError(f"execution_mode must be one of {EXECUTION_MODES}, got {execution_mode!r}")
+        if entry_stage_id is not None and entry_stage_id not in self.stages:
+            raise ValueError(f"entry_stage_id {entry_stage_id} not in the pipeline (stages {self.stage_order})")
+        finals = self.graph.final_stages(entry_stage_id if final_stage_id is None else final_stage_id)
+        used = self.graph.stages_needed(finals, entry_stage_id)
+        for sid in used:
+            if self.stages[sid].client.is_dead:
+                raise self.stages[sid].client.dead_error
+        state = ClientRequestState(
+            request_id, prompt, self._params_per_stage(sampling_params_list), finals,
+            {sid: StageTrack(sources_pending=len(self.graph.sources_within(sid, used, entry_stage_id)),
+                             consumers_pending=sum(1 for d in self.consumers[sid] if d in used)) for sid in used},
+            (metrics or self.metrics).new_request(request_id), metrics or self.metrics,
+            execution_mode=execution_mode or self.execution_mode,
+        )
+        for sid in used:
+            srcs = self.graph.sources_within(sid, used, entry_stage_id)
+            if srcs:
+                state.processors[sid] = self.graph.processor_factories[sid](srcs, sid, prompt)
+        self._requests[request_id] = state
+        self._idle.clear()
+        self.start()
+        try:
+            for sid in used:
+                if state.stages[sid].sources_pending == 0:
+                    await self._submit_sub_request(state, sid, StageInput(prompt))
+        except BaseException as exc:
+            await self._abort_everywhere(state)
+            self._finish(state, exc)
+            raise
+        return state
+
+    def _params_per_stage(self, sampling_params_list: Sequence[Any] | None) -> dict[int, Any]:
+        given = list(sampling_params_list or [])
+        params = {}
+        for index, sid in enumerate(self.stage_order):
+            value = given[index] if index < len(given) and given[index] is not None else None
+            params[sid] = value if value is not None else self.stages[sid].default_sampling_params or None
+        return params
+
+    async def _submit_sub_request(self, state: ClientRequestState, sid: int, inp: StageInput) -> int:
+        if state.ended:
+            # Aborted while an earlier submit of its routing step was awaited:
+            # nothing more may reach a stage, or it would run for nobody.
+            return 0
+        track = state.stages[sid]
+        k = track.submitted
+        track.submitted += 1
+        sub_id = state.request_id if k == 0 else f"{state.request_id}#{k}"
+        params = inp.sampling_params if inp.sampling_params is not None else state.params[sid]
+        track.inflight[sub_id] = k
+        track.kinds[sub_id] = _output_kind(params)
+        track.sub_ids.append(sub_id)
+        self._routes[sid][sub_id] = state
+        self.events.submitting(state, sid, k)
+        client = self.stages[sid].client
+        sent_before = client.bytes_sent
+        await client.submit_request(sub_id, inp.prompt, params, end_on_finish=False)
+        nbytes = client.bytes_sent - sent_before
+        self.events.submitted(state, sid, nbytes)
+        return nbytes
+
+    async def _forward_to_next_stage(self, state: ClientRequestState, dst: int, inputs: list[StageInput],
+                                     src_times: dict[int, float] | None = None) -> None:
+        """Submit ``inputs`` to ``dst``; ``src_times``: when each source produced what they were built from."""
+        for inp in inputs:
+            self.events.forwarded(dst, await self._submit_sub_request(state, dst, inp), src_times)
+
+    # -------------------------------------------------------------- outputs
+    async def _read_stage(self, ctx: StageContext) -> None:
+        # No batch is kept in this frame across the await: a cancelled task
+        # keeps its frame (via the stored CancelledError), and a batch held
+        # there would pin its outputs' shared-memory slots.
+        client = ctx.client
+        while self._requests:
+            try:
+                received_before = client.bytes_received
+                await self._route_batch(ctx.stage_id, await client.get_outputs_async())
+            except StageDeadError as exc:
+                await self._on_stage_dead(ctx.stage_id, exc)
+                return
+            finally:
+                self.metrics.stage(ctx.stage_id).bytes_out += client.bytes_received - received_before
+
+    async def _route_batch(self, sid: int, items: list[Any]) -> None:
+        for item in items:
+            state = self._routes[sid].get(item.request_id)
+            if state is None:
+                continue  # aborted or finished meanwhile
+            try:
+                if isinstance(item, StageRequestError):
+                    await self._fail(state, item)
+                elif self._has_async_edge(sid, state):
+                    await self._process_async_chunk_pipeline(state, sid, item)
+                else:
+                    await self._process_sequential_pipeline(state, sid, item)
+            except StageDeadError as exc:  # a stage it was forwarded to is gone
+                await self._fail(state, exc)
+            except Exception as exc:  # noqa: BLE001 - e.g. an input processor failed
+                logger.exception("request %s failed while routing stage %d output", state.request_id, sid)
+                await self._fail(state, StageRequestError(
+                    sid, state.request_id,
+                    f"routing the output of stage {sid} for request {state.request_id!r} failed: "
+                    f"{type(exc).__name__}: {exc}", type(exc).__name__))
+
+    def _has_async_edge(self, sid: int, state: ClientRequestState) -> bool:
+        return any(self.edge_mode(sid, d, state) == "async_chunk" for d in self.consumers[sid])
+
+    async def _process_sequential_pipeline(self, state: ClientRequestState, sid: int, output: OmniRequestOutput) -> None:
+        """Route one output: downstream stages start only when this one is done."""
+        await self._route(state, sid, output, forward_chunks=False)
+
+    async def _process_async_chunk_pipeline(self, state: ClientRequestState, sid: int, output: OmniRequestOutput) -> None:
+        """Route one output: every chunk the edge's processor accepts goes on at once."""
+        await self._route(state, sid, output, forward_chunks=True)
+
+    async def _route(self, state: ClientRequestState, sid: int, output: OmniRequestOutput, forward_chunks: bool) -> None:
+        track = state.stages[sid]
+        sub_id = output.request_id
+        k = track.inflight[sub_id]
+        now = asyncio.get_running_loop().time()
+        self.events.output(state, sid, k, now, output.finished)
+        new_text = new_text_of(track, sub_id, output)
+        track.text += new_text
+        if track.consumers_pending:
+            track.outputs.append(output)
+        if output.finished:
+            del track.inflight[sub_id]
+            del self._routes[sid][sub_id]
+            track.kinds.pop(sub_id, None)
+        if forward_chunks:
+            for dst in self.consumers[sid]:
+                if dst in state.stages and self.edge_mode(sid, dst, state) == "async_chunk":
+                    await self._forward_to_next_stage(state, dst, state.processors[dst].on_output(output, new_text),
+                                                      {sid: now})
+            if state.ended:  # aborted while forwarding
+                return
+        if sid in state.final_stages:
+            self._emit(state, sid, k, output)
+        if track.complete and not track.done:
+            await self._stage_done(state, sid)
+
+    def _emit(self, state: ClientRequestState, sid: int, k: int, output: OmniRequestOutput) -> None:
+        """Deliver to the caller in sub-request order; ``finished`` only on the stage's last."""
+        track = state.stages[sid]
+        if k != track.next_emit:
+            track.held.setdefault(k, []).append(output)
+            return
+        chunk: list[OmniRequestOutput] | None = [output]
+        while chunk:
+            finished = chunk[-1].finished
+            for out in chunk:
+                self._deliver(state, sid, out)
+            if not finished:
+                return
+            track.next_emit += 1
+            chunk = track.held.pop(track.next_emit, None)
+
+    def _deliver(self, state: ClientRequestState, sid: int, output: OmniRequestOutput) -> None:
+        track = state.stages[sid]
+        output.request_id = state.request_id
+        output.finished = output.finished and track.complete and not track.held
+        track.closed = output.finished
+        state.queue.put_nowait(output)
+        if state.queue.qsize() > self.max_undelivered_outputs and not state.overflowed:
+            # The caller stopped reading: end the request rather than hold its outputs without bound.
+            state.overflowed = True
+            asyncio.get_running_loop().create_task(self._fail(state, PipelineOverloadedError(
+                f"request {state.request_id!r} aborted: its caller left {state.queue.qsize()} outputs unread "
+                f"(runtime.max_undelivered_outputs is {self.max_undelivered_outputs})", state.request_id)))
+
+    async def _stage_done(self, state: ClientRequestState, sid: int) -> None:
+        """``sid`` has nothing more for this request: feed its consumers, close it."""
+        track = state.stages[sid]
+        track.done = True
+        state.metrics.stage_done[sid] = asyncio.get_running_loop().time()
+        if sid in state.final_stages and not track.closed:
+            ctx = self.stages[sid]
+            self._deliver(state, sid, OmniRequestOutput(
+                state.request_id, finished=True, stage_id=sid, final_output_type=ctx.final_output_type))
+        for dst in self.consumers[sid]:
+            if dst not in state.stages:
+                continue
+            dst_track = state.stages[dst]
+            dst_track.sources_pending -= 1
+            if dst_track.sources_pending == 0:
+                srcs = [s for s in self.sources[dst] if s in state.stages]
+                inputs = state.processors[dst].on_finish(
+                    {s: state.stages[s].outputs for s in srcs}, {s: state.stages[s].text for s in srcs})
+                for s in srcs:
+                    src_track = state.stages[s]
+                    src_track.consumers_pending -= 1
+                    if src_track.consumers_pending == 0:
+                        src_track.outputs = []  # every consumer has what it needs
+                await self._forward_to_next_stage(state, dst, inputs, {
+                    s: state.metrics.stage_done.get(s, asyncio.get_running_loop().time()) for s in srcs})
+                if state.ended:  # aborted while forwarding
+                    return
+                if dst_track.complete and not dst_track.done:
+                    await self._stage_done(state, dst)
+        if all(state.stages[f].done for f in state.final_stages):
+            self._finish(state)
+
+    # ---------------------------------------------------- abort and failure
+    async def abort_request(self, request_id: str | Sequence[str]) -> None:
+        """Abort on every stage where the request is in flight; free its state."""
+        ids = [request_id] if isinstance(request_id, str) else list(request_id)
+        for rid in ids:
+            state = self._requests.get(rid)
+            if state is not None:
+                await self._abort_everywhere(state)
+                self._finish(state, RequestAbortedError(f"request {rid!r} was aborted"))
+
+    async def _abort_everywhere(self, state: ClientRequestState) -> None:
+        for sid, track in state.stages.items():
+            if not track.inflight:
+                continue
+            sub_ids = list(track.inflight)
+            for sub_id in sub_ids:
+                self._routes[sid].pop(sub_id, None)
+            track.inflight.clear()
+            self.events.aborted(state, sid, len(sub_ids))
+            client = self.stages[sid].client
+            if not client.is_dead:
+                try:
+                    await client.abort_request(sub_ids)
+                except Exception:  # noqa: BLE001 - the stage may be dying; its client cleans up
+                    logger.debug("abort of %s on stage %d failed", sub_ids, sid, exc_info=True)
+
+    async def _fail(self, state: ClientRequestState, error: BaseException) -> None:
+        self.events.failed(state, error)
+        await self._abort_everywhere(state)
+        self._finish(state, error)
+
+    async def _on_stage_dead(self, sid: int, error: StageDeadError) -> None:
+        """Every request that needs ``sid`` and is not done with it fails, naming it."""
+        for state in list(self._requests.values()):
+            track = state.stages.get(sid)
+            if track is not None and not track.done:
+                await self._fail(state, error)
+
+    def _finish(self, state: ClientRequestState, error: BaseException | None = None) -> None:
+        """End the request: the caller's stream ends (or raises); its memory is freed."""
+        if self._requests.pop(state.request_id, None) is None:
+            return
+        state.ended = True
+        if not self._requests:
+            self._idle.set()
+            self._stop_readers_if_idle()
+        for sid, track in state.stages.items():
+            for sub_id in track.inflight:
+                self._routes[sid].pop(sub_id, None)
+        self.events.done(state, error)
+        # Sub-requests were submitted with end_on_finish=False: their stage
+        # clients keep them (and their shared-memory slots) until told here.
+        for sid, track in state.stages.items():
+            client = self.stages[sid].client
+            for sub_id in track.sub_ids:
+                client.end_request(sub_id)
+        for track in state.stages.values():
+            track.held.clear()
+            track.outputs = []
+        if error is not None:
+            # Undelivered outputs are moot now; dropping them frees their
+            # shared-memory slots at once instead of when the caller goes away.
+            while not state.queue.empty():
+                state.queue.get_nowait()
+        state.queue.put_nowait(error if error is not None else ClientRequestState.END)
+
+    # ------------------------------------------------------------ streaming
+    async def process_pipeline(
+        self,
+        request_id: str,
+        prompt: Any,
+        sampling_params_list: Sequence[Any] | None = None,
+        metrics: OrchestratorMetrics | None = None,
+        final_stage_id: int | Sequence[int] | None = None,
+        execution_mode: str | None = None,
+        entry_stage_id: int | None = None,
+    ) -> AsyncGenerator[OmniRequestOutput, None]:
+        """Submit and stream the request's final outputs; leaving early aborts it."""
+        state = await self.submit_request(request_id, prompt, sampling_params_list, final_stage_id, metrics,
+                                          execution_mode, entry_stage_id)
+        try:
+            while True:
+                item = await state.queue.get()
+                if item is ClientRequestState.END:
+                    return
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+        finally:
+            if request_id in self._requests and self._requests[request_id] is state:
+                await self._abort_everywhere(state)
+                self._finish(state, RequestAbortedError(f"request {request_id!r} was abandoned"))
+
+
+def _output_kind(params: Any) -> RequestOutputKind:
+    """How a text stage reports text for these params (decides how new text is found)."""
+    if isinstance(params, SamplingParams):
+        return params.output_kind
+    if isinstance(params, dict) and "output_kind" in params:
+        return parse_output_kind(params["output_kind"])
+    return RequestOutputKind.CUMULATIVE
