@@ -160,8 +160,10 @@ async def text_part(args: argparse.Namespace, model_dir: str) -> list[dict[str, 
     from omni_engine.config import load_pipeline_config
     from omni_engine.entrypoints.multi_stage_engine_client import MultiStageEngineClient
 
-    config = load_pipeline_config("stage_configs/smollm2_text.yaml")
-    engine_args = config.stage(0).process_spec().engine_args
+    from omni_engine.pipeline.stage_specs import prepare_models
+
+    config = prepare_models(load_pipeline_config("stage_configs/smollm2_text.yaml"))
+    engine_args = config.stage(0).engine_args_for_engine()
     progress("text pipeline: starting MultiStageEngineClient and plain AsyncLLM (vLLM's default: engine core "
              "in its own process; and with the core in-process, as our stage runs it) ...")
     ours = await MultiStageEngineClient.from_config(config)
@@ -241,8 +243,9 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
 
 async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     from omni_engine.config import load_pipeline_config
+    from omni_engine.pipeline.stage_specs import prepare_models
 
-    model_dir = load_pipeline_config("stage_configs/smollm2_text.yaml").stage(0).process_spec().engine_args["model"]
+    model_dir = prepare_models(load_pipeline_config("stage_configs/smollm2_text.yaml")).stage(0).engine_args["model"]
     rows = []
     if not args.text_only:
         rows += await speech_part(args, model_dir)

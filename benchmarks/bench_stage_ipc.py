@@ -14,7 +14,7 @@ measures:
 2. outputs/s through one client with many concurrent requests, and the mean
    number of outputs per ``get_outputs_async()`` batch;
 3. GB/s of tensors (1 KiB .. 64 MiB) sent stage -> client, with shared memory
-   (default) and with ZMQ frames (forced by a huge OMNI_ENGINE_SHM_THRESHOLD in
+   (default) and with ZMQ frames (forced by a huge shm threshold in
    the stage's env), beside in-process memcpy of the same bytes and, for
    frames, a bare ZMQ transfer of the same bytes.
 
@@ -59,7 +59,7 @@ from benchmarks.bench_common import (  # noqa: E402
 TENSOR_SIZES = [1 * KiB, 16 * KiB, 256 * KiB, 1 * MiB, 4 * MiB, 16 * MiB, 64 * MiB]
 ECHO_FACTORY = "benchmarks.bench_models:make_echo"
 TENSOR_FACTORY = "benchmarks.bench_models:make_tensor_source"
-FRAMES_ENV = {"OMNI_ENGINE_SHM_THRESHOLD": str(1 << 62)}
+FRAMES_SHM_THRESHOLD = 1 << 62
 
 # Bare-ZMQ peer protocol: request [type, body]; body starts with <QQ (reply
 # header bytes, reply data bytes) and is padded to the size of our request.
@@ -199,12 +199,14 @@ class RawZmq:
 
 
 # --------------------------------------------------------------------------- stage helpers
-def stage_client(factory: str, env: dict[str, str] | None = None, max_batch_size: int = 256):
+def stage_client(factory: str, shm_threshold: int | None = None, max_batch_size: int = 256):
+    from omni_engine.connectors.settings import ConnectorSettings
     from omni_engine.stage_engine.stage_core_client import StageEngineCoreClient
-    from omni_engine.stage_engine.stage_process import StageProcessSpec
+    from omni_engine.stage_engine.stage_spec import StageProcessSpec
 
-    spec = StageProcessSpec("generation", {"model_factory": factory}, runtime={"max_batch_size": max_batch_size},
-                            env=dict(env or {}), log_level="WARNING")
+    connectors = ConnectorSettings() if shm_threshold is None else ConnectorSettings(shm_threshold=shm_threshold)
+    spec = StageProcessSpec("generation", {"model_factory": factory}, max_batch_size=max_batch_size,
+                            connectors=connectors, log_level="WARNING")
     return StageEngineCoreClient(0, process=spec, transport="ipc")
 
 
@@ -357,8 +359,7 @@ def shm_segments(prefix: str) -> list[str]:
 
 
 async def phase_tensors(cfg: dict, res: dict, mode: str) -> None:
-    env = FRAMES_ENV if mode == "frames" else {}
-    client = stage_client(TENSOR_FACTORY, env=env)
+    client = stage_client(TENSOR_FACTORY, shm_threshold=FRAMES_SHM_THRESHOLD if mode == "frames" else None)
     rows = res.setdefault("tensors", {})
     try:
         await started(client, f"tensor-{mode}", res)

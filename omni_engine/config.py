@@ -24,7 +24,6 @@ Example::
 
 from __future__ import annotations
 
-import heapq
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, ClassVar
 
@@ -35,7 +34,6 @@ from omni_engine import config_validation as cv
 
 if TYPE_CHECKING:
     from omni_engine.stage_engine.security import CurveKeys
-    from omni_engine.stage_engine.stage_process import StageProcessSpec
 
 EXECUTION_MODES = ("sequential", "async_chunk")
 TRANSPORTS = ("ipc", "tcp")
@@ -122,9 +120,14 @@ class PipelineRuntimeConfig(_Base):
 
 
 class StageRuntimeConfig(_Base):
+    # false (a stage in the client process) is refused until in-process stages exist.
     process: bool = True
-    devices: str | int | list[int] | None = None
-    max_batch_size: Annotated[int, msgspec.Meta(ge=1)] = 1
+    # Accelerator ids for the stage ("0,1", 0 or [0, 1]), given to its process
+    # through the platform's device-control variable (README "Devices").
+    devices: str | int | list[int | str] | None = None
+    # Requests the stage runs together: a generation stage's batch (default 1);
+    # an llm stage's max_num_seqs (default: vLLM's).
+    max_batch_size: Annotated[int, msgspec.Meta(ge=1)] | None = None
     transport: str = "ipc"
     # "on-failure": a stage process that dies is started again (requests in
     # flight through it still fail), at most max_restarts times per pipeline.
@@ -133,6 +136,14 @@ class StageRuntimeConfig(_Base):
     # tcp only: the address the client binds for this stage (default 127.0.0.1:
     # never reachable from other machines unless asked for).
     host: str | None = None
+
+    def device_ids(self) -> tuple[str, ...] | None:
+        """``devices`` as a tuple of ids (None: not set); validation has checked their shape."""
+        devices = self.devices
+        if devices is None:
+            return None
+        parts = devices.split(",") if isinstance(devices, str) else devices if isinstance(devices, list) else [devices]
+        return tuple(str(part).strip() for part in parts)
 
 
 class StageConfig(_Base):
@@ -150,37 +161,20 @@ class StageConfig(_Base):
     default_sampling_params: dict[str, Any] = msgspec.field(default_factory=dict)
     env: dict[str, str] = msgspec.field(default_factory=dict)
 
-    def process_spec(self, resolve_models: bool = True) -> StageProcessSpec:
-        """The spec a stage process is spawned with.
+    def engine_args_for_engine(self) -> dict[str, Any]:
+        """``engine_args`` as the engine takes them: an llm stage's ``runtime.max_batch_size``
+        is vLLM's ``max_num_seqs`` (validation refuses the two when they differ)."""
+        args = dict(self.engine_args)
+        if self.stage_type == "llm" and self.runtime.max_batch_size is not None:
+            args.setdefault("max_num_seqs", self.runtime.max_batch_size)
+        return args
 
-        With ``resolve_models``, a recipe name such as ``smollm2`` (and not an
-        existing path) becomes the prepared model's directory -- preparing it
-        here, in the parent, so stage processes never download or convert.
-        """
-        from omni_engine.stage_engine.stage_process import StageProcessSpec
-
-        engine_args = dict(self.engine_args)
-        model = engine_args.get("model")
-        if resolve_models and isinstance(model, str) and not Path(model).exists():
-            from omni_engine.models.prepare import RECIPES, prepare_model
-
-            if model in RECIPES:
-                engine_args["model"] = str(prepare_model(model))
-        return StageProcessSpec(
-            self.stage_type,
-            engine_args,
-            runtime={"max_batch_size": self.runtime.max_batch_size},
-            final_output_type=self.final_output_type,
-            env=dict(self.env),
-        )
-
-
-# What the seed calls a stage's config.
-OmniStage = StageConfig
+    def replace(self, **changes: Any) -> StageConfig:
+        return msgspec.structs.replace(self, **changes)
 
 
 class PipelineConfig(_Base):
-    """A validated pipeline: its stages and the graph queries the orchestrator needs."""
+    """A validated pipeline. Its graph is the runtime's ``StageGraph``; this only describes it."""
 
     _not_from_yaml: ClassVar[frozenset[str]] = frozenset({"source_path"})
 
@@ -197,57 +191,9 @@ class PipelineConfig(_Base):
     def stage_ids(self) -> list[int]:
         return [s.stage_id for s in self.stage_args]
 
-    def sources_of(self, stage_id: int) -> list[int]:
-        return list(self.stage(stage_id).engine_input_source)
-
-    def consumers_of(self, stage_id: int) -> list[int]:
-        self.stage(stage_id)  # KeyError for an unknown id
-        return [s.stage_id for s in self.stage_args if stage_id in s.engine_input_source]
-
-    def entry_stages(self) -> list[int]:
-        return [s.stage_id for s in self.stage_args if not s.engine_input_source]
-
-    def final_stages(self) -> list[int]:
-        return [s.stage_id for s in self.stage_args if s.final_output]
-
-    def topological_order(self) -> list[int]:
-        """Every stage after all its sources; ties broken by the smaller stage id."""
-        remaining = {s.stage_id: len(set(s.engine_input_source)) for s in self.stage_args}
-        ready = [sid for sid, n in remaining.items() if n == 0]
-        heapq.heapify(ready)
-        order: list[int] = []
-        while ready:
-            sid = heapq.heappop(ready)
-            order.append(sid)
-            for consumer in self.consumers_of(sid):
-                remaining[consumer] -= 1
-                if remaining[consumer] == 0:
-                    heapq.heappush(ready, consumer)
-        if len(order) != len(remaining):  # only for configs built around the validator
-            raise ValueError(f"stage graph has a cycle among {sorted(set(remaining) - set(order))}")
-        return order
-
-    def _edge(self, src: int, dst: int) -> EdgeConfig | None:
-        if src not in self.sources_of(dst):
-            raise KeyError(f"{src} -> {dst} is not an edge; stage {dst} reads from {self.sources_of(dst)}")
-        for edge in self.runtime.edges:
-            if edge.from_stage == src and edge.to == dst:
-                return edge
-        return None
-
-    def edge_mode(self, src: int, dst: int) -> str:
-        """The edge's execution_mode override, else the pipeline's."""
-        edge = self._edge(src, dst)
-        if edge is not None and edge.execution_mode is not None:
-            return edge.execution_mode
-        return self.runtime.execution_mode
-
-    def edge_processor(self, src: int, dst: int) -> str | None:
-        """The edge's custom_process_input_func, else the destination stage's."""
-        edge = self._edge(src, dst)
-        if edge is not None and edge.custom_process_input_func is not None:
-            return edge.custom_process_input_func
-        return self.stage(dst).custom_process_input_func
+    def replace(self, **changes: Any) -> PipelineConfig:
+        """A copy with ``changes`` (``source_path`` kept)."""
+        return msgspec.structs.replace(self, **changes)
 
 
 def parse_pipeline_config(data: Any, source: str = "<dict>") -> PipelineConfig:
@@ -334,7 +280,6 @@ __all__ = [
     "ConfigError",
     "ConnectorsConfig",
     "EdgeConfig",
-    "OmniStage",
     "PipelineConfig",
     "PipelineRuntimeConfig",
     "SecurityConfig",

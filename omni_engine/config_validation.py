@@ -195,6 +195,20 @@ def check_stage(
     if stage.runtime.restart not in RESTART_POLICIES:
         report(f"{path}.runtime.restart",
                f"unknown restart policy {stage.runtime.restart!r}; expected one of {list(RESTART_POLICIES)}")
+    if not stage.runtime.process:
+        report(f"{path}.runtime.process", "in-process stages are not supported yet (runtime.process: false); "
+                                          "remove the field or set it to true")
+    if stage.runtime.devices is not None:
+        _check_devices(stage.runtime.devices, f"{path}.runtime.devices", report)
+    for key in stage.env:
+        if key.startswith("OMNI_ENGINE_"):
+            report(f"{path}.env.{key}", "omni_engine's settings are not read in stage processes; set tensor "
+                                        "transfer in runtime.connectors, others in the client's environment")
+    batch, max_num_seqs = stage.runtime.max_batch_size, stage.engine_args.get("max_num_seqs")
+    if stage.stage_type == "llm" and batch is not None and max_num_seqs is not None and batch != max_num_seqs:
+        report(f"{path}.runtime.max_batch_size",
+               f"{batch} differs from engine_args.max_num_seqs ({max_num_seqs}); for an llm stage they are the "
+               "same setting: give one, or the same value")
     host = stage.runtime.host
     if host is not None and stage.runtime.transport != "tcp":
         report(f"{path}.runtime.host", f"host {host!r} applies only to transport: tcp "
@@ -232,6 +246,24 @@ def check_stage(
         else:
             check_dotted(stage.engine_args["model_factory"], "model_factory",
                          f"{path}.engine_args.model_factory", report)
+
+
+def _check_devices(devices: Any, field_path: str, report: Report) -> None:
+    """Ids are non-negative integers or device names (e.g. GPU UUIDs), each given once."""
+    parts = devices.split(",") if isinstance(devices, str) else devices if isinstance(devices, list) else [devices]
+    ids = []
+    for part in parts:
+        device = str(part).strip()
+        if (isinstance(part, int) and part < 0) or not device or any(c.isspace() or c == "," for c in device):
+            report(field_path, f"invalid device id {part!r}; expected non-negative integers or device names, "
+                               "as \"0,1\", 0 or [0, 1]")
+            return
+        ids.append(device)
+    if not ids:
+        report(field_path, "empty; list the device ids, or leave the field out")
+    duplicates = sorted({d for d in ids if ids.count(d) > 1})
+    if duplicates:
+        report(field_path, f"device {duplicates[0]!r} is listed twice")
 
 
 def check_runtime(

@@ -23,9 +23,8 @@ import pytest  # noqa: E402
 import pytest_asyncio  # noqa: E402
 
 from omni_engine.connectors.shm import list_segments  # noqa: E402
-from omni_engine.stage_engine.stage_core_client import StageEngineCoreClient  # noqa: E402
 from omni_engine.stage_engine.stage_process import StageProcessSpec  # noqa: E402
-from tests.helpers import llm_engine_args, tts_spec  # noqa: E402
+from tests.helpers import RawFrameClient, llm_engine_args, tts_spec  # noqa: E402
 
 
 @pytest.fixture(scope="session")
@@ -52,7 +51,7 @@ def chat_prompt(smollm2_path):
 
 @pytest_asyncio.fixture(scope="session", loop_scope="session")
 async def llm_stage(smollm2_path):
-    client = StageEngineCoreClient(0, process=StageProcessSpec("llm", llm_engine_args(smollm2_path)))
+    client = RawFrameClient(0, process=StageProcessSpec("llm", llm_engine_args(smollm2_path)))
     await client.start()
     yield client
     await client.shutdown()
@@ -60,7 +59,7 @@ async def llm_stage(smollm2_path):
 
 @pytest_asyncio.fixture(scope="session", loop_scope="session")
 async def tts_stage():
-    client = StageEngineCoreClient(1, process=tts_spec(max_batch_size=4))
+    client = RawFrameClient(1, process=tts_spec(max_batch_size=4))
     await client.start()
     yield client
     await client.shutdown()

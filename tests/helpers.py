@@ -7,7 +7,10 @@ import os
 from pathlib import Path
 from typing import Any
 
-from omni_engine.stage_engine.stage_process import StageProcessSpec
+import zmq
+
+from omni_engine.stage_engine.stage_core_client import StageEngineCoreClient
+from omni_engine.stage_engine.stage_spec import StageProcessSpec, StageTransport
 
 TTS_FACTORY = "omni_engine.engines.tts:make_espeak_tts"
 
@@ -49,7 +52,7 @@ def tensor_pipeline_config(use_shm: bool = True) -> Any:
 
 def tts_spec(max_batch_size: int = 4) -> StageProcessSpec:
     return StageProcessSpec(
-        "generation", {"model_factory": TTS_FACTORY}, runtime={"max_batch_size": max_batch_size},
+        "generation", {"model_factory": TTS_FACTORY}, max_batch_size=max_batch_size,
         final_output_type="audio",
     )
 
@@ -102,3 +105,20 @@ async def wait_group_gone(pgid: int, timeout: float = 5.0) -> list[int]:
     while (members := group_members(pgid)) and loop.time() < deadline:
         await asyncio.sleep(0.05)
     return members
+
+
+def external_transport(input_address: str, output_address: str, shm_prefix: str) -> StageTransport:
+    """Where a stage started by a test itself (not by a client) connects."""
+    return StageTransport(input_address=input_address, output_address=output_address, shm_prefix=shm_prefix)
+
+
+class RawFrameClient(StageEngineCoreClient):
+    """A stage client that can also put hand-made frames on its own sockets (hostile-input tests)."""
+
+    async def send_raw(self, *frames: bytes) -> None:
+        """Frames to the stage as they are, after the stage's identity (as the client's ROUTER sends)."""
+        await self._input.send_multipart([self._identity, *frames])
+
+    def output_readable(self) -> bool:
+        """Whether a message waits on the client's output socket (unread)."""
+        return bool(self._output.getsockopt(zmq.EVENTS) & zmq.POLLIN)

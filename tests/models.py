@@ -166,3 +166,33 @@ class FatalModel(_Model):
 
 def make_fatal() -> FatalModel:
     return FatalModel()
+
+
+class NegateValues:
+    """Input processor: one request per source, holding its result negated
+    (an edge processor that differs from ``CollectValues`` in what it builds)."""
+
+    def __init__(self, sources: list[int], dst: int, prompt: Any = None) -> None:
+        self.sources = sources
+
+    def on_output(self, output: Any, new_text: str) -> list[StageInput]:
+        return []
+
+    def on_finish(self, outputs: dict[int, list[Any]], text: dict[int, str]) -> list[StageInput]:
+        return [StageInput({"values": [-outputs[s][-1].multimodal_output["value"]]}) for s in self.sources]
+
+
+class EnvProbe(_Model):
+    """Answers with the value of environment variable ``name`` in the stage process."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    async def generate(self, requests: list[GenerationRequest]) -> list[Any]:
+        import os
+
+        return [{"env": os.environ.get(self.name, "")} for _ in requests]
+
+
+def make_env_probe(name: str) -> EnvProbe:
+    return EnvProbe(name)

@@ -1,4 +1,4 @@
-"""Pipeline YAML configs: loading, graph helpers, and one test per validation error.
+"""Pipeline YAML configs: loading, the graph they describe, process specs, and one test per validation error.
 
 Fast, no processes: every error must name the file, the stage and the field.
 """
@@ -13,12 +13,14 @@ import yaml
 
 from omni_engine.config import (
     ConfigError,
-    OmniStage,
     PipelineConfig,
-    StageConfig,
     load_pipeline_config,
     parse_pipeline_config,
 )
+from omni_engine.connectors.settings import ConnectorSettings
+from omni_engine.pipeline.stage_graph import StageGraph
+from omni_engine.pipeline.stage_specs import build_stage_specs, prepare_models, stage_process_spec
+from omni_engine.utils import resolve_dotted
 
 TTS_FACTORY = "omni_engine.engines.tts:make_espeak_tts"
 PROCESSOR = "omni_engine.utils:resolve_dotted"  # any importable callable
@@ -105,20 +107,17 @@ def test_two_stage_config_loads(tmp_path: Path) -> None:
     assert cfg.runtime.execution_mode == "async_chunk"
     assert cfg.runtime.connectors.shm_threshold == 1 << 20 and cfg.runtime.connectors.use_shm is True
     assert cfg.stage(1).runtime.devices == [0, 1] and cfg.stage(0).runtime.devices == "0"
+    assert cfg.stage(1).runtime.device_ids() == ("0", "1") and cfg.stage(0).runtime.device_ids() == ("0",)
     assert cfg.stage(0).env == {"VLLM_CPU_KVCACHE_SPACE": "1"}
     assert cfg.stage(0).default_sampling_params == {"temperature": 0.0, "max_tokens": 64}
     assert cfg.stage_ids() == [0, 1]
-    assert cfg.sources_of(1) == [0] and cfg.sources_of(0) == []
-    assert cfg.consumers_of(0) == [1] and cfg.consumers_of(1) == []
-    assert cfg.entry_stages() == [0] and cfg.final_stages() == [1]
-    assert cfg.topological_order() == [0, 1]
-    assert cfg.edge_mode(0, 1) == "sequential"  # the edge override wins
-    assert cfg.edge_processor(0, 1) == PROCESSOR
-    assert OmniStage is StageConfig
+    graph = StageGraph.from_config(cfg)
+    assert graph.sources == {0: [], 1: [0]} and graph.consumers == {0: [1], 1: []}
+    assert graph.final_stage_ids() == [1]
+    assert graph.edge_mode(0, 1) == "sequential"  # the edge override wins over the pipeline's mode
+    assert graph.edge_processors[(0, 1)] is resolve_dotted(PROCESSOR)
     with pytest.raises(KeyError):
         cfg.stage(5)
-    with pytest.raises(KeyError):
-        cfg.edge_mode(1, 0)
 
 
 def test_defaults_and_edge_fallbacks() -> None:
@@ -127,46 +126,80 @@ def test_defaults_and_edge_fallbacks() -> None:
     assert cfg.runtime.execution_mode == "sequential" and cfg.runtime.edges == []
     assert cfg.runtime.connectors.shm_threshold is None  # environment default applies
     s0 = cfg.stage(0)
-    assert (s0.runtime.process, s0.runtime.max_batch_size, s0.runtime.transport) == (True, 1, "ipc")
+    assert (s0.runtime.process, s0.runtime.max_batch_size, s0.runtime.transport) == (True, None, "ipc")
     assert s0.final_output is False and s0.env == {} and s0.default_sampling_params == {}
-    assert cfg.edge_mode(0, 1) == "sequential"
-    assert cfg.edge_processor(0, 1) == PROCESSOR  # from the destination stage
+    graph = StageGraph.from_config(cfg)
+    assert graph.edge_mode(0, 1) == "sequential"
+    assert graph.edge_mode(0, 1, "async_chunk") == "async_chunk"  # a request's own mode, no edge override
+    assert graph.edge_processors[(0, 1)] is resolve_dotted(PROCESSOR)  # from the destination stage
 
 
 def test_null_optional_sections_mean_defaults() -> None:
     cfg = parse_pipeline_config({"runtime": None, "stage_args": [final(llm(0, None, runtime=None))]})
-    assert cfg.stage(0).runtime.max_batch_size == 1 and cfg.entry_stages() == [0]
+    assert cfg.stage(0).runtime.max_batch_size is None and StageGraph.from_config(cfg).sources == {0: []}
 
 
 def test_fan_out_and_fan_in() -> None:
+    from omni_engine.pipeline.input_processors import TextPassthrough
+
     data = chain(final(llm(3, [1, 2])), llm(2, [0]), llm(1, [0]), llm(0, []))
     data["runtime"] = {"execution_mode": "async_chunk",
-                       "edges": [{"from": 2, "to": 3, "execution_mode": "sequential"}]}
-    cfg = parse_pipeline_config(data)
-    assert cfg.topological_order() == [0, 1, 2, 3]
-    assert cfg.consumers_of(0) == [2, 1]  # in file order
-    assert sorted(cfg.sources_of(3)) == [1, 2]
-    assert cfg.entry_stages() == [0] and cfg.final_stages() == [3]
-    assert cfg.edge_mode(1, 3) == "async_chunk" and cfg.edge_mode(2, 3) == "sequential"
-    assert cfg.edge_processor(0, 1) is None
+                       "edges": [{"from": 2, "to": 3, "execution_mode": "sequential",
+                                  "custom_process_input_func": PROCESSOR}]}
+    graph = StageGraph.from_config(parse_pipeline_config(data))
+    assert graph.consumers[0] == [2, 1]  # in file order
+    assert sorted(graph.sources[3]) == [1, 2]
+    assert graph.final_stage_ids() == [3]
+    assert graph.stages_needed({3}) == [3, 2, 1, 0]
+    assert graph.edge_mode(1, 3) == "async_chunk" and graph.edge_mode(2, 3) == "sequential"
+    assert graph.edge_processors[(0, 1)] is TextPassthrough
+    assert graph.edge_processors[(1, 3)] is TextPassthrough and graph.edge_processors[(2, 3)] is resolve_dotted(PROCESSOR)
 
 
-def test_process_spec_non_recipe_model_is_kept(tmp_path: Path) -> None:
+def test_stage_process_spec_carries_every_setting(tmp_path: Path) -> None:
     cfg = load_pipeline_config(write(tmp_path, TWO_STAGES))
-    spec = cfg.stage(1).process_spec()
-    assert spec.stage_type == "generation"
-    assert spec.engine_args == {"model_factory": TTS_FACTORY}
-    assert spec.runtime == {"max_batch_size": 4} and spec.final_output_type == "audio"
-    model_dir = tmp_path / "my-model"
-    model_dir.mkdir()
-    stage = parse_pipeline_config(chain(final(llm(0, env={"A": "b"}, engine_args={"model": str(model_dir)})))).stage(0)
-    spec = stage.process_spec()
-    assert spec.engine_args["model"] == str(model_dir) and spec.env == {"A": "b"}
-    # A recipe name is left alone when resolution is off.
-    assert cfg.stage(0).process_spec(resolve_models=False).engine_args["model"] == "smollm2"
+    connectors = ConnectorSettings(use_shm=False, shm_threshold=4096)
+    spec = stage_process_spec(cfg.stage(1), connectors, "CUDA_VISIBLE_DEVICES")
+    assert spec.stage_type == "generation" and spec.engine_args == {"model_factory": TTS_FACTORY}
+    assert spec.max_batch_size == 4 and spec.final_output_type == "audio"
+    assert spec.connectors is connectors
+    assert spec.process_environment() == {"CUDA_VISIBLE_DEVICES": "0,1"}
+    # An llm stage's max_batch_size is vLLM's max_num_seqs.
+    spec0 = stage_process_spec(cfg.stage(0), connectors, "CUDA_VISIBLE_DEVICES")
+    assert spec0.engine_args["max_num_seqs"] == 16 and spec0.engine_args["model"] == "smollm2"
+    assert spec0.process_environment() == {"VLLM_CPU_KVCACHE_SPACE": "1", "CUDA_VISIBLE_DEVICES": "0"}
 
 
-def test_process_spec_resolves_recipe_names(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_build_stage_specs_takes_connectors_from_config_over_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("OMNI_ENGINE_SHM_THRESHOLD", "123")
+    monkeypatch.setenv("OMNI_ENGINE_USE_SHM", "0")
+    data = chain(final(llm(0)))
+    specs = build_stage_specs(parse_pipeline_config(data))
+    assert (specs[0].connectors.shm_threshold, specs[0].connectors.use_shm) == (123, False)
+    data["runtime"] = {"connectors": {"shm_threshold": 4096, "use_shm": True}}
+    specs = build_stage_specs(parse_pipeline_config(data))
+    assert (specs[0].connectors.shm_threshold, specs[0].connectors.use_shm) == (4096, True)
+
+
+def test_devices_index_into_the_devices_this_process_sees(monkeypatch: pytest.MonkeyPatch) -> None:
+    cfg = parse_pipeline_config(chain(final(llm(0, runtime={"devices": [1, 0]}))))
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,6")
+    spec = stage_process_spec(cfg.stage(0), ConnectorSettings(), "CUDA_VISIBLE_DEVICES")
+    assert spec.process_environment() == {"CUDA_VISIBLE_DEVICES": "6,4"}
+    cfg = parse_pipeline_config(chain(final(llm(0, runtime={"devices": 2}))), "pipe.yaml")
+    with pytest.raises(ConfigError, match=r"pipe.yaml: stage 0: runtime.devices: device '2' is not one of the 2 "
+                                          r"devices this process sees \(CUDA_VISIBLE_DEVICES=4,6\)"):
+        stage_process_spec(cfg.stage(0), ConnectorSettings(), "CUDA_VISIBLE_DEVICES", "pipe.yaml")
+
+
+def test_devices_and_the_same_variable_in_env_are_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    cfg = parse_pipeline_config(chain(final(llm(0, runtime={"devices": 0}, env={"CUDA_VISIBLE_DEVICES": "1"}))))
+    with pytest.raises(ConfigError, match="stage 0: runtime.devices: the stage's env also sets CUDA_VISIBLE_DEVICES"):
+        stage_process_spec(cfg.stage(0), ConnectorSettings(), "CUDA_VISIBLE_DEVICES")
+
+
+def test_prepare_models_is_an_explicit_step(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from omni_engine.models import prepare
 
     calls: list[str] = []
@@ -177,13 +210,20 @@ def test_process_spec_resolves_recipe_names(tmp_path: Path, monkeypatch: pytest.
 
     monkeypatch.setattr(prepare, "prepare_model", fake_prepare)
     monkeypatch.chdir(tmp_path)  # no ./smollm2 directory shadows the recipe name
-    cfg = parse_pipeline_config(yaml.safe_load(TWO_STAGES))
-    spec = cfg.stage(0).process_spec()
+    cfg = load_pipeline_config(write(tmp_path, TWO_STAGES))
+    build_stage_specs(cfg)
+    assert calls == []  # building configs and specs does no I/O
+    prepared = prepare_models(cfg)
     assert calls == ["smollm2"]
-    assert spec.engine_args["model"] == str(tmp_path / "prepared" / "smollm2")
-    assert spec.engine_args["max_model_len"] == 2048
+    assert prepared.stage(0).engine_args["model"] == str(tmp_path / "prepared" / "smollm2")
+    assert prepared.stage(0).engine_args["max_model_len"] == 2048
+    assert prepared.source_path == cfg.source_path
     assert cfg.stage(0).engine_args["model"] == "smollm2"  # the config itself is untouched
-    assert spec.runtime == {"max_batch_size": 16}
+    # A model directory (not a recipe name) is left as it is.
+    model_dir = tmp_path / "my-model"
+    model_dir.mkdir()
+    own = parse_pipeline_config(chain(final(llm(0, engine_args={"model": str(model_dir)}))))
+    assert prepare_models(own).stage(0).engine_args["model"] == str(model_dir) and calls == ["smollm2"]
 
 
 # ---------------------------------------------------------------------------
@@ -210,7 +250,7 @@ def test_unknown_field_top_level_and_connectors(tmp_path: Path) -> None:
 def test_wrong_type(tmp_path: Path) -> None:
     data = base()
     data["stage_args"][0]["runtime"]["max_batch_size"] = "16"
-    one_error(tmp_path, data, "stage 0", "stage_args[0].runtime.max_batch_size", "expected `int`", "got `str`")
+    one_error(tmp_path, data, "stage 0", "stage_args[0].runtime.max_batch_size", "expected `int | null`", "got `str`")
 
 
 def test_constraint_violation_names_value(tmp_path: Path) -> None:
@@ -396,3 +436,55 @@ def test_multiple_errors_reported_together(tmp_path: Path) -> None:
     assert len(errors) == 3, errors
     assert any("stage 1: stage_args[1].engine_input_source[1]: engine_input_source refers to stage 7" in e
                for e in errors)
+
+
+def test_in_process_stage_is_refused(tmp_path: Path) -> None:
+    data = base()
+    data["stage_args"][1]["runtime"]["process"] = False
+    one_error(tmp_path, data, "stage 1", "stage_args[1].runtime.process", "in-process stages are not supported yet")
+
+
+@pytest.mark.parametrize("devices, problem", [
+    ([0, 0], "device '0' is listed twice"),
+    ("0,,1", "invalid device id ''"),
+    ([-1], "invalid device id -1"),
+    ("0, 1 2", "invalid device id"),
+    ([], "empty"),
+])
+def test_bad_devices(tmp_path: Path, devices, problem) -> None:
+    data = base()
+    data["stage_args"][1]["runtime"]["devices"] = devices
+    one_error(tmp_path, data, "stage 1", "stage_args[1].runtime.devices", problem)
+
+
+def test_omni_engine_settings_in_stage_env_are_refused(tmp_path: Path) -> None:
+    data = base()
+    data["stage_args"][1]["env"] = {"OMNI_ENGINE_SHM_THRESHOLD": "4096"}
+    one_error(tmp_path, data, "stage 1", "stage_args[1].env.OMNI_ENGINE_SHM_THRESHOLD", "runtime.connectors")
+
+
+def test_llm_max_batch_size_and_max_num_seqs_must_agree(tmp_path: Path) -> None:
+    data = base()
+    data["stage_args"][0]["engine_args"]["max_num_seqs"] = 8
+    one_error(tmp_path, data, "stage 0", "stage_args[0].runtime.max_batch_size", "differs from engine_args.max_num_seqs (8)")
+    data["stage_args"][0]["engine_args"]["max_num_seqs"] = 16
+    assert load_pipeline_config(write(tmp_path, yaml.safe_dump(data))).stage(0).engine_args_for_engine()["max_num_seqs"] == 16
+
+
+def test_legacy_architecture_refuses_what_it_would_ignore(tmp_path: Path) -> None:
+    from omni_engine.legacy.pipeline import check_legacy_config
+
+    data = base()
+    data["runtime"]["security"] = {"curve": True}
+    data["stage_args"][1]["runtime"]["transport"] = "tcp"
+    path = write(tmp_path, yaml.safe_dump(data))
+    with pytest.raises(ConfigError) as info:
+        check_legacy_config(load_pipeline_config(path))
+    assert len(info.value.errors) == 3, info.value.errors
+    for needle in (f"{path}: runtime.connectors is not supported by the legacy architecture",
+                   f"{path}: runtime.security.curve is not supported by the legacy architecture",
+                   f"{path}: stage 1: stage_args[1].runtime.transport is not supported by the legacy architecture"):
+        assert any(e.startswith(needle) for e in info.value.errors), (needle, info.value.errors)
+    del data["runtime"]["connectors"], data["runtime"]["security"]
+    data["stage_args"][1]["runtime"]["transport"] = "ipc"
+    check_legacy_config(load_pipeline_config(write(tmp_path, yaml.safe_dump(data))))

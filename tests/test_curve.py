@@ -10,7 +10,6 @@ inject messages nor read anything, and a stage holding the wrong keys fails
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import os
 import textwrap
 from pathlib import Path
@@ -158,7 +157,7 @@ async def test_stage_with_wrong_keys_fails_start_naming_curve():
         "refused client key": StageCurveKeys(KeyPair.generate(), keys.server.public),
         "wrong server key": StageCurveKeys(keys.client, KeyPair.generate().public),
     }
-    clients = [StageEngineCoreClient(20 + i, process=dataclasses.replace(tts_spec(), curve=stage_keys),
+    clients = [StageEngineCoreClient(20 + i, process=tts_spec().replace(curve=stage_keys),
                                      transport="tcp", curve=keys, startup_timeout=120)
                for i, stage_keys in enumerate(wrong.values())]
     results = await asyncio.gather(*(c.start() for c in clients), return_exceptions=True)

@@ -37,7 +37,7 @@ from omni_engine.wire.protocol import (
 )
 from omni_engine.stage_engine.stage_core_client import StageEngineCoreClient
 from omni_engine.wire.stage_serialization import CustomType
-from tests.helpers import collect
+from tests.helpers import RawFrameClient, collect
 from tests.wire_fuzz import OutputInjector, RawStage, fuzz_stage_spec, stage_barrage
 
 RAW_STAGE_ID, CLIENT_STAGE_ID = 9, 8
@@ -140,7 +140,7 @@ def test_pickle_is_refused_by_default(raw_stage, tmp_path):
 # -------------------------------------------------------- (b) client output side
 @pytest_asyncio.fixture(scope="module", loop_scope="session")
 async def fuzz_client():
-    client = StageEngineCoreClient(CLIENT_STAGE_ID, process=fuzz_stage_spec())
+    client = RawFrameClient(CLIENT_STAGE_ID, process=fuzz_stage_spec())
     await client.start()
     yield client
     await client.shutdown()
@@ -210,7 +210,7 @@ async def test_duplicate_generate_does_not_fail_the_running_request(fuzz_client)
     client = fuzz_client
     await client.submit_request("mine", {"nbytes": 16, "delay": 0.5})
     body = msgspec.msgpack.encode(["mine", {"nbytes": 1}])
-    await client._input.send_multipart([client._identity, StageRequestType.GENERATE.value, body])
+    await client.send_raw(StageRequestType.GENERATE.value, body)
     (output,) = await collect(client, "mine", timeout=30)
     assert output.multimodal_output["tensor"].numel() == 16
 
@@ -233,11 +233,10 @@ async def test_llm_stage_survives_hostile_frames(llm_stage):
     from vllm import SamplingParams
     from vllm.sampling_params import RequestOutputKind
 
-    sock, identity = llm_stage._input, llm_stage._identity
     for frames in ([b"\x00", b"\xc1"], [b"\x00", msgspec.msgpack.encode(["x", Ext(103, b"\x93")])],
                    [b"\x00", msgspec.msgpack.encode(["y", "hi", Ext(105, b"\x81\xa1n\xff")])],
                    [b"\x03", msgspec.msgpack.encode([1, "collective_rpc", [], {}])[:-3]], [b"\x7f"]):
-        await sock.send_multipart([identity, *frames])
+        await llm_stage.send_raw(*frames)
     await llm_stage.check_health()
     params = SamplingParams(temperature=0.0, max_tokens=3, output_kind=RequestOutputKind.FINAL_ONLY)
     await llm_stage.submit_request("llm-after-garbage", "The capital of France is", params)

@@ -19,7 +19,7 @@ async def run(engine: GenerationStageEngine, request_id: str, delay: float) -> l
 
 async def until_running(engine: GenerationStageEngine, n: int) -> None:
     async with asyncio.timeout(10):
-        while engine._running is None or len(engine._running[0]) != n:
+        while engine.num_running() != n:
             await asyncio.sleep(0.01)
 
 
@@ -46,7 +46,7 @@ async def test_a_batch_whose_requests_all_went_away_stops_and_frees_the_stage(en
     async with asyncio.timeout(10):  # not 600 s
         (output,) = await run(engine, "next", 0)
     assert output.finished and output.multimodal_output["first"] == 3
-    assert engine.num_unfinished_requests() == 0 and engine._running is None
+    assert engine.num_unfinished_requests() == 0 and engine.num_running() is None
 
 
 @pytest.mark.parametrize("engine", [2], indirect=True)

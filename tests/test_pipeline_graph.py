@@ -53,6 +53,37 @@ async def test_fan_out_and_fan_in_follow_the_graph():
         assert client.orchestrator.num_requests == 0
 
 
+async def test_each_edge_into_a_stage_uses_its_own_input_processor():
+    """Two edges into stage 2: 0 -> 2 keeps the stage's processor (CollectValues), 1 -> 2 has its own
+    (NegateValues, from runtime.edges). Each builds stage 2's input from its own source."""
+    config = parse_pipeline_config({
+        "runtime": {"edges": [{"from": 1, "to": 2, "custom_process_input_func": "tests.models:NegateValues"}]},
+        "stage_args": [calc_stage(0, "add1"), calc_stage(1, "times10", sources=[0]),
+                       calc_stage(2, "sum", sources=[0, 1], final=True)],
+    }, "<edges>")
+    async with await MultiStageEngineClient.from_config(config) as client:
+        outputs = [o async for o in client.generate({"values": [2]}, None, "edges")]
+        # One input per edge processor, in source order: [3] from stage 0, [-30] from stage 1.
+        assert [o.multimodal_output["value"] for o in outputs if o.multimodal_output] == [3, -30]
+        assert client.metrics.stage(2).requests == 2
+        # Sampling params reach the pipeline keyed by stage id, whatever form the caller used.
+        assert client.sampling_params_by_stage({"max_tokens": 3}) == {0: {"max_tokens": 3}}  # one stage's, as a dict
+        assert client.sampling_params_by_stage("p", 1) == {1: "p"}
+        assert client.sampling_params_by_stage([None, "b"]) == {1: "b"}  # the seed's list, in stage order
+        assert client.sampling_params_by_stage({2: "c"}) == {2: "c"}
+        with pytest.raises(ValueError, match="4 entries for 3 stages"):
+            client.sampling_params_by_stage(["a", "b", "c", "d"])
+        with pytest.raises(ValueError, match=r"stage\(s\) \[7\], which are not in the pipeline"):
+            [o async for o in client.generate({"values": [2]}, {7: None, 0: None}, "bad-params")]
+    # Without the override both edges share the stage's processor: one input [3, 30].
+    config = parse_pipeline_config({"stage_args": [
+        calc_stage(0, "add1"), calc_stage(1, "times10", sources=[0]), calc_stage(2, "sum", sources=[0, 1], final=True),
+    ]}, "<edges>")
+    async with await MultiStageEngineClient.from_config(config) as client:
+        outputs = [o async for o in client.generate({"values": [2]}, None, "shared")]
+        assert [o.multimodal_output["value"] for o in outputs if o.multimodal_output] == [33]
+
+
 async def test_fatal_engine_error_sends_dead_and_the_stage_exits():
     from omni_engine.errors import StageDeadError
     from omni_engine.stage_engine.stage_core_client import StageEngineCoreClient

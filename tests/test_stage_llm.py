@@ -15,7 +15,7 @@ from omni_engine.connectors.shm import list_segments, new_run_prefix, stage_pref
 from omni_engine.errors import StageDeadError
 from omni_engine.stage_engine.stage_core_client import StageEngineCoreClient
 from omni_engine.stage_engine.stage_process import StageProcess, StageProcessSpec
-from tests.helpers import collect, llm_engine_args, wait_group_gone
+from tests.helpers import collect, external_transport, llm_engine_args, wait_group_gone
 
 pytestmark = [pytest.mark.asyncio(loop_scope="session"), pytest.mark.llm]
 
@@ -79,10 +79,9 @@ async def test_abort_mid_stream_stops_the_request_and_the_stage_lives_on(llm_sta
 @pytest.fixture(scope="module")
 def external_stage_on_5555(smollm2_path):
     """A stage process started on its own, connecting to the seed test's fixed addresses."""
-    process = StageProcess(
-        0, StageProcessSpec("llm", llm_engine_args(smollm2_path)),
-        "tcp://127.0.0.1:5555", "tcp://127.0.0.1:5556", stage_prefix(new_run_prefix(), 0), log_path=_log("external"),
-    )
+    transport = external_transport("tcp://127.0.0.1:5555", "tcp://127.0.0.1:5556", stage_prefix(new_run_prefix(), 0))
+    process = StageProcess(0, StageProcessSpec("llm", llm_engine_args(smollm2_path), transport=transport),
+                           log_path=_log("external"))
     process.start()
     yield process
     process.stop(term_timeout=10)

@@ -13,7 +13,7 @@ from omni_engine.errors import StageRequestError, StageStartupError
 from omni_engine.wire.protocol import StageRequestType
 from omni_engine.stage_engine.stage_core_client import StageEngineCoreClient
 from omni_engine.stage_engine.stage_process import StageProcess, StageProcessSpec
-from tests.helpers import collect, process_exists, tts_spec, wait_group_gone
+from tests.helpers import collect, external_transport, process_exists, tts_spec, wait_group_gone
 
 pytestmark = pytest.mark.tts  # async tests: the session loop (pyproject.toml)
 
@@ -57,10 +57,9 @@ async def test_bad_request_fails_alone_and_names_stage_request_and_field(tts_sta
 
 
 async def test_malformed_frames_are_answered_and_not_fatal(tts_stage):
-    sock, identity = tts_stage._input, tts_stage._identity
-    await sock.send_multipart([identity, b"\x7f", b"\x00"])  # unknown type
-    await sock.send_multipart([identity, StageRequestType.GENERATE.value, b"\xc1garbage"])  # bad msgpack
-    await sock.send_multipart([identity, StageRequestType.GENERATE.value])  # missing body
+    await tts_stage.send_raw(b"\x7f", b"\x00")  # unknown type
+    await tts_stage.send_raw(StageRequestType.GENERATE.value, b"\xc1garbage")  # bad msgpack
+    await tts_stage.send_raw(StageRequestType.GENERATE.value)  # missing body
     await tts_stage.check_health()
     await tts_stage.submit_request("after-garbage", "Valid again.", None)
     (output,) = await collect(tts_stage, "after-garbage")
@@ -121,7 +120,8 @@ def test_a_stage_started_with_a_foreign_shm_prefix_is_refused_before_it_spawns()
     """A client ignores a READY whose prefix is not a stage prefix (it decides what is
     unlinked when the stage dies), so such a stage would never start: say so at once."""
     with pytest.raises(ValueError, match=r"stage 3: shm_prefix 'omni_external_s0' is not a stage prefix"):
-        StageProcess(3, tts_spec(), "tcp://127.0.0.1:1", "tcp://127.0.0.1:2", "omni_external_s0")
+        StageProcess(3, tts_spec().replace(
+            transport=external_transport("tcp://127.0.0.1:1", "tcp://127.0.0.1:2", "omni_external_s0")))
 
 
 async def test_stale_socket_dirs_of_dead_clients_are_removed_at_start(tmp_path):

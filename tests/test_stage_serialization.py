@@ -633,11 +633,11 @@ def test_shm_tensor_is_a_view_of_the_attached_segment(shm_codec):
     [(name, owner, view)] = views
     assert owner == "req-shm" and pool.leases_of("req-shm") == [name]
     assert len(attachments) == 1
-    mapping = attachments._segments[name]  # the consumer's own mapping of the segment
+    mapping = attachments.segment(name)  # the consumer's own mapping of the segment
     assert inside(got.data_ptr(), audio.nbytes, (mapping.address, mapping.size))
     assert got.data_ptr() == address_of(view)[0]
     # Same bytes as the producer's slot, not a copy: a write there shows here.
-    slot = pool._leased[name].segment
+    slot = pool.leased_segment(name)
     assert slot.address != mapping.address
     slot.array[:4] = np.frombuffer(np.float32(42.0).tobytes(), np.uint8)
     assert got[0].item() == 42.0
@@ -682,7 +682,7 @@ def test_re_encoding_a_decoded_shm_tensor_forwards_the_handle(run_prefix, shm_co
         stage2 = StageMsgpackDecoder(shm=downstream)
         a, b, c = stage2.decode(fwd2)
         assert torch.equal(a, latent[8:12]) and np.array_equal(b, array[100:300]) and torch.equal(c, latent[:, 3])
-        m = downstream._segments[name_t]
+        m = downstream.segment(name_t)
         assert inside(a.data_ptr(), a.nbytes, (m.address, m.size))
         assert a.data_ptr() == m.address + 8 * 64 * 4
     finally:
@@ -767,12 +767,17 @@ def test_pickle_needs_both_ends():
     assert got.result == [Fraction(2, 7)]
 
 
-def test_pickle_env_switch(monkeypatch):
+def test_pickle_env_switch_reaches_the_wire_through_connector_settings(monkeypatch):
+    from omni_engine import envs
+
     monkeypatch.setenv("OMNI_ENGINE_ALLOW_PICKLE", "1")
-    assert StageMsgpackDecoder().decode(StageMsgpackEncoder().encode(Fraction(5, 2))) == Fraction(5, 2)
+    settings = envs.connector_settings()
+    assert settings.allow_pickle
+    bufs = StageMsgpackEncoder.from_settings(settings).encode(Fraction(5, 2))
+    assert StageMsgpackDecoder(allow_pickle=settings.allow_pickle).decode(bufs) == Fraction(5, 2)
     monkeypatch.setenv("OMNI_ENGINE_ALLOW_PICKLE", "0")
     with pytest.raises(TypeError, match="Fraction"):
-        StageMsgpackEncoder().encode(Fraction(5, 2))
+        StageMsgpackEncoder.from_settings(envs.connector_settings()).encode(Fraction(5, 2))
 
 
 def test_unknown_ext_code_is_named():
@@ -899,7 +904,7 @@ def test_shm_handles_of_other_runs_and_bad_ranges_are_refused(run_prefix):
         for match, handle in bad.items():
             with pytest.raises(WireFormatError, match=match):
                 decoder.decode(_tensor_ext(["uint8", [4], DataLocation.SHM, *handle]))
-        assert theirs.name not in {n for n in attachments._segments}
+        assert theirs.name not in attachments.names()
     finally:
         del ok
         attachments.detach()

@@ -46,7 +46,8 @@ from omni_engine.wire.protocol import (
     StageShutdown,
     StageUtilityResult,
 )
-from omni_engine.stage_engine.stage_process import StageProcess, StageProcessSpec, cleanup_stage
+from omni_engine.stage_engine.stage_process import StageProcess, StageProcessSpec, cleanup_stage, default_log_dir
+from tests.helpers import external_transport
 from omni_engine.wire.stage_serialization import (
     CustomType,
     DataLocation,
@@ -61,7 +62,7 @@ FUZZ_MODEL = "tests.models:make_checked_tensor_source"
 def fuzz_stage_spec() -> StageProcessSpec:
     """A generation stage that answers ``{"nbytes": N}`` with an N-byte tensor and rejects
     any other prompt alone (one request per batch)."""
-    return StageProcessSpec("generation", {"model_factory": FUZZ_MODEL}, runtime={"max_batch_size": 1},
+    return StageProcessSpec("generation", {"model_factory": FUZZ_MODEL}, max_batch_size=1,
                             final_output_type="tensor")
 
 
@@ -282,9 +283,9 @@ class RawStage:
         self.pull = self.ctx.socket(zmq.PULL)
         self.pull.setsockopt(zmq.LINGER, 0)
         self.pull.bind(f"ipc://{self.runtime_dir}/out")
-        log_path = Path(os.environ.get("OMNI_ENGINE_LOG_DIR", tempfile.gettempdir())) / f"{self.shm_prefix}.log"
-        self.process = StageProcess(stage_id, spec, f"ipc://{self.runtime_dir}/in",
-                                    f"ipc://{self.runtime_dir}/out", self.shm_prefix, log_path)
+        log_path = default_log_dir() / f"{self.shm_prefix}.log"
+        transport = external_transport(f"ipc://{self.runtime_dir}/in", f"ipc://{self.runtime_dir}/out", self.shm_prefix)
+        self.process = StageProcess(stage_id, spec.replace(transport=transport), log_path)
         self.attachments = ShmAttachments(owner_process_prefix(self.shm_prefix))
         self.decoders = {t: StageMsgpackDecoder(cls, shm=self.attachments) for t, cls in RESPONSE_STRUCTS.items()}
         self.encoder = StageMsgpackEncoder(allow_pickle=False)
@@ -418,7 +419,7 @@ class OutputInjector:
     def _pending(self) -> str:
         """Where an undelivered message is stuck: still queued in our PUSH (never
         connected), or waiting in the client's PULL (the client did not wake up)."""
-        pull = self.client._output.getsockopt(zmq.EVENTS) & zmq.POLLIN
+        pull = self.client.output_readable()
         push = self.push.getsockopt(zmq.EVENTS) & zmq.POLLOUT
         return f"client PULL readable: {bool(pull)}, injector PUSH writable: {bool(push)}"
 

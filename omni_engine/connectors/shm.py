@@ -23,14 +23,18 @@ import secrets
 import stat
 import threading
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 
-from omni_engine import envs
+from omni_engine.connectors.settings import DEFAULT_SHM_POOL_BYTES, DEFAULT_SHM_THRESHOLD
 
 logger = logging.getLogger(__name__)
 
 SEGMENT_PREFIX = "omni_"
+# Where POSIX shared memory lives on Linux (tmpfs). A module constant, read at
+# call time, so tests can point it at a directory of their own.
+SHM_DIR = Path("/dev/shm")
 _RUN_RE = re.compile(r"^omni_(\d+)_[0-9a-f]+_")
 
 
@@ -99,7 +103,7 @@ class ShmSegment:
         ``/dev/shm`` is an ``OSError`` here rather than a SIGBUS on first write;
         ``MAP_POPULATE`` maps them in now rather than fault by fault later.
         """
-        path = envs.shm_dir() / name
+        path = SHM_DIR / name
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
             try:
@@ -117,7 +121,7 @@ class ShmSegment:
         """Map an existing segment (the consumer side)."""
         check_segment_name(name)
         # O_NOFOLLOW: a symlink planted in /dev/shm must not map another file.
-        fd = os.open(envs.shm_dir() / name, os.O_RDWR | os.O_NOFOLLOW)
+        fd = os.open(SHM_DIR / name, os.O_RDWR | os.O_NOFOLLOW)
         try:
             st = os.fstat(fd)
             if not stat.S_ISREG(st.st_mode):
@@ -138,7 +142,7 @@ class ShmSegment:
 
     def unlink(self) -> None:
         try:
-            os.unlink(envs.shm_dir() / self.name)
+            os.unlink(SHM_DIR / self.name)
         except FileNotFoundError:
             pass
 
@@ -193,14 +197,15 @@ class SegmentIndex:
 
 SEGMENT_INDEX = SegmentIndex()
 
-# The pool of the stage this process serves (set by the stage process), for
-# models that write large outputs straight into shared memory.
+# The pool of the stage this process serves and its shm threshold (set by the
+# stage process), for models that write large outputs straight into shared memory.
 _output_pool: "ShmPool | None" = None
+_output_threshold: int = DEFAULT_SHM_THRESHOLD
 
 
-def set_output_pool(pool: "ShmPool | None") -> None:
-    global _output_pool
-    _output_pool = pool
+def set_output_pool(pool: "ShmPool | None", shm_threshold: int = DEFAULT_SHM_THRESHOLD) -> None:
+    global _output_pool, _output_threshold
+    _output_pool, _output_threshold = pool, shm_threshold
 
 
 def empty_output(nbytes: int, request_id: str) -> np.ndarray:
@@ -213,7 +218,7 @@ def empty_output(nbytes: int, request_id: str) -> np.ndarray:
     never sent goes back to the pool when the request ends.
     """
     pool = _output_pool
-    if pool is not None and nbytes >= envs.shm_threshold():
+    if pool is not None and nbytes >= _output_threshold:
         segment = pool.lease(nbytes, request_id, sent=False)
         if segment is not None:
             return segment.array[:nbytes]
@@ -238,9 +243,9 @@ class ShmPool:
     and the caller sends the tensor as a ZMQ frame instead.
     """
 
-    def __init__(self, prefix: str, max_bytes: int | None = None, min_slot: int = 1 << 20) -> None:
+    def __init__(self, prefix: str, max_bytes: int = DEFAULT_SHM_POOL_BYTES, min_slot: int = 1 << 20) -> None:
         self.prefix = prefix
-        self.max_bytes = envs.shm_pool_bytes() if max_bytes is None else max_bytes
+        self.max_bytes = max_bytes
         self.min_slot = min_slot
         self._lock = threading.Lock()
         self._free: dict[int, list[ShmSegment]] = {}
@@ -330,6 +335,11 @@ class ShmPool:
                     self._free.setdefault(lease.segment.size, []).append(lease.segment)
         return released
 
+    def leased_segment(self, name: str) -> ShmSegment | None:
+        """The leased slot named ``name`` (None: not leased)."""
+        lease = self._leased.get(name)
+        return lease.segment if lease is not None else None
+
     def leases_of(self, owner: str) -> list[str]:
         with self._lock:
             return [name for name, lease in self._leased.items() if lease.owner == owner]
@@ -395,6 +405,14 @@ class ShmAttachments:
     def __len__(self) -> int:
         return len(self._segments)
 
+    def names(self) -> list[str]:
+        """Names of the segments mapped here."""
+        return list(self._segments)
+
+    def segment(self, name: str) -> ShmSegment | None:
+        """This process's mapping of segment ``name`` (None: not attached)."""
+        return self._segments.get(name)
+
 
 _DEFAULT_ATTACHMENTS: ShmAttachments | None = None
 
@@ -409,7 +427,7 @@ def default_attachments() -> ShmAttachments:
 
 def list_segments(prefix: str = SEGMENT_PREFIX) -> list[str]:
     try:
-        return sorted(n for n in os.listdir(envs.shm_dir()) if n.startswith(prefix))
+        return sorted(n for n in os.listdir(SHM_DIR) if n.startswith(prefix))
     except FileNotFoundError:
         return []
 
@@ -430,7 +448,7 @@ def unlink_prefix(prefix: str) -> list[str]:
         if not has_prefix(name, prefix):
             continue
         try:
-            os.unlink(envs.shm_dir() / name)
+            os.unlink(SHM_DIR / name)
             removed.append(name)
         except FileNotFoundError:
             pass

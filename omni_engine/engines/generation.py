@@ -153,6 +153,10 @@ class GenerationStageEngine(StageEngine):
     def num_unfinished_requests(self) -> int:
         return len(self._pending)
 
+    def num_running(self) -> int | None:
+        """Requests in the batch the model computes now (None: no batch is running)."""
+        return len(self._running[0]) if self._running is not None else None
+
     async def check_health(self) -> None:
         if self._batcher is None or self._batcher.done():
             raise StageEngineError(f"stage {self.stage_id}: generation batcher is not running")

@@ -10,23 +10,23 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncGenerator, Callable, Iterable, Sequence
+from collections.abc import AsyncGenerator, Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-import msgspec
 from vllm.engine.protocol import EngineClient
 
-from omni_engine.config import PipelineConfig, StageConfig, load_pipeline_config
+from omni_engine.config import EdgeConfig, PipelineConfig, StageConfig, load_pipeline_config
+from omni_engine.errors import StageDeadError
+from omni_engine.metrics import OrchestratorMetrics, PipelineObserver
+from omni_engine.outputs import OmniRequestOutput
 from omni_engine.pipeline.orchestrator import PipelineOrchestrator
 from omni_engine.pipeline.stage_context import StageContext
+from omni_engine.pipeline.stage_specs import build_stage_specs, prepare_models
 from omni_engine.pipeline.stage_supervisor import StageClientMaker, StageSupervisor
-from omni_engine.errors import StageDeadError
-from omni_engine.metrics import OrchestratorMetrics
-from omni_engine.outputs import OmniRequestOutput
 from omni_engine.stage_engine.base_client import BaseStageClient
 from omni_engine.stage_engine.stage_core_client import StageEngineCoreClient
-from omni_engine.stage_engine.stage_process import StageProcessSpec
+from omni_engine.stage_engine.stage_spec import StageProcessSpec
 
 logger = logging.getLogger(__name__)
 
@@ -41,11 +41,12 @@ class MultiStageEngineClient(EngineClient):
         self,
         stages: Sequence[StageContext],
         execution_mode: str = "sequential",
-        edge_modes: dict[tuple[int, int], str] | None = None,
+        edges: Sequence[EdgeConfig] | None = None,
         config: PipelineConfig | None = None,
         stage_makers: dict[int, StageClientMaker] | None = None,
     ) -> None:
-        """``stage_makers`` make a new client (and process) for a stage; stages
+        """``edges``: per-edge overrides (default: the config's ``runtime.edges``).
+        ``stage_makers`` make a new client (and process) for a stage; stages
         with ``runtime.restart: on-failure`` are restarted with them."""
         self.stage_contexts = list(stages)
         self.config = config
@@ -54,7 +55,9 @@ class MultiStageEngineClient(EngineClient):
         if config is not None:
             limits = dict(max_inflight_requests=config.runtime.max_inflight_requests,
                           max_undelivered_outputs=config.runtime.max_undelivered_outputs)
-        self.orchestrator = PipelineOrchestrator(stages, execution_mode, edge_modes, self.metrics, **limits)
+        if edges is None:
+            edges = config.runtime.edges if config is not None else ()
+        self.orchestrator = PipelineOrchestrator(stages, execution_mode, edges, self.metrics, **limits)
         self.supervisor = StageSupervisor(self.stage_contexts, stage_makers or {})
         self._resumed = asyncio.Event()
         self._resumed.set()
@@ -71,7 +74,7 @@ class MultiStageEngineClient(EngineClient):
         cls, config: PipelineConfig | str | Path, *, progress: Progress | None = None,
         make_stage_client: StageClientFactory | None = None,
     ) -> "MultiStageEngineClient":
-        """Validate the config, start every stage process (in parallel), and connect.
+        """Validate the config, prepare its models, start every stage process (in parallel), and connect.
 
         ``make_stage_client(stage_config, process_spec)`` builds the client of
         one stage; the default is a ZMQ ``StageEngineCoreClient`` (the legacy
@@ -79,13 +82,8 @@ class MultiStageEngineClient(EngineClient):
         """
         cfg = config if isinstance(config, PipelineConfig) else load_pipeline_config(config)
         say = progress or (lambda msg: None)
-        connector_env = _connector_env(cfg)
-        specs = {}
-        for stage in cfg.stage_args:
-            say(f"stage {stage.stage_id} ({stage.stage_type}): preparing")
-            spec = stage.process_spec()
-            spec.env = {**connector_env, **spec.env}
-            specs[stage.stage_id] = spec
+        cfg = prepare_models(cfg, say)
+        specs = build_stage_specs(cfg)
         # One set of CURVE keys per run, shared by every stage (None: CURVE off).
         curve = cfg.runtime.security.curve_keys()
 
@@ -113,18 +111,14 @@ class MultiStageEngineClient(EngineClient):
                 stage_id=stage.stage_id,
                 stage_config=stage,
                 client=clients[stage.stage_id],
-                connectors=msgspec.structs.asdict(cfg.runtime.connectors),
                 is_final_output=stage.final_output,
                 final_output_type=stage.final_output_type or "text",
             )
             for stage in cfg.stage_args
         ]
-        edge_modes = {
-            (edge.from_stage, edge.to): edge.execution_mode for edge in cfg.runtime.edges if edge.execution_mode
-        }
         makers = {stage.stage_id: (lambda stage=stage: make_client(stage, specs[stage.stage_id]))
                   for stage in cfg.stage_args}
-        return cls(contexts, cfg.runtime.execution_mode, edge_modes, cfg, makers)
+        return cls(contexts, cfg.runtime.execution_mode, cfg.runtime.edges, cfg, makers)
 
     async def __aenter__(self) -> "MultiStageEngineClient":
         return self
@@ -146,8 +140,11 @@ class MultiStageEngineClient(EngineClient):
     ) -> AsyncGenerator[OmniRequestOutput, None]:
         """Stream the pipeline's final outputs for one request.
 
-        ``sampling_params`` is one ``SamplingParams`` (for the entry stage; the
-        others use their ``default_sampling_params``) or a list, one per stage.
+        ``sampling_params`` is one stage's params (a ``SamplingParams`` or its
+        dict form) for the entry stage (the first stage, or ``entry_stage_id``),
+        a list in stage order (the seed's ``sampling_params_list``), or a
+        mapping of stage id (int) to params; stages without params use their
+        ``default_sampling_params``.
         ``entry_stage_id`` starts the request at that stage (its sources are not
         run; ``prompt`` is its input). Leaving the generator early aborts the
         request on every stage. A dead stage fails only the requests that need
@@ -156,9 +153,9 @@ class MultiStageEngineClient(EngineClient):
         self._check_running(any_stage_dead=False)
         if not self._resumed.is_set():
             await self._resumed.wait()
-        params_list = list(sampling_params) if isinstance(sampling_params, (list, tuple)) else [sampling_params]
-        stream = self.orchestrator.process_pipeline(
-            request_id, prompt, params_list, self.metrics, final_stage_id, execution_mode, entry_stage_id
+        params = self.sampling_params_by_stage(sampling_params, entry_stage_id)
+        stream = self.orchestrator.stream_request(
+            request_id, prompt, params, self.metrics, final_stage_id, execution_mode, entry_stage_id
         )
         try:
             async for output in stream:
@@ -167,6 +164,21 @@ class MultiStageEngineClient(EngineClient):
             # A caller that leaves (aclose, cancellation) aborts the request
             # now, not whenever the inner generator is garbage-collected.
             await stream.aclose()
+
+    def sampling_params_by_stage(self, sampling_params: Any, for_stage: int | None = None) -> dict[int, Any]:
+        """Sampling params keyed by stage id, as the pipeline takes them (the one conversion).
+
+        A mapping keyed by ints is already by stage; a mapping with str keys is
+        one stage's params in dict form (``{"max_tokens": 8}``), like a ``SamplingParams``:
+        one stage's params are for ``for_stage`` (default: the first stage).
+        """
+        if isinstance(sampling_params, Mapping) and all(type(k) is int for k in sampling_params):
+            return dict(sampling_params)
+        if isinstance(sampling_params, (list, tuple)):
+            return self.orchestrator.graph.params_by_stage(sampling_params)
+        if sampling_params is None:
+            return {}
+        return {for_stage if for_stage is not None else self.orchestrator.stage_order[0]: sampling_params}
 
     async def abort(self, request_id: str | Iterable[str]) -> None:
         ids = [request_id] if isinstance(request_id, str) else list(request_id)
@@ -182,6 +194,57 @@ class MultiStageEngineClient(EngineClient):
         error = self.dead_error
         if any_stage_dead and error is not None:
             raise error
+
+    # ------------------------------------------------------- inspection
+    def stage_ids(self) -> list[int]:
+        """The pipeline's stages, in config order."""
+        return list(self.orchestrator.stage_order)
+
+    def stage_edges(self) -> list[tuple[int, int]]:
+        """Every (source, destination) edge of the stage graph."""
+        return [(src, dst) for dst in self.orchestrator.stage_order for src in self.orchestrator.sources[dst]]
+
+    def final_stage_ids(self) -> list[int]:
+        """The stages whose outputs reach the caller by default."""
+        return self.orchestrator.final_stage_ids() or self.orchestrator.stage_order[-1:]
+
+    def stage_for_output(self, output_type: str) -> int | None:
+        """The first final stage producing ``output_type`` (e.g. the speech stage for "audio")."""
+        for ctx in self.stage_contexts:
+            if ctx.is_final_output and ctx.final_output_type == output_type:
+                return ctx.stage_id
+        return None
+
+    def stage_alive(self, stage_id: int) -> bool:
+        """Whether the stage's current process is up (False once it died, until a restart)."""
+        return not self.orchestrator.stages[stage_id].client.is_dead
+
+    def stage_load(self) -> dict[int, tuple[int, int]]:
+        """Per stage: (waiting, running) sub-requests."""
+        return self.orchestrator.stage_load()
+
+    def stage_restarts(self) -> dict[int, int]:
+        """Per stage: how often it was restarted after dying (``runtime.restart``)."""
+        return dict(self.supervisor.restarts)
+
+    def state_counts(self) -> dict[str, int]:
+        """What the pipeline holds for requests, summed over the orchestrator and every
+        stage client: all zero once it is idle (``in_flight``, ``held``, ``queued`` of the
+        stage clients; ``requests``, ``routes``, ``readers`` of the orchestrator)."""
+        counts = dict(self.orchestrator.state_counts())
+        for ctx in self.stage_contexts:
+            for key, value in ctx.client.state_counts().items():
+                counts[key] = counts.get(key, 0) + value
+        return counts
+
+    @property
+    def observer(self) -> PipelineObserver | None:
+        """Told of every request event as it happens (e.g. the Prometheus exporter)."""
+        return self.orchestrator.observer
+
+    @observer.setter
+    def observer(self, observer: PipelineObserver | None) -> None:
+        self.orchestrator.observer = observer
 
     @property
     def is_running(self) -> bool:
@@ -257,7 +320,7 @@ class MultiStageEngineClient(EngineClient):
                            **kwargs: Any) -> list[Any]:
         chosen = [ctx for ctx in self.stage_contexts if stage_ids is None or ctx.stage_id in stage_ids]
         if llm_only:
-            chosen = [ctx for ctx in chosen if ctx.stage_config is None or ctx.stage_config.stage_type == "llm"]
+            chosen = [ctx for ctx in chosen if ctx.stage_type in (None, "llm")]
         unknown = set(stage_ids or ()) - {ctx.stage_id for ctx in self.stage_contexts}
         if unknown:
             raise ValueError(f"no stage {sorted(unknown)} in this pipeline")
@@ -315,17 +378,6 @@ class MultiStageEngineClient(EngineClient):
         except RuntimeError:
             return asyncio.run(self.shutdown_async())
         return loop.create_task(self.shutdown_async())
-
-
-def _connector_env(cfg: PipelineConfig) -> dict[str, str]:
-    """``runtime.connectors`` as the stage processes' environment (a stage's own env wins)."""
-    env = {}
-    connectors = cfg.runtime.connectors
-    if connectors.shm_threshold is not None:
-        env["OMNI_ENGINE_SHM_THRESHOLD"] = str(connectors.shm_threshold)
-    if connectors.use_shm is not None:
-        env["OMNI_ENGINE_USE_SHM"] = "1" if connectors.use_shm else "0"
-    return env
 
 
 __all__ = ["MultiStageEngineClient", "StageDeadError"]

@@ -19,7 +19,8 @@ import queue
 from typing import Any
 
 from omni_engine.errors import StageDeadError
-from omni_engine.legacy.stage_worker import run_legacy_stage_worker
+from omni_engine.legacy.queues import StageQueue
+from omni_engine.legacy.stage_worker import LEGACY_STAGE_MAIN
 from omni_engine.stage_engine.base_client import BaseStageClient
 from omni_engine.wire.protocol import (
     StageReady,
@@ -41,32 +42,35 @@ class OmniStage(BaseStageClient):
     def __init__(self, stage_id: int, process: StageProcessSpec | None = None, *,
                  output_handler: LegacyOutputHandler | None = None, startup_timeout: float | None = None) -> None:
         super().__init__(stage_id, process, startup_timeout)
-        self.in_q: Any = None
-        self.out_q: Any = None
+        self.in_q: StageQueue | None = None
+        self.out_q: StageQueue | None = None
         self._handler = output_handler
         self._ready_future: asyncio.Future[StageReady] | None = None
 
     # ------------------------------------------------- vLLM-Omni's stage API
-    def attach_queues(self, in_q: Any, out_q: Any) -> None:
+    def attach_queues(self, in_q: StageQueue, out_q: StageQueue) -> None:
         """The queues this stage's worker reads tasks from and puts answers on."""
+        for name, q in (("in_q", in_q), ("out_q", out_q)):
+            if not isinstance(q, StageQueue):
+                raise TypeError(f"stage {self.stage_id}: {name} must be an omni_engine.legacy.queues.StageQueue "
+                                f"(a multiprocessing.Queue whose pipe ends the stage closes), got {type(q).__name__}")
         self.in_q, self.out_q = in_q, out_q
 
     def init_stage_worker(self) -> None:
         """Spawn the stage process (non-blocking; READY arrives on ``out_q``)."""
         if self.in_q is None:
-            ctx = multiprocessing.get_context("spawn")
-            self.attach_queues(ctx.Queue(), ctx.Queue())
+            self.attach_queues(StageQueue(), StageQueue())
         log_path = default_log_dir() / f"legacy-{multiprocessing.current_process().pid}-s{self.stage_id}.log"
         self.process = StageProcess(self.stage_id, self.process_spec, log_path=log_path,
-                                    target=run_legacy_stage_worker, channels={"in_q": self.in_q, "out_q": self.out_q})
+                                    main=LEGACY_STAGE_MAIN, channels={"in_q": self.in_q, "out_q": self.out_q})
         self.process.start()
         # The child has its own copy of the answer pipe's write end now. Ours
         # must go: a stage killed in the middle of writing an answer then
         # gives us EOF instead of a read that blocks the event loop forever.
-        self.out_q._writer.close()
+        self.out_q.close_write_end()
         # Likewise the task pipe's read end: with it closed, tasks for a dead
         # stage fail with EPIPE in the feeder instead of filling the pipe.
-        self.in_q._reader.close()
+        self.in_q.close_read_end()
 
     def submit(self, task: tuple[StageRequestType, Any]) -> None:
         """Queue one task for the stage (pickled by the queue's feeder thread)."""
@@ -161,7 +165,7 @@ class LegacyOutputHandler:
 
     def add(self, stage: OmniStage) -> None:
         loop = asyncio.get_running_loop()
-        fd = stage.out_q._reader.fileno()  # the pipe behind multiprocessing.Queue
+        fd = stage.out_q.reader_fileno()
         self._stages[fd] = stage
         loop.add_reader(fd, self._on_readable, fd)
         # uvloop (libuv) makes a polled fd non-blocking. multiprocessing reads

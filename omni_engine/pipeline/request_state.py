@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from vllm.sampling_params import RequestOutputKind
 
-from omni_engine.pipeline.input_processors import InputProcessor
 from omni_engine.metrics import OrchestratorMetrics, RequestMetrics
 from omni_engine.outputs import OmniRequestOutput
+
+if TYPE_CHECKING:
+    from omni_engine.pipeline.stage_graph import EdgeInputs
 
 
 @dataclass
@@ -61,7 +63,8 @@ class ClientRequestState:
     metrics: RequestMetrics
     pipeline_metrics: OrchestratorMetrics
     execution_mode: str = "sequential"
-    processors: dict[int, InputProcessor] = field(default_factory=dict)
+    # Per destination stage: the input processors of its edges, for this request.
+    processors: dict[int, EdgeInputs] = field(default_factory=dict)
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
     # Set once the caller left too many outputs unread (the request is being failed).
     overflowed: bool = False

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from omni_engine.config import StageConfig
@@ -20,7 +20,6 @@ class StageContext:
     stage_id: int
     stage_config: StageConfig | None
     client: BaseStageClient
-    connectors: dict[str, Any] = field(default_factory=dict)
     is_final_output: bool = False
     final_output_type: str = "text"
 
@@ -31,3 +30,7 @@ class StageContext:
     @property
     def input_processor(self) -> str | None:
         return self.stage_config.custom_process_input_func if self.stage_config else None
+
+    @property
+    def stage_type(self) -> str | None:
+        return self.stage_config.stage_type if self.stage_config else None

@@ -6,7 +6,10 @@ utility), startup against the process sentinel, and death (every waiter
 fails at once, naming the stage) do not depend on how messages travel.
 ``StageEngineCoreClient`` carries them over ZMQ; the legacy architecture's
 ``OmniStage`` over ``multiprocessing.Queue``. The orchestrator talks to
-either through this interface, so both fail the same way.
+either through this interface, so both fail the same way. What a transport
+holds per request beyond this bookkeeping (the ZMQ transport's shared-memory
+slots) it brings as a ``RequestResources``; this class only says when a
+request starts and ends.
 """
 
 from __future__ import annotations
@@ -16,10 +19,10 @@ import itertools
 import logging
 from collections import deque
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 from omni_engine import envs
-from omni_engine.errors import StageDeadError, StageRequestError, StageStartupError
+from omni_engine.errors import StageDeadError, StageRequestError
 from omni_engine.outputs import OmniRequestOutput
 from omni_engine.wire.protocol import (
     DUPLICATE_REQUEST,
@@ -33,22 +36,50 @@ from omni_engine.wire.protocol import (
     StageUtilityRequest,
 )
 from omni_engine.stage_engine.stage_process import StageProcess, StageProcessSpec
+from omni_engine.stage_engine.stage_startup import wait_ready
 
 logger = logging.getLogger(__name__)
 
 StageItem = OmniRequestOutput | StageRequestError
 
 
+class RequestResources(Protocol):
+    """What a transport holds for a request until the pipeline is done with it."""
+
+    def begin(self, request_id: str) -> None:
+        """A request starts: what is taken for it from now on waits for its end."""
+
+    def end(self, request_id: str) -> None:
+        """The request ended (and the pipeline is done with it): free what it held."""
+
+    def close(self) -> None:
+        """The stage is gone: free everything held for it."""
+
+
+class NoRequestResources:
+    """For transports that hold nothing per request (the legacy queues)."""
+
+    def begin(self, request_id: str) -> None:
+        pass
+
+    def end(self, request_id: str) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
 class BaseStageClient:
     """Submit, stream outputs, abort, health and utility calls for one stage.
 
-    Subclasses provide ``_send`` (one request out), ``_recv_ready`` (wait for
-    the stage's READY) and feed decoded answers to ``_on_response``.
+    Subclasses provide ``_send`` (one request out), ``_recv_ready`` (the
+    stage's READY, however it arrives) and feed decoded answers to ``_on_response``.
     """
 
     def __init__(self, stage_id: int, process: StageProcessSpec | None = None,
-                 startup_timeout: float | None = None) -> None:
+                 startup_timeout: float | None = None, resources: RequestResources | None = None) -> None:
         self.stage_id = stage_id
+        self.resources: RequestResources = resources or NoRequestResources()
         self.process_spec = process
         self.startup_timeout = envs.stage_startup_timeout_s() if startup_timeout is None else startup_timeout
         self.process: StageProcess | None = None
@@ -81,36 +112,25 @@ class BaseStageClient:
         raise NotImplementedError
 
     async def _recv_ready(self) -> StageReady:
+        """The stage's READY (the only thing it sends before it serves)."""
         raise NotImplementedError
-
-    @property
-    def lease_book(self) -> Any:
-        """The shared-memory lease book of the transport (None: it has none)."""
-        return None
-
-    def _hold_request(self, request_id: str) -> None:
-        """A request starts: what the transport frees at its end waits for that end."""
-
-    def _release_request(self, request_id: str) -> None:
-        """Free what the transport holds for a request that ended (shared memory)."""
-
-    def _release_stage(self) -> None:
-        """Free what the transport holds for a stage that is gone."""
 
     # ------------------------------------------------------------- requests
     async def submit_request(self, request_id: str, prompt: Any, sampling_params: Any = None, *,
                              end_on_finish: bool = True) -> None:
         """Send a GENERATE; outputs come from ``get_output_async``.
 
-        With ``end_on_finish`` False the request's shared-memory slots stay
-        leased after it finishes, until ``end_request``.
+        With ``end_on_finish`` False what the transport holds for the request
+        (shared-memory slots of its outputs) stays held after it finishes,
+        until ``end_request``: under an orchestrator a handle may still be on
+        its way to the next stage.
         """
         self._check_alive()
         if request_id in self._requests:
             raise ValueError(f"stage {self.stage_id}: request id {request_id!r} is already in flight")
         msg = StageGenerateRequest(request_id, prompt, sampling_params, self._loop.time())
         self._requests.add(request_id)
-        self._hold_request(request_id)
+        self.resources.begin(request_id)
         if not end_on_finish:
             self._manual_end.add(request_id)
         try:
@@ -130,14 +150,14 @@ class BaseStageClient:
             await self._send(StageRequestType.ABORT, StageAbortRequest(ids))
 
     def end_request(self, request_id: str) -> None:
-        """The pipeline is done with ``request_id``: free its shared-memory slots."""
+        """The pipeline is done with ``request_id``: free what the transport holds for it."""
         self._manual_end.discard(request_id)
-        self._release_request(request_id)
+        self.resources.end(request_id)
 
     def _end_request(self, request_id: str) -> None:
         self._requests.discard(request_id)
         self._manual_end.discard(request_id)
-        self._release_request(request_id)
+        self.resources.end(request_id)
 
     def num_unfinished_requests(self) -> int:
         return len(self._requests)
@@ -255,7 +275,7 @@ class BaseStageClient:
             if output.finished:
                 self._requests.discard(output.request_id)
                 if output.request_id not in self._manual_end:
-                    self._release_request(output.request_id)
+                    self.resources.end(output.request_id)
             items.append(output)
         if items:
             self._put_batch(items)
@@ -276,33 +296,9 @@ class BaseStageClient:
         self._put_batch([StageRequestError(self.stage_id, msg.request_id, msg.message, msg.error_type)])
 
     # ------------------------------------------------------ startup, death
-    async def _wait_ready(self) -> None:
+    async def _wait_ready(self, hint: str = "") -> None:
         """Wait for READY, failing fast (with the log's tail) if the process dies first."""
-        exited = self._loop.create_future()
-        if self.process is not None:
-            self._loop.add_reader(self.process.sentinel, lambda: exited.done() or exited.set_result(None))
-        ready_task = asyncio.create_task(self._recv_ready())
-        try:
-            done, _ = await asyncio.wait({ready_task, exited}, timeout=self.startup_timeout,
-                                         return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            if self.process is not None:
-                self._loop.remove_reader(self.process.sentinel)
-            ready_task.cancel()
-        if ready_task in done and not ready_task.cancelled() and ready_task.exception() is None:
-            self.ready = ready_task.result()
-            return
-        if exited in done:
-            self.process.join(1)
-            tail = self.process.log_tail()
-            detail = (f"last lines of {self.process.log_path}:\n{tail}" if tail else
-                      "it wrote no log, so it failed before the stage code ran (a script that starts "
-                      "stages needs an `if __name__ == '__main__':` guard: stages are spawned)")
-            raise StageStartupError(self.stage_id, f"{self.process.describe_exit()} during startup; {detail}",
-                                    self.process.exitcode)
-        tail = f"; last lines of {self.process.log_path}:\n{self.process.log_tail()}" if self.process else ""
-        raise StageStartupError(self.stage_id, f"stage {self.stage_id} did not become ready within "
-                                               f"{self.startup_timeout:.0f} s{tail}")
+        self.ready = await wait_ready(self.stage_id, self.process, self.startup_timeout, self._recv_ready(), hint)
 
     def _watch_process(self) -> None:
         if self.process is not None:
@@ -348,7 +344,7 @@ class BaseStageClient:
         self._requests.clear()
         self._manual_end.clear()
         self._batch_ready.set()  # waiters see dead_error once the queue is drained
-        self._release_stage()
+        self.resources.close()
         if notify and self.on_dead is not None:
             self.on_dead(error)
         return error

@@ -33,7 +33,6 @@ from omni_engine.wire.protocol import (
     StageUtilityRequest,
     StageUtilityResult,
 )
-from omni_engine.utils import die_with_parent
 
 logger = logging.getLogger(__name__)
 
@@ -239,27 +238,6 @@ class StageEngineCore:
 
     def _send_error(self, message: str, request_id: str | None, error_type: str) -> None:
         self._out_q.put((StageResponseType.ERROR, StageError(message, request_id, error_type)))
-
-
-def enter_stage_process(stage_id: int, parent_pid: int | None, log_path: str | None, env: dict[str, str] | None,
-                        log_level: str) -> None:
-    """What every stage process does first, whatever its transport.
-
-    Not daemonic (vLLM starts children of its own), so the process ties its
-    life to the client with the parent-death signal and its own process group,
-    which the client kills as a whole if the stage dies.
-    """
-    die_with_parent()
-    if parent_pid is not None and os.getppid() != parent_pid:
-        sys.exit(1)  # the client died before we could watch it
-    os.setpgid(0, 0)
-    if log_path:
-        fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-        os.dup2(fd, 1)
-        os.dup2(fd, 2)
-        os.close(fd)
-    os.environ.update(env or {})
-    logging.basicConfig(level=log_level, format=f"%(asctime)s stage{stage_id} %(levelname)s %(name)s: %(message)s")
 
 
 def serve_stage(stage_id: int, make_core: Any) -> None:

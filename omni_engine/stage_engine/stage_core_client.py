@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import atexit
-import dataclasses
 import functools
 import logging
 import os
@@ -23,7 +22,9 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
+from omni_engine import envs
 from omni_engine.connectors.leases import ShmLeaseBook, lease_book_for
+from omni_engine.connectors.settings import ConnectorSettings
 from omni_engine.connectors.shm import (
     ShmAttachments,
     default_attachments,
@@ -38,6 +39,7 @@ from omni_engine.stage_engine.base_client import BaseStageClient
 from omni_engine.wire.framing import RESPONSE_TYPES, decode_frames
 from omni_engine.wire.protocol import (
     RESPONSE_STRUCTS,
+    StageReady,
     StageReleaseRequest,
     StageRequestType,
     StageResponseType,
@@ -49,6 +51,7 @@ from omni_engine.stage_engine.stage_process import (
     cleanup_stage,
     default_log_dir,
 )
+from omni_engine.stage_engine.stage_spec import StageTransport
 from omni_engine.wire.stage_serialization import (
     StageMsgpackDecoder,
     StageMsgpackEncoder,
@@ -64,11 +67,37 @@ from omni_engine.stage_engine.stage_sockets import (
 from omni_engine.stage_engine.stage_startup import (
     check_ready,
     drain_after_ready,
-    wait_ready,
+    recv_ready,
 )
 
 logger = logging.getLogger(__name__)
 
+
+class ShmRequestResources:
+    """The shared-memory slots a stage's outputs hold, per request (``RequestResources``).
+
+    A slot goes back to the stage once its request has ended here and every
+    view decoded from it is gone (the loop's ``ShmLeaseBook`` decides); a stage
+    that is gone has its segments detached and unlinked.
+    """
+
+    def __init__(self, attachments: ShmAttachments) -> None:
+        self.attachments = attachments
+        self.book: ShmLeaseBook | None = None  # the loop's, set at start
+        self.producer_prefix: str | None = None  # the stage's, set at READY
+
+    def begin(self, request_id: str) -> None:
+        self.book.begin_request(request_id)
+
+    def end(self, request_id: str) -> None:
+        self.book.end_request(request_id)
+
+    def close(self) -> None:
+        prefix = self.producer_prefix
+        if prefix is not None:
+            self.book.remove_producer(prefix)
+            self.attachments.detach(prefix=prefix)
+            unlink_prefix(prefix)
 
 
 class StageEngineCoreClient(BaseStageClient):
@@ -95,9 +124,15 @@ class StageEngineCoreClient(BaseStageClient):
         attachments: ShmAttachments | None = None,
         lease_book: ShmLeaseBook | None = None,
         run_prefix: str | None = None,
+        connectors: ConnectorSettings | None = None,
     ) -> None:
+        """``connectors`` default to the process spec's (else the environment's):
+        both ends must agree on them (pickle above all)."""
         make_addresses(stage_id, transport, Path(), host)  # ValueError naming the stage if unusable
-        super().__init__(stage_id, process, startup_timeout)
+        attachments = attachments or default_attachments()
+        self.shm = ShmRequestResources(attachments)
+        super().__init__(stage_id, process, startup_timeout, self.shm)
+        self.connectors = connectors or (process.connectors if process is not None else envs.connector_settings())
         self.transport = transport
         self.host = host
         self.curve = curve
@@ -111,13 +146,13 @@ class StageEngineCoreClient(BaseStageClient):
         self.runtime_dir: Path | None = None
         self.run_prefix = run_prefix or new_run_prefix()
         self.shm_prefix = stage_prefix(self.run_prefix, stage_id)
-        self.attachments = attachments or default_attachments()
+        self.attachments = attachments
         self._lease_book = lease_book
         self._ctx: zmq.asyncio.Context | None = None
         self._input: zmq.asyncio.Socket | None = None
         self._output: zmq.asyncio.Socket | None = None
         self._identity: bytes | None = None
-        self._encoder = StageMsgpackEncoder()
+        self._encoder = StageMsgpackEncoder.from_settings(self.connectors)
         self._decoders: dict[StageResponseType, StageMsgpackDecoder] = {}
         self._output_task: asyncio.Task | None = None
         self._drain_task: asyncio.Task | None = None
@@ -130,6 +165,7 @@ class StageEngineCoreClient(BaseStageClient):
         remove_stale_segments()
         if self._lease_book is None:
             self._lease_book = lease_book_for(self._loop)
+        self.shm.book = self._lease_book
         remove_stale_runtime_dirs()
         self.runtime_dir = Path(tempfile.mkdtemp(prefix=f"{RUNTIME_DIR_PREFIX}{os.getpid()}-s{self.stage_id}-"))
         default_in, default_out = make_addresses(self.stage_id, self.transport, self.runtime_dir, self.host)
@@ -142,17 +178,20 @@ class StageEngineCoreClient(BaseStageClient):
                                                         self.output_address, self.curve)
         self.input_address = self._input.getsockopt_string(zmq.LAST_ENDPOINT)
         self.output_address = self._output.getsockopt_string(zmq.LAST_ENDPOINT)
-        decoder_args = dict(shm=self.attachments, on_shm_view=self._on_shm_view)
+        decoder_args = dict(shm=self.attachments, on_shm_view=self._on_shm_view,
+                            allow_pickle=self.connectors.allow_pickle)
         self._decoders = {t: StageMsgpackDecoder(cls, **decoder_args) for t, cls in RESPONSE_STRUCTS.items()}
         self._finalizer = weakref.finalize(self, cleanup_stage, None, self.runtime_dir, self.shm_prefix, self._ctx)
         atexit.register(self._finalizer)
         try:
             if self.process_spec is not None:
                 self._launch()
-            await self._wait_ready()
+            await self._wait_ready(" (with CURVE on, a stage whose keys the client refuses never gets through)"
+                                   if self.curve is not None else "")
         except BaseException:
             await self.shutdown()
             raise
+        self.shm.producer_prefix = self.ready.shm_prefix
         self._lease_book.add_producer(self.ready.shm_prefix, self._send_release)
         self._output_task = asyncio.create_task(self._process_outputs(), name=f"stage{self.stage_id}-outputs")
         self._drain_task = asyncio.create_task(drain_after_ready(self._input, self.stage_id),
@@ -162,12 +201,14 @@ class StageEngineCoreClient(BaseStageClient):
     def _launch(self) -> None:
         log_path = default_log_dir() / f"{self.shm_prefix}.log"
         spec = self.process_spec
-        spec = dataclasses.replace(spec, env={"VLLM_RPC_BASE_PATH": str(self.runtime_dir), **spec.env})
-        if self.curve is not None and spec.curve is None:
-            spec = dataclasses.replace(spec, curve=self.curve.for_stage())
-        self.process = StageProcess(
-            self.stage_id, spec, self.input_address, self.output_address, self.shm_prefix, log_path
+        spec = spec.replace(
+            env={"VLLM_RPC_BASE_PATH": str(self.runtime_dir), **spec.env},
+            connectors=self.connectors,
+            transport=StageTransport(input_address=self.input_address, output_address=self.output_address,
+                                     shm_prefix=self.shm_prefix),
+            curve=spec.curve if spec.curve is not None or self.curve is None else self.curve.for_stage(),
         )
+        self.process = StageProcess(self.stage_id, spec, log_path)
         self.process.start()
         # The finalizer (GC, atexit) kills the stage if shutdown() never runs.
         self._finalizer.detach()
@@ -176,11 +217,11 @@ class StageEngineCoreClient(BaseStageClient):
         )
         atexit.register(self._finalizer)
 
-    async def _wait_ready(self) -> None:
+    async def _recv_ready(self) -> StageReady:
         check = functools.partial(check_ready, stage_id=self.stage_id, shm_prefix=self.shm_prefix,
                                   process=self.process)
-        self._identity, self.ready = await wait_ready(self._input, self.stage_id, self.process,
-                                                      self.startup_timeout, check, self.curve is not None)
+        self._identity, ready = await recv_ready(self._input, self.stage_id, check)
+        return ready
 
     async def shutdown(self, timeout: float = 10.0) -> None:
         """Stop the stage and release every socket, file and segment. Idempotent."""
@@ -206,18 +247,6 @@ class StageEngineCoreClient(BaseStageClient):
     @property
     def lease_book(self) -> ShmLeaseBook | None:
         return self._lease_book
-
-    def _hold_request(self, request_id: str) -> None:
-        self._lease_book.begin_request(request_id)
-
-    def _release_request(self, request_id: str) -> None:
-        self._lease_book.end_request(request_id)
-
-    def _release_stage(self) -> None:
-        if self.ready is not None:
-            self._lease_book.remove_producer(self.ready.shm_prefix)
-            self.attachments.detach(prefix=self.ready.shm_prefix)
-            unlink_prefix(self.ready.shm_prefix)
 
     # ------------------------------------------------------------- transport
     async def _send(self, req_type: StageRequestType, msg: Any) -> None:

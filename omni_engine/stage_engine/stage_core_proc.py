@@ -24,7 +24,6 @@ from typing import Any
 import msgspec
 import zmq
 
-from omni_engine import envs
 from omni_engine.connectors.shm import (
     ShmAttachments,
     ShmPool,
@@ -50,12 +49,10 @@ from omni_engine.wire.protocol import (
     StageRequestType,
     StageResponseType,
 )
+from omni_engine.connectors.settings import DEFAULT_CONNECTORS, ConnectorSettings
 from omni_engine.stage_engine.security import StageCurveKeys
-from omni_engine.stage_engine.stage_core import (
-    StageEngineCore,
-    enter_stage_process,
-    serve_stage,
-)
+from omni_engine.stage_engine.stage_core import StageEngineCore, serve_stage
+from omni_engine.stage_engine.stage_spec import StageProcessSpec
 from omni_engine.wire.stage_serialization import (
     StageMsgpackDecoder,
     StageMsgpackEncoder,
@@ -85,14 +82,16 @@ class StageEngineCoreProc(StageEngineCore):
         output_address: str,
         shm_prefix: str | None = None,
         curve: StageCurveKeys | None = None,
+        connectors: ConnectorSettings = DEFAULT_CONNECTORS,
     ) -> None:
         super().__init__(stage_id, engine, queue.SimpleQueue())
         self.curve = curve
+        self.connectors = connectors
         self.input_address = input_address
         self.output_address = output_address
         self.shm_prefix = shm_prefix or stage_prefix(new_run_prefix(), stage_id)
-        # OMNI_ENGINE_USE_SHM=0: every tensor travels as a ZMQ frame.
-        self.pool = ShmPool(self.shm_prefix) if envs.use_shm() else None
+        # use_shm false: every tensor travels as a ZMQ frame.
+        self.pool = ShmPool(self.shm_prefix, connectors.shm_pool_bytes) if connectors.use_shm else None
         # Handles may name any segment of this pipeline (zero-copy forwarding
         # from another stage), and nothing else.
         self.attachments = ShmAttachments(owner_process_prefix(self.shm_prefix))
@@ -102,7 +101,7 @@ class StageEngineCoreProc(StageEngineCore):
         self._threads: list[threading.Thread] = []
 
     def _start_transport(self) -> None:
-        set_output_pool(self.pool)  # models may write large outputs straight into it (empty_output)
+        set_output_pool(self.pool, self.connectors.shm_threshold)  # models may write large outputs straight into it (empty_output)
         self._wake = self.ctx.socket(zmq.PAIR)
         self._wake.bind(self._wake_address)
         self._threads = [
@@ -169,7 +168,8 @@ class StageEngineCoreProc(StageEngineCore):
 
     def _serve_input(self, sock: zmq.Socket, wake: zmq.Socket) -> None:
         """Receive, decode and dispatch requests until woken to stop."""
-        decoders = {t: StageMsgpackDecoder(cls, shm=self.attachments) for t, cls in REQUEST_STRUCTS.items()}
+        decoders = {t: StageMsgpackDecoder(cls, shm=self.attachments, allow_pickle=self.connectors.allow_pickle)
+                    for t, cls in REQUEST_STRUCTS.items()}
         poller = zmq.Poller()
         poller.register(sock, zmq.POLLIN)
         poller.register(wake, zmq.POLLIN)
@@ -206,7 +206,7 @@ class StageEngineCoreProc(StageEngineCore):
         sock = open_stage_socket(self.ctx, zmq.PUSH, self.output_address, self.curve)
         sock.setsockopt(zmq.LINGER, 2000)
         sock.connect(self.output_address)
-        encoder = StageMsgpackEncoder(shm_pool=self.pool)
+        encoder = StageMsgpackEncoder.from_settings(self.connectors, self.pool)
         get, get_nowait = self._out_q.get, self._out_q.get_nowait
         try:
             while True:
@@ -271,28 +271,17 @@ class StageEngineCoreProc(StageEngineCore):
         sock.send_multipart([rtype.value, *bufs], copy=False)
 
 
-def run_stage_worker(
-    stage_id: int,
-    stage_type: str,
-    engine_args: dict[str, Any],
-    input_address: str,
-    output_address: str,
-    *,
-    shm_prefix: str | None = None,
-    runtime: dict[str, Any] | None = None,
-    final_output_type: str | None = None,
-    parent_pid: int | None = None,
-    log_level: str = "INFO",
-    log_path: str | None = None,
-    env: dict[str, str] | None = None,
-    curve: StageCurveKeys | None = None,
-) -> None:
-    """Entry point of a stage process (started with the spawn method)."""
-    enter_stage_process(stage_id, parent_pid, log_path, env, log_level)
+def serve_zmq_stage(spec: StageProcessSpec) -> None:
+    """A ZMQ stage process's serving function (after ``stage_entry`` set the process up)."""
     from omni_engine.engines import build_stage_engine
 
-    def make_core() -> StageEngineCoreProc:
-        engine = build_stage_engine(stage_type, stage_id, engine_args, runtime or {}, final_output_type)
-        return StageEngineCoreProc(stage_id, engine, input_address, output_address, shm_prefix, curve)
+    transport = spec.transport
+    if transport is None:
+        raise ValueError(f"stage {spec.stage_id}: a ZMQ stage process needs spec.transport (its addresses)")
 
-    serve_stage(stage_id, make_core)
+    def make_core() -> StageEngineCoreProc:
+        engine = build_stage_engine(spec)
+        return StageEngineCoreProc(spec.stage_id, engine, transport.input_address, transport.output_address,
+                                   transport.shm_prefix, spec.curve, spec.connectors)
+
+    serve_stage(spec.stage_id, make_core)

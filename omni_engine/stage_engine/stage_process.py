@@ -5,107 +5,168 @@ from __future__ import annotations
 import logging
 import multiprocessing
 import os
+import pickle
 import shutil
 import signal
-import tempfile
-from collections.abc import Callable
-from dataclasses import dataclass, field
+import subprocess
+import sys
+import weakref
 from pathlib import Path
 from typing import Any
 
+from omni_engine import envs
 from omni_engine.connectors.shm import is_stage_prefix, unlink_prefix
-from omni_engine.stage_engine.security import StageCurveKeys
-from omni_engine.stage_engine.stage_core_proc import run_stage_worker
+from omni_engine.stage_engine.stage_entry import ZMQ_STAGE_MAIN, run_stage_process
+from omni_engine.stage_engine.stage_spec import StageProcessSpec
 from omni_engine.utils import describe_exit, tail_file
 
 logger = logging.getLogger(__name__)
 
 
-@dataclass
-class StageProcessSpec:
-    """What a stage process runs: everything the spawned child needs to build its engine."""
-
-    stage_type: str
-    engine_args: dict[str, Any]
-    runtime: dict[str, Any] = field(default_factory=dict)
-    final_output_type: str | None = None
-    # Extra environment for the stage (e.g. VLLM_CPU_KVCACHE_SPACE).
-    env: dict[str, str] = field(default_factory=dict)
-    log_level: str = "INFO"
-    # CURVE keys the stage connects with; by default the client's pipeline
-    # keys. Sent through the spawn pipe, never argv or the environment.
-    curve: StageCurveKeys | None = field(default=None, repr=False)
-
-
 def default_log_dir() -> Path:
-    path = Path(os.environ.get("OMNI_ENGINE_LOG_DIR", Path(tempfile.gettempdir()) / "omni_engine_logs"))
-    path.mkdir(parents=True, exist_ok=True)
-    return path
+    return envs.log_dir()
+
+
+# The stage process's first code: the client's sys.path before anything of ours
+# is imported (so the child runs the client's omni_engine, installed or not).
+_BOOTSTRAP = ("import os, pickle, sys; pipe = os.fdopen(int(sys.argv[1]), 'rb'); sys.path[:] = pickle.load(pipe); "
+              "from omni_engine.stage_engine.stage_entry import main; main(pipe)")
+
+
+class _ExecLaunch:
+    """A stage process started by exec, its spec sent through a pipe.
+
+    Its environment (the device-control variable above all) is in place from
+    its first instruction, as ``/proc/<pid>/environ`` shows, and nothing of the
+    client's ``__main__`` is re-imported in it (no ``if __name__`` guard needed).
+    The sentinel is a pidfd: readable the moment the process exits.
+    """
+
+    def __init__(self, spec: StageProcessSpec, main: str) -> None:
+        self.spec, self.main = spec, main
+        self.popen: subprocess.Popen | None = None
+        self.sentinel = -1
+
+    def start(self) -> None:
+        read_end, write_end = os.pipe()
+        try:
+            self.popen = subprocess.Popen(
+                [sys.executable, "-c", _BOOTSTRAP, str(read_end)],
+                pass_fds=(read_end,), env={**os.environ, **self.spec.process_environment()},
+                stdin=subprocess.DEVNULL, process_group=0)
+        finally:
+            os.close(read_end)
+        self.sentinel = os.pidfd_open(self.popen.pid)
+        weakref.finalize(self, os.close, self.sentinel)
+        try:
+            with os.fdopen(write_end, "wb") as pipe:
+                pickle.dump(sys.path, pipe)
+                pickle.dump((self.spec, self.main), pipe)
+        except BrokenPipeError:
+            pass  # it died at once; its sentinel and exit code say how
+
+    @property
+    def pid(self) -> int | None:
+        return self.popen.pid if self.popen is not None else None
+
+    @property
+    def exitcode(self) -> int | None:
+        return self.popen.poll() if self.popen is not None else None
+
+    def join(self, timeout: float | None) -> None:
+        if self.popen is not None:
+            try:
+                self.popen.wait(timeout)
+            except subprocess.TimeoutExpired:
+                pass
+
+    def kill(self) -> None:
+        if self.popen is not None:
+            self.popen.kill()
+
+
+class _SpawnLaunch:
+    """A stage process started by ``multiprocessing`` (spawn): what can hand it the
+    legacy architecture's queues. It applies its environment first thing, before
+    vLLM is imported, but after the client's ``__main__`` was re-imported in it."""
+
+    def __init__(self, spec: StageProcessSpec, main: str, channels: dict[str, Any]) -> None:
+        ctx = multiprocessing.get_context("spawn")
+        self.proc = ctx.Process(
+            target=run_stage_process, name=f"omni-stage-{spec.stage_id}",
+            daemon=False,  # vLLM starts children; tied to us by PDEATHSIG instead
+            kwargs=dict(spec=spec, main=main, **channels))
+
+    def start(self) -> None:
+        self.proc.start()
+
+    @property
+    def pid(self) -> int | None:
+        return self.proc.pid
+
+    @property
+    def sentinel(self) -> int:
+        return self.proc.sentinel
+
+    @property
+    def exitcode(self) -> int | None:
+        return self.proc.exitcode
+
+    def join(self, timeout: float | None) -> None:
+        self.proc.join(timeout)
+
+    def kill(self) -> None:
+        try:
+            self.proc.kill()
+        except (ProcessLookupError, ValueError):
+            pass
 
 
 class StageProcess:
-    """One spawned stage process and its process group (vLLM's children included)."""
+    """One stage process and its process group (vLLM's children included)."""
 
     def __init__(
         self,
         stage_id: int,
         spec: StageProcessSpec,
-        input_address: str | None = None,
-        output_address: str | None = None,
-        shm_prefix: str | None = None,
         log_path: Path | None = None,
         *,
-        target: Callable[..., None] = run_stage_worker,
+        main: str = ZMQ_STAGE_MAIN,
         channels: dict[str, Any] | None = None,
     ) -> None:
-        """``target`` is the process's entry point; ``channels`` what it talks
-        over (default: the ZMQ addresses of ``run_stage_worker``)."""
-        if shm_prefix is not None and not is_stage_prefix(shm_prefix):
+        """Start ``spec`` (its launch fields filled in here) running ``main``, the
+        dotted path of the stage's serving function; ``channels`` are extra
+        arguments for it that cannot be part of a spec (the legacy queues, which
+        only ``multiprocessing`` can hand over)."""
+        transport = spec.transport
+        if transport is not None and not is_stage_prefix(transport.shm_prefix):
             # The client ignores a READY whose prefix is not of this shape (it
             # decides what is unlinked when the stage dies), so fail here, loudly.
-            raise ValueError(f"stage {stage_id}: shm_prefix {shm_prefix!r} is not a stage prefix "
+            raise ValueError(f"stage {stage_id}: shm_prefix {transport.shm_prefix!r} is not a stage prefix "
                              f"(make one with connectors.shm.stage_prefix(new_run_prefix(), {stage_id}))")
         self.stage_id = stage_id
         self.log_path = log_path or default_log_dir() / f"stage{stage_id}-{os.getpid()}.log"
-        if channels is None:
-            channels = dict(input_address=input_address, output_address=output_address, shm_prefix=shm_prefix,
-                            curve=spec.curve)
-        ctx = multiprocessing.get_context("spawn")
-        self._proc = ctx.Process(
-            target=target,
-            name=f"omni-stage-{stage_id}",
-            daemon=False,  # vLLM starts children; tied to us by PDEATHSIG instead
-            kwargs=dict(
-                stage_id=stage_id,
-                stage_type=spec.stage_type,
-                engine_args=spec.engine_args,
-                runtime=spec.runtime,
-                final_output_type=spec.final_output_type,
-                parent_pid=os.getpid(),
-                log_level=spec.log_level,
-                log_path=str(self.log_path),
-                env=spec.env,
-                **channels,
-            ),
-        )
+        self.spec = spec.replace(stage_id=stage_id, log_path=str(self.log_path), parent_pid=os.getpid())
+        self._launch = (_SpawnLaunch(self.spec, main, channels) if channels
+                        else _ExecLaunch(self.spec, main))
 
     def start(self) -> None:
-        self._proc.start()
+        self._launch.start()
 
     @property
     def pid(self) -> int | None:
-        return self._proc.pid
+        return self._launch.pid
 
     @property
     def sentinel(self) -> int:
-        return self._proc.sentinel
+        return self._launch.sentinel
 
     @property
     def exitcode(self) -> int | None:
-        return self._proc.exitcode
+        return self._launch.exitcode
 
     def is_alive(self) -> bool:
-        return self._proc.is_alive()
+        return self.pid is not None and self.exitcode is None
 
     def describe_exit(self) -> str:
         return f"stage {self.stage_id} process (pid {self.pid}) {describe_exit(self.exitcode)}"
@@ -114,36 +175,33 @@ class StageProcess:
         return tail_file(self.log_path, max_lines)
 
     def join(self, timeout: float | None = None) -> None:
-        self._proc.join(timeout)
+        self._launch.join(timeout)
 
     def kill_group(self) -> None:
         """SIGKILL the stage and everything it started (its process group)."""
-        pid = self._proc.pid
+        pid = self.pid
         if pid is None:
             return
         try:
             os.killpg(pid, signal.SIGKILL)
         except (ProcessLookupError, PermissionError):
             pass
-        if self._proc.exitcode is None:
-            try:
-                self._proc.kill()
-            except (ProcessLookupError, ValueError):
-                pass
-        self._proc.join(5)
+        if self.exitcode is None:
+            self._launch.kill()
+        self.join(5)
 
     def stop(self, graceful_timeout: float = 0.0, term_timeout: float = 5.0) -> None:
         """Wait ``graceful_timeout`` for a requested exit, then SIGTERM, then SIGKILL the group."""
-        if self._proc.pid is None:
+        if self.pid is None:
             return
         if graceful_timeout > 0:
-            self._proc.join(graceful_timeout)
-        if self._proc.exitcode is None:
+            self.join(graceful_timeout)
+        if self.exitcode is None:
             try:
-                os.kill(self._proc.pid, signal.SIGTERM)
+                os.kill(self.pid, signal.SIGTERM)
             except ProcessLookupError:
                 pass
-            self._proc.join(term_timeout)
+            self.join(term_timeout)
         self.kill_group()
 
 
@@ -156,3 +214,6 @@ def cleanup_stage(process: StageProcess | None, runtime_dir: Path, shm_prefix: s
     unlink_prefix(shm_prefix)
     if ctx is not None:
         ctx.destroy(linger=0)
+
+
+__all__ = ["StageProcess", "StageProcessSpec", "cleanup_stage", "default_log_dir"]

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
 
 import msgspec
 import zmq
@@ -24,6 +25,7 @@ from omni_engine.stage_engine.stage_sockets import recv_frames
 logger = logging.getLogger(__name__)
 
 ReadyCheck = Callable[[StageReady], "str | None"]
+T = TypeVar("T")
 
 
 def check_ready(ready: StageReady, stage_id: int, shm_prefix: str, process: StageProcess | None) -> str | None:
@@ -68,14 +70,19 @@ async def recv_ready(sock: zmq.Socket, stage_id: int,
         logger.warning("stage %d: READY ignored: %s", stage_id, problem)
 
 
-async def wait_ready(sock: zmq.Socket, stage_id: int, process: StageProcess | None, timeout: float,
-                     check: ReadyCheck, curve: bool = False) -> tuple[bytes, StageReady]:
-    """The stage's identity and READY; ``StageStartupError`` if its process exits or time runs out."""
+async def wait_ready(stage_id: int, process: StageProcess | None, timeout: float,
+                     receive: Awaitable[T], hint: str = "") -> T:
+    """What ``receive`` gives (the stage's READY, however the transport gets it);
+    ``StageStartupError`` if the stage's process exits first or time runs out.
+
+    The one startup wait of every stage client, whatever its transport:
+    ``hint`` adds a transport's likely cause to the timeout message.
+    """
     loop = asyncio.get_running_loop()
     exited = loop.create_future()
     if process is not None:
         loop.add_reader(process.sentinel, lambda: exited.done() or exited.set_result(None))
-    ready_task = asyncio.create_task(recv_ready(sock, stage_id, check))
+    ready_task = asyncio.ensure_future(receive)
     try:
         done, _ = await asyncio.wait({ready_task, exited}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
     finally:
@@ -88,11 +95,12 @@ async def wait_ready(sock: zmq.Socket, stage_id: int, process: StageProcess | No
         process.join(1)
         tail = process.log_tail()
         detail = (f"last lines of {process.log_path}:\n{tail}" if tail else
-                  "it wrote no log, so it failed before the stage code ran (a script that starts "
-                  "stages needs an `if __name__ == '__main__':` guard: stages are spawned)")
+                  "it wrote no log, so it failed before the stage code ran (legacy stages are spawned "
+                  "by multiprocessing: a script that starts them needs an `if __name__ == '__main__':` guard)")
         raise StageStartupError(stage_id, f"{process.describe_exit()} during startup; {detail}", process.exitcode)
+    if ready_task in done and not ready_task.cancelled():  # the transport failed (not a timeout): its own error says why
+        ready_task.result()
     tail = f"; last lines of {process.log_path}:\n{process.log_tail()}" if process else ""
-    hint = " (with CURVE on, a stage whose keys the client refuses never gets through)" if curve else ""
     raise StageStartupError(stage_id, f"stage {stage_id} did not become ready within {timeout:g} s{hint}{tail}")
 
 

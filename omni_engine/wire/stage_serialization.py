@@ -39,7 +39,11 @@ from vllm.lora.request import LoRARequest
 from vllm.outputs import CompletionOutput, RequestOutput
 from vllm.v1.metrics.stats import RequestStateStats
 
-from omni_engine import envs
+from omni_engine.connectors.settings import (
+    DEFAULT_INLINE_THRESHOLD,
+    DEFAULT_SHM_THRESHOLD,
+    ConnectorSettings,
+)
 from omni_engine.connectors.shm import SEGMENT_INDEX, ShmAttachments, ShmPool
 from omni_engine.engines.tts import SpeechParams
 from omni_engine.inputs import OmniDiffusionSamplingParams, OmniTextPrompt
@@ -151,14 +155,14 @@ class StageMsgpackEncoder:
         self,
         *,
         shm_pool: ShmPool | None = None,
-        inline_threshold: int | None = None,
-        shm_threshold: int | None = None,
-        allow_pickle: bool | None = None,
+        inline_threshold: int = DEFAULT_INLINE_THRESHOLD,
+        shm_threshold: int = DEFAULT_SHM_THRESHOLD,
+        allow_pickle: bool = False,
     ) -> None:
         self.shm_pool = shm_pool
-        self.inline_threshold = envs.inline_threshold() if inline_threshold is None else inline_threshold
-        self.shm_threshold = envs.shm_threshold() if shm_threshold is None else shm_threshold
-        self.allow_pickle = envs.allow_pickle() if allow_pickle is None else allow_pickle
+        self.inline_threshold = inline_threshold
+        self.shm_threshold = shm_threshold
+        self.allow_pickle = allow_pickle
         # One msgspec encoder per nesting depth: an ext's payload is encoded
         # while the outer encoder is mid-call.
         self._encoders = [msgspec.msgpack.Encoder(enc_hook=self._enc_hook)]
@@ -167,6 +171,12 @@ class StageMsgpackEncoder:
         # The request that shared-memory slots leased now belong to; set while
         # an OmniRequestOutput's fields are encoded.
         self._owner: str | None = None
+
+    @classmethod
+    def from_settings(cls, settings: ConnectorSettings, shm_pool: ShmPool | None = None) -> StageMsgpackEncoder:
+        """An encoder with a pipeline's connector settings (its pool only with shared memory on)."""
+        return cls(shm_pool=shm_pool if settings.use_shm else None, inline_threshold=settings.inline_threshold,
+                   shm_threshold=settings.shm_threshold, allow_pickle=settings.allow_pickle)
 
     def encode(self, obj: Any, owner: str | None = None) -> list[Any]:
         bufs: list[Any] = [b""]
@@ -339,11 +349,11 @@ class StageMsgpackDecoder:
         *,
         shm: ShmAttachments | None = None,
         on_shm_view: ShmViewCallback | None = None,
-        allow_pickle: bool | None = None,
+        allow_pickle: bool = False,
     ) -> None:
         self.shm = shm if shm is not None else ShmAttachments()
         self.on_shm_view = on_shm_view
-        self.allow_pickle = envs.allow_pickle() if allow_pickle is None else allow_pickle
+        self.allow_pickle = allow_pickle
         self._decoder = msgspec.msgpack.Decoder(t, ext_hook=self._ext_hook)
         self._any = msgspec.msgpack.Decoder(ext_hook=self._ext_hook)
         self._typed: dict[type, msgspec.msgpack.Decoder] = {}

@@ -23,16 +23,16 @@ def client_side(client: MultiStageEngineClient) -> list[str]:
     found = []
     if orch.num_requests:
         found.append(f"orchestrator holds {orch.num_requests} request(s): {orch.request_ids()[:5]}")
-    for sid, routes in orch._routes.items():
-        if routes:
-            found.append(f"orchestrator routes {len(routes)} sub-request(s) of stage {sid}: {list(routes)[:5]}")
-    if any(not task.done() for task in orch._readers.values()):
+    counts = orch.state_counts()
+    if counts["routes"]:
+        found.append(f"orchestrator routes {counts['routes']} sub-request(s)")
+    if counts["readers"]:
         found.append("idle orchestrator still has reader tasks")
     for ctx in client.stage_contexts:
         counts = ctx.client.state_counts()
         if any(counts.values()):
             found.append(f"stage {ctx.stage_id} client holds {counts}")
-    books = {id(b): b for ctx in client.stage_contexts if (b := ctx.client.lease_book) is not None}
+    books = {id(b): b for ctx in client.stage_contexts if (b := getattr(ctx.client, "lease_book", None)) is not None}
     for book in books.values():
         if book.num_tracked():
             found.append(f"lease book tracks {book.num_tracked()} shared-memory slot(s)")

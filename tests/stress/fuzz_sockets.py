@@ -23,6 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository r
 
 from omni_engine.connectors.shm import ShmPool, list_segments, stage_prefix  # noqa: E402
 from omni_engine.stage_engine.stage_core_client import StageEngineCoreClient  # noqa: E402
+from tests.helpers import RawFrameClient
 from tests.wire_fuzz import OutputInjector, RawStage, fuzz_stage_spec, stage_barrage  # noqa: E402
 
 
@@ -46,7 +47,7 @@ async def main(seconds: float, examples: int) -> None:
     foreign = ShmPool(stage_prefix(f"omni_1_{os.urandom(4).hex()}", 0), max_bytes=1 << 20, min_slot=4096)
     extra = (foreign.lease(4096, "theirs").name,)
     stage = RawStage(9, fuzz_stage_spec())
-    client = StageEngineCoreClient(8, process=fuzz_stage_spec())
+    client = RawFrameClient(8, process=fuzz_stage_spec())
     await client.start()
     injector = OutputInjector(client)
     verdicts: Counter = Counter()

@@ -9,6 +9,8 @@ leaked slot shows up.
 from __future__ import annotations
 
 import os
+
+import msgspec
 from pathlib import Path
 from typing import Any
 
@@ -58,9 +60,12 @@ def speech_config(path: str | Path = DEFAULT_CONFIG, model: str | Path | None = 
 async def start_pipeline(config: PipelineConfig, legacy: bool = False) -> MultiStageEngineClient:
     """Every stage of ``config`` as its own process: ZMQ stages, or legacy ``multiprocessing.Queue`` ones."""
     if legacy:
+        from omni_engine.config import ConnectorsConfig
         from omni_engine.legacy import start_legacy_pipeline
 
-        return await start_legacy_pipeline(config)
+        # The legacy architecture pickles every tensor: it refuses connector settings.
+        return await start_legacy_pipeline(config.replace(
+            runtime=msgspec.structs.replace(config.runtime, connectors=ConnectorsConfig())))
     return await MultiStageEngineClient.from_config(config)
 
 
@@ -68,8 +73,10 @@ def chat_prompts(config: PipelineConfig, questions: tuple[str, ...] = QUESTIONS)
     """``questions`` rendered with the LLM stage's chat template, as vLLM's server would."""
     from transformers import AutoTokenizer
 
-    llm = next(s for s in config.stage_args if s.stage_type == "llm")
-    tokenizer = AutoTokenizer.from_pretrained(llm.process_spec().engine_args["model"])
+    from omni_engine.pipeline.stage_specs import prepare_models
+
+    llm = next(s for s in prepare_models(config).stage_args if s.stage_type == "llm")
+    tokenizer = AutoTokenizer.from_pretrained(llm.engine_args["model"])
     return [tokenizer.apply_chat_template([{"role": "user", "content": q}], tokenize=False,
                                           add_generation_prompt=True) for q in questions]
 

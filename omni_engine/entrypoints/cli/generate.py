@@ -49,7 +49,7 @@ def _chat_prompt(config, question: str) -> str:
     llm = next((s for s in config.stage_args if s.stage_type == "llm"), None)
     if llm is None:
         return question
-    tokenizer = AutoTokenizer.from_pretrained(llm.process_spec().engine_args["model"])
+    tokenizer = AutoTokenizer.from_pretrained(llm.engine_args["model"])
     return tokenizer.apply_chat_template([{"role": "user", "content": question}], tokenize=False,
                                          add_generation_prompt=True)
 
@@ -58,7 +58,9 @@ async def _generate(args: argparse.Namespace, config) -> int:
     from omni_engine.audio import write_wav
     from omni_engine.entrypoints.multi_stage_engine_client import MultiStageEngineClient
     from omni_engine.entrypoints.signals import cancel_on_signals
+    from omni_engine.pipeline.stage_specs import prepare_models
 
+    config = prepare_models(config, say)  # the chat template is read from the prepared model
     prompt = args.prompt if args.raw else _chat_prompt(config, args.prompt)
     # SIGTERM/SIGINT: unwind through `async with` so every stage is shut down.
     cancel_on_signals()

@@ -80,11 +80,10 @@ def vllm_server_args(model: str, served_model_name: str, args: argparse.Namespac
 async def _serve(args: argparse.Namespace, config) -> int:
     import asyncio
 
-    from vllm.entrypoints.launchers.api_server import entry as vllm_entry
     from vllm.entrypoints.launchers.api_server.entry import build_and_serve
     from vllm.entrypoints.launchers.launcher import setup_server
 
-    from omni_engine.entrypoints.openai.audio import with_audio_routes
+    from omni_engine.entrypoints.openai.audio import install_audio_routes
     from omni_engine.entrypoints.openai.engine_config import (
         apply_text_stage_config,
         build_text_stage_config,
@@ -92,15 +91,16 @@ async def _serve(args: argparse.Namespace, config) -> int:
         text_stage_of,
     )
     from omni_engine.entrypoints.openai.serving_client import OpenAIServingEngineClient
+    from omni_engine.pipeline.stage_specs import prepare_models
 
     # Our audio routes (/v1/audio/speech, chat with audio) on the app build_and_serve builds.
-    vllm_entry.build_app = with_audio_routes(vllm_entry.build_app)
+    install_audio_routes()
 
     started = time.monotonic()
+    served_name = args.served_model_name or default_served_model_name(text_stage_of(config))
+    config = prepare_models(config, say)  # the model names as vLLM's server and the stages take them
     text_stage = text_stage_of(config)
-    served_name = args.served_model_name or default_served_model_name(text_stage)
-    model_dir = text_stage.process_spec().engine_args["model"]
-    server_args = vllm_server_args(str(model_dir), served_name, args)
+    server_args = vllm_server_args(str(text_stage.engine_args["model"]), served_name, args)
     # Bind the port before anything starts: a port in use fails at once.
     try:
         listen_address, sock = setup_server(server_args, reuse_port=False)

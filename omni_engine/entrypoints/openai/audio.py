@@ -12,13 +12,14 @@
   chat request goes to vLLM's own handler unchanged.
 
 ``add_audio_routes(app)`` puts these routes ahead of vLLM's (so the chat route
-sees a request first); ``with_audio_routes(build_app)`` wraps vLLM's
+sees a request first); ``install_audio_routes()`` wraps vLLM's
 ``build_app`` for ``omni-engine serve``.
 """
 
 from __future__ import annotations
 
 import base64
+import importlib
 import json
 import time
 import uuid
@@ -63,10 +64,7 @@ def _client(raw_request: Request) -> Any:
 
 def audio_stage_id(client: Any) -> int | None:
     """The pipeline's speech stage: the first final stage with audio output."""
-    for ctx in client.stage_contexts:
-        if ctx.is_final_output and ctx.final_output_type == "audio":
-            return ctx.stage_id
-    return None
+    return client.stage_for_output("audio")
 
 
 def _served_names(client: Any) -> list[str]:
@@ -81,14 +79,12 @@ def _check_model(client: Any, model: str | None) -> JSONResponse | None:
     return None
 
 
-def _stage_params(client: Any, sid: int, params: Any, others: Any = None) -> list[Any]:
-    """One entry per stage (in stage order): ``params`` at ``sid``, ``others`` at the text stage."""
-    order = client.orchestrator.stage_order
-    out: list[Any] = [None] * len(order)
-    out[order.index(sid)] = params
+def _stage_params(client: Any, sid: int, params: Any, others: Any = None) -> dict[int, Any]:
+    """Params by stage id: ``params`` for ``sid``, ``others`` for the text stage."""
+    out = {sid: params}
     text_sid = getattr(client, "text_stage_id", None)
-    if others is not None and text_sid is not None and text_sid in order:
-        out[order.index(text_sid)] = others
+    if others is not None and text_sid is not None:
+        out[text_sid] = others
     return out
 
 
@@ -203,7 +199,7 @@ async def _audio_chat(request: ChatCompletionRequest, raw_request: Request, moda
         return error_response(str(exc))
     sampling_params.output_kind = RequestOutputKind.DELTA  # sentences reach the speech stage as they end
     try:
-        client._validate(engine_input, sampling_params, "validate")
+        client.validate_request(engine_input, sampling_params, "validate")
     except (VLLMValidationError, ValueError) as exc:
         return error_response(str(exc))
 
@@ -302,13 +298,39 @@ def add_audio_routes(app: FastAPI) -> FastAPI:
     return app
 
 
-def with_audio_routes(build_app: Callable[..., FastAPI]) -> Callable[..., FastAPI]:
+# vLLM (0.32) has no hook for extra routes: ``build_and_serve`` builds its app
+# with this module-level function, which is therefore wrapped where it is looked up.
+VLLM_BUILD_APP = "vllm.entrypoints.launchers.api_server.entry.build_app"
+
+
+class _AudioBuildApp:
     """vLLM's ``build_app`` that also adds the audio routes."""
-    if getattr(build_app, "_omni_audio", False):
-        return build_app
 
-    def build(*args: Any, **kwargs: Any) -> FastAPI:
-        return add_audio_routes(build_app(*args, **kwargs))
+    def __init__(self, build_app: Callable[..., FastAPI]) -> None:
+        self.wrapped = build_app
 
-    build._omni_audio = True  # type: ignore[attr-defined]
-    return build
+    def __call__(self, *args: Any, **kwargs: Any) -> FastAPI:
+        return add_audio_routes(self.wrapped(*args, **kwargs))
+
+
+def install_audio_routes() -> None:
+    """Make vLLM's ``build_and_serve`` build its app with the audio routes (idempotent).
+
+    The one place that reaches into vLLM's server. A vLLM whose
+    ``build_and_serve`` no longer builds through ``VLLM_BUILD_APP`` fails here,
+    naming the function, instead of serving without the audio routes.
+    """
+    module_name, _, name = VLLM_BUILD_APP.rpartition(".")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise RuntimeError(f"cannot add the audio routes: {module_name} does not import ({exc}); "
+                           f"this vLLM moved {VLLM_BUILD_APP}") from exc
+    build_app = getattr(module, name, None)
+    serve = getattr(module, "build_and_serve", None)
+    if not callable(build_app) or serve is None or name not in serve.__code__.co_names:
+        raise RuntimeError(f"cannot add the audio routes: this vLLM has no {VLLM_BUILD_APP} that "
+                           f"{module_name}.build_and_serve builds its app with (vLLM moved it; "
+                           "omni_engine.entrypoints.openai.audio.install_audio_routes must follow)")
+    if not isinstance(build_app, _AudioBuildApp):
+        setattr(module, name, _AudioBuildApp(build_app))

@@ -56,14 +56,15 @@ def build_text_stage_config(stage: StageConfig, served_model_name: str | None = 
     """Build the text stage's ``VllmConfig``, renderer and input processor (no engine).
 
     Blocking (it reads the model's config and tokenizer, ~1 s after vLLM is
-    imported); callers in an event loop may run it in a thread.
+    imported); callers in an event loop may run it in a thread. ``stage`` comes
+    from a config whose models are prepared (``stage_specs.prepare_models``).
     """
     from vllm.engine.arg_utils import AsyncEngineArgs
     from vllm.renderers import renderer_from_config
     from vllm.usage.usage_lib import UsageContext
     from vllm.v1.engine.input_processor import InputProcessor
 
-    engine_args = dict(stage.process_spec().engine_args)  # recipe names resolved to the model dir
+    engine_args = stage.engine_args_for_engine()
     name = served_model_name or default_served_model_name(stage)
     engine_args["served_model_name"] = name
     try:
@@ -97,4 +98,5 @@ def attach_text_stage_config(client: MultiStageEngineClient, served_model_name: 
     ``client`` from its pipeline's text (llm) stage, without starting an engine."""
     if client.config is None:
         raise ValueError("the client has no pipeline config (build it with MultiStageEngineClient.from_config)")
+    # from_config keeps the config with its models prepared.
     apply_text_stage_config(client, build_text_stage_config(text_stage_of(client.config), served_model_name))

@@ -22,7 +22,6 @@ Every name starts with ``omni_engine_``; stages are labelled ``stage``, edges
 from __future__ import annotations
 
 import logging
-import os
 import threading
 from collections.abc import Iterable
 from typing import Any
@@ -31,6 +30,7 @@ from prometheus_client import REGISTRY, CollectorRegistry, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from omni_engine import envs
 from omni_engine.metrics import PipelineObserver
 
 logger = logging.getLogger(__name__)
@@ -48,7 +48,6 @@ class PipelineMetricsCollector(PipelineObserver, Collector):
 
     def __init__(self, client: Any) -> None:
         self.client = client
-        self.orchestrator = client.orchestrator
         self._lock = threading.Lock()
         self._errors: dict[tuple[str, str], int] = {}
         self._edge_bytes: dict[tuple[str, str], int] = {}
@@ -77,15 +76,13 @@ class PipelineMetricsCollector(PipelineObserver, Collector):
             ["stage"], buckets=TIME_BUCKETS, registry=None)
         self._histograms = (self.queue_time, self.run_time, self.transfer_time, self.e2e, self.ttfo)
         # Every stage and edge shows up (at zero) before its first request.
-        orch = self.orchestrator
-        for sid in orch.stage_order:
+        for sid in client.stage_ids():
             self.queue_time.labels(stage=str(sid))
             self.run_time.labels(stage=str(sid))
-        for dst in orch.stage_order:
-            for src in orch.sources[dst]:
-                self.transfer_time.labels(src=str(src), dst=str(dst))
-                self._edge_bytes[(str(src), str(dst))] = 0
-        for sid in orch.final_stage_ids() or orch.stage_order[-1:]:
+        for src, dst in client.stage_edges():
+            self.transfer_time.labels(src=str(src), dst=str(dst))
+            self._edge_bytes[(str(src), str(dst))] = 0
+        for sid in client.final_stage_ids():
             self.ttfo.labels(stage=str(sid))
 
     # ------------------------------------------------------------ observer
@@ -118,9 +115,9 @@ class PipelineMetricsCollector(PipelineObserver, Collector):
 
     # ----------------------------------------------------------- collector
     def collect(self) -> Iterable[Metric]:
-        orch = self.orchestrator
-        stage_ids = list(orch.stage_order)
-        load = orch.stage_load()
+        client = self.client
+        stage_ids = client.stage_ids()
+        load = client.stage_load()
 
         up = GaugeMetricFamily(PREFIX + "stage_up", "1 while the stage process is alive, 0 once it died",
                                labels=["stage"])
@@ -130,21 +127,19 @@ class PipelineMetricsCollector(PipelineObserver, Collector):
                                     "Per stage: (sub-)requests producing outputs", labels=["stage"])
         for sid in stage_ids:
             label = [str(sid)]
-            up.add_metric(label, 0.0 if orch.stages[sid].client.is_dead else 1.0)
+            up.add_metric(label, 1.0 if client.stage_alive(sid) else 0.0)
             w, r = load.get(sid, (0, 0))
             waiting.add_metric(label, w)
             running.add_metric(label, r)
         yield up
         yield waiting
         yield running
-        supervisor = getattr(self.client, "supervisor", None)
-        if supervisor is not None:
-            restarts = CounterMetricFamily(PREFIX + "stage_restarts",
-                                           "Per stage: restarts after the stage died (runtime.restart)",
-                                           labels=["stage"])
-            for sid in stage_ids:
-                restarts.add_metric([str(sid)], supervisor.restarts.get(sid, 0))
-            yield restarts
+        restarts = CounterMetricFamily(PREFIX + "stage_restarts",
+                                       "Per stage: restarts after the stage died (runtime.restart)", labels=["stage"])
+        restart_counts = client.stage_restarts()
+        for sid in stage_ids:
+            restarts.add_metric([str(sid)], restart_counts.get(sid, 0))
+        yield restarts
 
         stage_counters = (
             ("stage_requests", "requests", "Per stage: (sub-)requests submitted"),
@@ -155,7 +150,7 @@ class PipelineMetricsCollector(PipelineObserver, Collector):
             ("stage_bytes_in", "bytes_in", "Per stage: bytes of requests sent to the stage"),
             ("stage_bytes_out", "bytes_out", "Per stage: bytes of outputs received from the stage"),
         )
-        stats = {sid: orch.metrics.stage(sid) for sid in stage_ids}
+        stats = {sid: client.metrics.stage(sid) for sid in stage_ids}
         for name, attr, doc in stage_counters:
             family = CounterMetricFamily(PREFIX + name, doc, labels=["stage"])
             for sid in stage_ids:
@@ -168,7 +163,7 @@ class PipelineMetricsCollector(PipelineObserver, Collector):
             outcomes = dict(self._request_outcomes)
         # A stage's death is an error of that stage too (once: a dead stage stays dead).
         for sid in stage_ids:
-            if orch.stages[sid].client.is_dead:
+            if not client.stage_alive(sid):
                 errors[(str(sid), "StageDeadError")] = errors.get((str(sid), "StageDeadError"), 0) + 1
         family = CounterMetricFamily(PREFIX + "stage_errors",
                                      "Per stage and error type: request errors the stage reported, and its death",
@@ -198,16 +193,16 @@ def register_pipeline_metrics(client: Any, registry: CollectorRegistry | None = 
     collector = PipelineMetricsCollector(client)
     if registry is None:
         registry = REGISTRY
-        if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+        if envs.prometheus_multiproc_dir():
             logger.warning("PROMETHEUS_MULTIPROC_DIR is set: vLLM's /metrics then reads only the multiprocess "
                            "files, so the omni_engine_* series read at scrape time (gauges, stage counters) "
                            "are not shown")
     registry.register(collector)
-    client.orchestrator.observer = collector
+    client.observer = collector
     return collector
 
 
 def unregister_pipeline_metrics(collector: PipelineMetricsCollector, registry: CollectorRegistry | None = None) -> None:
     (registry or REGISTRY).unregister(collector)
-    if collector.orchestrator.observer is collector:
-        collector.orchestrator.observer = None
+    if collector.client.observer is collector:
+        collector.client.observer = None

