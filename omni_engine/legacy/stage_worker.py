@@ -15,7 +15,6 @@ import asyncio
 import logging
 import os
 import threading
-from typing import Any
 
 from omni_engine.engines.base import StageEngine
 from omni_engine.legacy.queues import StageQueue

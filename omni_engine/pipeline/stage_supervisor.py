@@ -23,6 +23,7 @@ logger = logging.getLogger(__name__)
 
 StageClientMaker = Callable[[], BaseStageClient]
 
+DEFAULT_MAX_RESTARTS = 3
 _FIRST_DELAY_S = 0.5
 _MAX_DELAY_S = 10.0
 
@@ -41,7 +42,9 @@ class StageSupervisor:
 
     def _policy(self, ctx: StageContext) -> tuple[str, int]:
         runtime = ctx.stage_config.runtime if ctx.stage_config is not None else None
-        return (runtime.restart, runtime.max_restarts) if runtime is not None else ("no", 0)
+        if runtime is None:
+            return "no", 0
+        return runtime.restart, DEFAULT_MAX_RESTARTS if runtime.max_restarts is None else runtime.max_restarts
 
     def _watch(self, ctx: StageContext) -> None:
         if self._policy(ctx)[0] == "on-failure" and ctx.stage_id in self._makers:
