@@ -54,6 +54,9 @@ class _ExecLaunch:
                 [sys.executable, "-c", _BOOTSTRAP, str(read_end)],
                 pass_fds=(read_end,), env={**os.environ, **self.spec.process_environment()},
                 stdin=subprocess.DEVNULL, process_group=0)
+        except BaseException:
+            os.close(write_end)
+            raise
         finally:
             os.close(read_end)
         self.sentinel = os.pidfd_open(self.popen.pid)
