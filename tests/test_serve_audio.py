@@ -126,3 +126,45 @@ def test_streaming_chat_with_audio_streams_audio_per_sentence(client):
     assert_speech(np.frombuffer(b"".join(audio_chunks), dtype="<i2"), 22050, min_s=1.0)
     # async_chunk: the first sentence is spoken before the text is finished.
     assert order.index("audio") < len(order) - 1 - order[::-1].index("text"), order
+
+
+OPENAI_VOICES = ("alloy", "ash", "ballad", "coral", "echo", "fable", "onyx", "nova", "sage", "shimmer", "verse")
+
+
+def test_every_openai_voice_speaks_and_each_sounds_different(client):
+    renderings = set()
+    for voice in OPENAI_VOICES:
+        response = client.audio.speech.create(model=MODEL, voice=voice, input="Hello world.", response_format="wav")
+        samples, rate = read_wav(response.content)
+        assert_speech(samples, rate, min_s=0.3)
+        renderings.add(samples.tobytes())
+    assert len(renderings) == len(OPENAI_VOICES)
+    # An engine code with a variant works too.
+    assert_speech(*read_wav(client.audio.speech.create(model=MODEL, voice="en-us+f2", input="Hello world.",
+                                                       response_format="wav").content), min_s=0.3)
+
+
+def test_voices_are_listed_and_an_unknown_one_points_at_the_list(server, client):
+    import httpx
+
+    listing = httpx.get(f"{server['url']}/v1/audio/voices", timeout=30).json()
+    ids = [v["id"] for v in listing["data"]]
+    assert set(OPENAI_VOICES) <= set(ids) and {"en", "en-gb", "en-us"} <= set(ids)
+    alloy = next(v for v in listing["data"] if v["id"] == "alloy")
+    assert alloy["kind"] == "openai" and alloy["engine_voice"].startswith("en")
+    assert "f2" in listing["variants"]
+    with pytest.raises(openai.BadRequestError) as bad:
+        client.audio.speech.create(model=MODEL, voice="nosuchvoice", input="Hello.", response_format="wav")
+    assert "nosuchvoice" in str(bad.value) and "/v1/audio/voices" in str(bad.value)
+    with pytest.raises(openai.BadRequestError) as bad:
+        client.audio.speech.create(model=MODEL, voice="en+nosuchvariant", input="Hello.", response_format="wav")
+    assert "en+nosuchvariant" in str(bad.value)
+
+
+def test_chat_audio_with_an_openai_voice(client):
+    completion = client.chat.completions.create(
+        model=MODEL, messages=QUESTION, temperature=0, max_tokens=32,
+        modalities=["text", "audio"], audio={"voice": "alloy", "format": "wav"})
+    message = completion.choices[0].message
+    assert "Paris" in message.content
+    assert_speech(*read_wav(base64.b64decode(message.audio.data)), min_s=0.3)

@@ -123,7 +123,7 @@ async def test_model_satisfies_protocol(model: EspeakTTSModel) -> None:
     assert isinstance(model, GenerationModel)
     assert model.output_type == "audio"
     info = model.info()
-    assert info["sample_rate"] == 22050 and info["engine"] == "espeak-ng" and info["voices"] > 50
+    assert info["sample_rate"] == 22050 and info["engine"] == "espeak-ng" and len(info["voices"]) > 50
 
 
 async def test_batch_isolates_a_bad_request(model: EspeakTTSModel) -> None:
@@ -222,3 +222,40 @@ def test_factory_rejects_unknown_keyword() -> None:
 def test_bad_default_voice_fails_at_construction() -> None:
     with pytest.raises(ValueError, match="zz-zz"):
         make_espeak_tts(default_voice="zz-zz")
+
+
+OPENAI_VOICE_NAMES = ("alloy", "ash", "ballad", "coral", "echo", "fable", "onyx", "nova", "sage", "shimmer", "verse")
+
+
+async def test_openai_voices_are_distinct_engine_voices(model: EspeakTTSModel) -> None:
+    from omni_engine.engines.tts import OPENAI_VOICES
+
+    assert set(OPENAI_VOICES) == set(OPENAI_VOICE_NAMES)
+    assert len(set(OPENAI_VOICES.values())) == len(OPENAI_VOICES)  # each its own voice
+    requests = [GenerationRequest(name, TEXT, params={"voice": name.upper() if name == "alloy" else name})
+                for name in OPENAI_VOICE_NAMES]
+    results = await model.generate(requests)
+    audio = {}
+    for name, result in zip(OPENAI_VOICE_NAMES, results):
+        assert not isinstance(result, Exception), (name, result)
+        assert _rms(result["audio"]) > 0.01, name
+        audio[name] = result["audio"]
+    # Different voices sound different: no two renderings are the same samples.
+    renderings = {a.tobytes() for a in audio.values()}
+    assert len(renderings) == len(OPENAI_VOICE_NAMES)
+    assert model.info()["voice_map"]["alloy"] == OPENAI_VOICES["alloy"]
+
+
+async def test_voice_map_overrides_and_bad_entries_fail_the_start() -> None:
+    model = make_espeak_tts(voice_map={"alloy": "en-gb", "narrator": "en-us+m2"})
+    try:
+        assert model.resolve_voice("alloy") == "en-gb" and model.resolve_voice("Narrator") == "en-us+m2"
+        assert model.resolve_voice("echo") == "en-us+m1"  # the rest of the default table stays
+        [result] = await model.generate([GenerationRequest("n", TEXT, params={"voice": "narrator"})])
+        assert _rms(result["audio"]) > 0.01
+    finally:
+        await model.shutdown()
+    with pytest.raises(ValueError, match=r"voice_map\['robot'\]: unknown voice variant 'nosuch'"):
+        make_espeak_tts(voice_map={"robot": "en+nosuch"})
+    with pytest.raises(ValueError, match=r"voice_map\['x'\]: unknown voice 'no-such-voice'"):
+        make_espeak_tts(voice_map={"x": "no-such-voice"})

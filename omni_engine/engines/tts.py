@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import ctypes
+import functools
 import itertools
 import os
 import threading
@@ -149,13 +150,18 @@ class EspeakSynthesizer:
             raise EspeakError("synthesizer is closed")
 
     def _select_voice(self, voice: str) -> None:
-        """Select a voice that ``list_voices`` offers; anything else is a ValueError.
+        """Select a voice that ``list_voices`` offers, optionally with a variant
+        (``en-us+f3``: one of ``list_variants``); anything else is a ValueError.
 
         eSpeak's own matching is by prefix ("no-such-voice" would select
-        Norwegian), so the name is checked against the discovered set first.
+        Norwegian) and ignores unknown variants, so both are checked first.
         """
-        if voice.lower() not in self._known_voices_locked():
+        base, _, variant = voice.partition("+")
+        if base.lower() not in self._known_voices_locked():
             raise ValueError(f"unknown voice {voice!r}; list_voices() gives the accepted codes (e.g. 'en', 'en-us')")
+        if variant and variant.lower() not in _variants():
+            raise ValueError(f"unknown voice variant {variant!r} in {voice!r}; list_variants() gives them "
+                             "(e.g. 'f3', 'm3')")
         self._try_voice(voice)
 
     def _try_voice(self, voice: str) -> None:
@@ -178,6 +184,10 @@ class EspeakSynthesizer:
         with _LOCK:
             self._require_open()
             self._select_voice(voice)
+
+    def list_variants(self) -> list[str]:
+        """Voice variants (``m1``..``m8``, ``f1``..``f5``, ``klatt``, ...), as ``voice+variant``."""
+        return list(_variants())
 
     def list_voices(self) -> list[str]:
         """Lower-case ``voice`` values: language codes (``en-gb``, ``zh``) and voice files (``en-us``).
@@ -257,25 +267,58 @@ class EspeakSynthesizer:
                 _check(self._lib.espeak_Terminate(), "terminating")
 
 
+# OpenAI's voice names, each a distinct eSpeak NG voice + variant. A stage
+# overrides or extends this with engine_args.voice_map; eSpeak's own codes
+# ("en", "en-gb", "en-us+f2", ...) are accepted as they are.
+OPENAI_VOICES: dict[str, str] = {
+    "alloy": "en-us+f3", "ash": "en-us+m3", "ballad": "en-gb+m5", "coral": "en-us+f2",
+    "echo": "en-us+m1", "fable": "en-gb+m2", "onyx": "en-us+m7", "nova": "en-us+f4",
+    "sage": "en-gb+f3", "shimmer": "en-us+f5", "verse": "en-us+m4",
+}
+
+
+@functools.cache
+def _variants() -> tuple[str, ...]:
+    """The variant names in eSpeak NG's data (``voices/!v``), lower-case."""
+    import espeakng_loader
+
+    variant_dir = os.path.join(espeakng_loader.get_data_path(), "voices", "!v")
+    return tuple(sorted(name.lower() for name in os.listdir(variant_dir) if " " not in name))
+
+
 class EspeakTTSModel:
     """``GenerationModel`` that renders text requests to speech with eSpeak NG."""
 
     output_type = "audio"
 
-    def __init__(self, *, default_voice: str = "en", max_workers: int = 1) -> None:
+    def __init__(self, *, default_voice: str = "en", max_workers: int = 1,
+                 voice_map: Mapping[str, str] | None = None) -> None:
         if max_workers != 1:
             # eSpeak's state is process-global: extra threads would only queue on the lock.
             raise ValueError(f"max_workers must be 1 (eSpeak NG has one global engine), got {max_workers!r}")
+        if voice_map is not None and not isinstance(voice_map, Mapping):
+            raise TypeError(f"voice_map must be a mapping of names to eSpeak voices, got {type(voice_map).__name__}")
+        # Names are matched case-insensitively, as eSpeak's codes are.
+        self.voice_map = {**OPENAI_VOICES, **{str(k).lower(): v for k, v in (voice_map or {}).items()}}
         self._synth = EspeakSynthesizer()
         try:
-            self._synth.check_voice(default_voice)
-            self._voice_count = len(self._synth.list_voices())
+            self._synth.check_voice(self.resolve_voice(default_voice))
+            for name, voice in self.voice_map.items():  # a bad table fails the stage's start, naming the entry
+                try:
+                    self._synth.check_voice(voice)
+                except ValueError as exc:
+                    raise ValueError(f"voice_map[{name!r}]: {exc}") from None
+            self._voices = self._synth.list_voices()
         except BaseException:
             self._synth.close()
             raise
         self._default_voice = default_voice
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="espeak")
         self._closed = False
+
+    def resolve_voice(self, voice: str) -> str:
+        """The eSpeak voice for a request's ``voice``: a mapped name (``alloy``) or an eSpeak code."""
+        return self.voice_map.get(voice.lower(), voice) if isinstance(voice, str) else voice
 
     def _params(self, raw: Any) -> SpeechParams:
         # vLLM-Omni callers pass a vLLM SamplingParams for every stage; it says
@@ -294,6 +337,8 @@ class EspeakTTSModel:
             return RuntimeError("aborted")
         try:
             text, params = prompt_text(request.prompt), self._params(request.params)
+            params.validate()
+            params = msgspec.structs.replace(params, voice=self.resolve_voice(params.voice))
             audio = self._synth.synthesize(text, params, lambda: request.aborted)
         except Exception as e:  # the protocol fails this request alone
             return e
@@ -312,7 +357,9 @@ class EspeakTTSModel:
         return await loop.run_in_executor(self._executor, self._render_batch, list(requests))
 
     def info(self) -> dict[str, Any]:
-        return {"sample_rate": self._synth.sample_rate, "voices": self._voice_count, "engine": "espeak-ng"}
+        """What the stage's READY tells the client; ``voice_map`` and ``voices`` back ``GET /v1/audio/voices``."""
+        return {"sample_rate": self._synth.sample_rate, "engine": "espeak-ng", "voice_map": dict(self.voice_map),
+                "voices": list(self._voices), "variants": list(_variants())}
 
     async def shutdown(self) -> None:
         """Drop queued batches, wait for the running one off-loop, then close eSpeak. Idempotent."""
@@ -326,7 +373,7 @@ class EspeakTTSModel:
 
 def make_espeak_tts(**engine_args: Any) -> EspeakTTSModel:
     """Stage-config factory (``omni_engine.engines.tts:make_espeak_tts``); rejects unknown args by name."""
-    allowed = {"default_voice", "max_workers"}
+    allowed = {"default_voice", "max_workers", "voice_map"}
     unknown = sorted(set(engine_args) - allowed)
     if unknown:
         raise TypeError(f"make_espeak_tts got unknown engine_args {unknown}; allowed: {sorted(allowed)}")

@@ -215,6 +215,11 @@ class MultiStageEngineClient(EngineClient):
                 return ctx.stage_id
         return None
 
+    def stage_info(self, stage_id: int) -> dict[str, Any]:
+        """What the stage's engine said about itself when it became ready (``{}`` before that)."""
+        ready = self.orchestrator.stages[stage_id].client.ready
+        return dict(ready.engine_info) if ready is not None else {}
+
     def stage_alive(self, stage_id: int) -> bool:
         """Whether the stage's current process is up (False once it died, until a restart)."""
         return not self.orchestrator.stages[stage_id].client.is_dead

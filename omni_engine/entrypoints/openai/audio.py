@@ -88,10 +88,39 @@ def _stage_params(client: Any, sid: int, params: Any, others: Any = None) -> dic
     return out
 
 
-def _speech_params(voice: Any, speed: Any) -> SpeechParams:
+def _speech_params(client: Any, sid: int, voice: Any, speed: Any) -> SpeechParams:
+    """Checked speech params: ``ValueError`` naming a bad speed, or a voice the speech stage does not
+    accept (its OpenAI names, its engine's codes, ``code+variant``), pointing at the list."""
     params = SpeechParams(voice=voice, speed=speed)
     params.validate()
+    info = client.stage_info(sid)
+    if "voice_map" in info and not voice_accepted(info, params.voice):
+        raise ValueError(f"unknown voice {params.voice!r}; GET /v1/audio/voices lists the accepted voices "
+                         f"(OpenAI's: {', '.join(sorted(info['voice_map']))})")
     return params
+
+
+def voice_accepted(info: dict[str, Any], voice: str) -> bool:
+    """Whether the speech stage described by ``info`` (its READY engine info) takes ``voice``."""
+    voice = voice.lower()
+    base, _, variant = voice.partition("+")
+    return voice in info["voice_map"] or (base in info.get("voices", ()) and
+                                          (not variant or variant in info.get("variants", ())))
+
+
+@router.get("/v1/audio/voices")
+async def list_voices(raw_request: Request) -> Response:
+    """The voices the speech stage accepts: OpenAI's names (with the engine voice each is), then the engine's codes."""
+    client = _client(raw_request)
+    sid = audio_stage_id(client)
+    if sid is None:
+        return error_response("this pipeline has no audio stage", 404, err_type="NotFoundError")
+    info = client.stage_info(sid)
+    mapped = [{"id": name, "object": "voice", "kind": "openai", "engine_voice": voice}
+              for name, voice in sorted(info.get("voice_map", {}).items())]
+    engine = [{"id": code, "object": "voice", "kind": "engine"} for code in info.get("voices", ())]
+    return JSONResponse({"object": "list", "data": mapped + engine, "variants": list(info.get("variants", ())),
+                         "note": "an engine voice may take a variant: '<voice>+<variant>', e.g. 'en-us+f2'"})
 
 
 # ------------------------------------------------------------------ speech
@@ -120,7 +149,7 @@ async def create_speech(request: SpeechRequest, raw_request: Request) -> Respons
     if not request.input.strip():
         return error_response("input must not be empty", param="input")
     try:
-        params = _speech_params(request.voice, request.speed)
+        params = _speech_params(client, sid, request.voice, request.speed)
     except ValueError as exc:
         return error_response(str(exc), param="speed" if "speed" in str(exc) else "voice")
     request_id = f"speech-{uuid.uuid4().hex}"
@@ -177,7 +206,7 @@ async def _audio_chat(request: ChatCompletionRequest, raw_request: Request, moda
     if (request.n or 1) != 1 or request.use_beam_search:
         return error_response("audio output supports n=1 without beam search", param="n")
     try:
-        speech = _speech_params(audio_opts.get("voice", "en"), audio_opts.get("speed", 1.0))
+        speech = _speech_params(client, sid, audio_opts.get("voice", "en"), audio_opts.get("speed", 1.0))
     except ValueError as exc:
         return error_response(str(exc), param="audio.voice")
 
