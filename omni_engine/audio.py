@@ -1,23 +1,59 @@
-"""Audio helpers: float waveforms to WAV bytes/files."""
+"""Audio helpers: float waveforms to WAV, raw PCM, and OpenAI's compressed formats.
+
+WAV and PCM are written here; mp3, opus (in Ogg), aac (ADTS) and flac are
+encoded by FFmpeg through PyAV (``av``, in the ``tts`` extra), never by hand.
+A format no installed library can produce is an ``AudioFormatError`` naming it.
+"""
 
 from __future__ import annotations
 
 import io
 import wave
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
 
+class AudioFormatError(ValueError):
+    """An audio format that cannot be produced here; the message names it."""
+
+
+@dataclass(frozen=True)
+class EncodedFormat:
+    """How PyAV writes one of OpenAI's compressed formats."""
+
+    container: str
+    codec: str
+    media_type: str
+    # Sample rates the codec takes (None: any); other rates are resampled to the first.
+    rates: tuple[int, ...] | None = None
+
+
+ENCODED_FORMATS: dict[str, EncodedFormat] = {
+    "mp3": EncodedFormat("mp3", "libmp3lame", "audio/mpeg"),
+    "opus": EncodedFormat("ogg", "libopus", "audio/ogg", (48000, 24000, 16000, 12000, 8000)),
+    "aac": EncodedFormat("adts", "aac", "audio/aac"),
+    "flac": EncodedFormat("flac", "flac", "audio/flac"),
+}
+PCM_MEDIA_TYPES = {"wav": "audio/wav", "pcm": "audio/pcm"}
+# OpenAI's speech API formats, its default (mp3) first.
+SPEECH_FORMATS = ("mp3", "opus", "aac", "flac", "wav", "pcm")
+
+
+def pcm16(audio: np.ndarray) -> np.ndarray:
+    """Mono float32 in [-1, 1] as 16-bit little-endian samples."""
+    return (np.clip(np.asarray(audio, dtype=np.float32), -1.0, 1.0) * 32767.0).astype("<i2")
+
+
 def wav_bytes(audio: np.ndarray, sample_rate: int) -> bytes:
     """Mono float32 in [-1, 1] as a 16-bit PCM WAV file."""
-    pcm = (np.clip(np.asarray(audio, dtype=np.float32), -1.0, 1.0) * 32767.0).astype("<i2")
     buf = io.BytesIO()
     with wave.open(buf, "wb") as w:
         w.setnchannels(1)
         w.setsampwidth(2)
         w.setframerate(int(sample_rate))
-        w.writeframes(pcm.tobytes())
+        w.writeframes(pcm16(audio).tobytes())
     return buf.getvalue()
 
 
@@ -26,3 +62,54 @@ def write_wav(path: Path, audio: np.ndarray, sample_rate: int) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_bytes(wav_bytes(audio, sample_rate))
     return path
+
+
+def media_type(fmt: str) -> str:
+    return PCM_MEDIA_TYPES.get(fmt) or ENCODED_FORMATS[fmt].media_type
+
+
+def check_format(fmt: str) -> None:
+    """``AudioFormatError`` unless ``fmt`` can be produced here."""
+    if fmt in PCM_MEDIA_TYPES:
+        return
+    spec = ENCODED_FORMATS.get(fmt)
+    if spec is None:
+        raise AudioFormatError(f"audio format {fmt!r} is not supported; use one of {list(SPEECH_FORMATS)}")
+    try:
+        import av
+    except ImportError:
+        raise AudioFormatError(f"audio format {fmt!r} needs PyAV (pip install av, or the tts extra); "
+                               f"without it only {sorted(PCM_MEDIA_TYPES)} are available") from None
+    try:
+        av.codec.Codec(spec.codec, "w")
+    except Exception:  # noqa: BLE001 - PyAV raises its own error types per version
+        raise AudioFormatError(f"audio format {fmt!r}: this FFmpeg build has no {spec.codec} encoder") from None
+
+
+def encode_audio(audio: np.ndarray, sample_rate: int, fmt: str) -> bytes:
+    """Mono float32 in [-1, 1] as a file (or raw PCM) of format ``fmt``."""
+    if fmt == "wav":
+        return wav_bytes(audio, sample_rate)
+    if fmt == "pcm":
+        return pcm16(audio).tobytes()
+    check_format(fmt)
+    import av
+
+    spec = ENCODED_FORMATS[fmt]
+    rate = int(sample_rate)
+    if spec.rates is not None and rate not in spec.rates:
+        rate = spec.rates[0]
+    buf = io.BytesIO()
+    with av.open(buf, "w", format=spec.container) as out:
+        stream = out.add_stream(spec.codec, rate=rate, layout="mono")
+        frame = av.AudioFrame.from_ndarray(pcm16(audio)[None, :], format="s16", layout="mono")
+        frame.sample_rate = int(sample_rate)
+        # The encoder's own sample format and rate; PyAV re-frames to its frame size.
+        resampler = av.AudioResampler(format=stream.codec_context.format.name, layout="mono", rate=rate)
+        frames = resampler.resample(frame) if len(audio) else []
+        for piece in [*frames, *resampler.resample(None)]:
+            for packet in stream.encode(piece):
+                out.mux(packet)
+        for packet in stream.encode(None):
+            out.mux(packet)
+    return buf.getvalue()

@@ -2,8 +2,9 @@
 
 * ``POST /v1/audio/speech`` (OpenAI's speech API): the pipeline's audio stage
   *alone* (``entry_stage_id``): the input text goes straight to the speech
-  stage; the LLM does not run. ``response_format`` ``wav`` or ``pcm`` (raw
-  16-bit little-endian mono PCM at the stage's sample rate).
+  stage; the LLM does not run. ``response_format`` mp3 (OpenAI's default),
+  opus, aac, flac (encoded by FFmpeg through PyAV), wav or pcm (raw 16-bit
+  little-endian mono PCM at the stage's sample rate).
 * ``POST /v1/chat/completions`` with ``modalities`` containing ``"audio"``: the
   whole pipeline; the answer comes back as text and as ``message.audio``
   (``id``, base64 ``data``, ``expires_at``, ``transcript``), as OpenAI returns
@@ -18,6 +19,7 @@ sees a request first); ``install_audio_routes()`` wraps vLLM's
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import importlib
 import json
@@ -37,13 +39,13 @@ from vllm.entrypoints.serve.utils.api_utils import get_max_tokens, validate_json
 from vllm.exceptions import VLLMValidationError
 from vllm.sampling_params import RequestOutputKind
 
-from omni_engine.audio import wav_bytes
+from omni_engine.audio import SPEECH_FORMATS, AudioFormatError, check_format, encode_audio, media_type
 from omni_engine.engines.tts import SpeechParams
 
 router = APIRouter()
 
-SPEECH_FORMATS = ("wav", "pcm")
-CHAT_AUDIO_FORMATS = ("wav", "pcm16")
+# Chat's audio.format names raw PCM "pcm16"; otherwise the speech formats.
+CHAT_AUDIO_FORMATS = ("wav", "mp3", "opus", "aac", "flac", "pcm16")
 AUDIO_EXPIRES_S = 3600
 
 
@@ -53,9 +55,9 @@ def error_response(message: str, status: int = 400, param: str | None = None,
                         status_code=status)
 
 
-def pcm16_bytes(audio: np.ndarray) -> bytes:
-    """Mono float32 in [-1, 1] as raw 16-bit little-endian PCM (as ``wav_bytes`` writes it)."""
-    return (np.clip(np.asarray(audio, dtype=np.float32), -1.0, 1.0) * 32767.0).astype("<i2").tobytes()
+def chat_audio_bytes(audio: np.ndarray, rate: int, fmt: str) -> bytes:
+    """Audio in a chat ``audio.format`` (``pcm16`` is raw 16-bit PCM)."""
+    return encode_audio(audio, rate, "pcm" if fmt == "pcm16" else fmt)
 
 
 def _client(raw_request: Request) -> Any:
@@ -130,7 +132,7 @@ class SpeechRequest(BaseModel):
     model: str | None = None
     input: str
     voice: str = "en"
-    response_format: str = "wav"
+    response_format: str = "mp3"  # OpenAI's default
     speed: float = 1.0
     instructions: str | None = None  # accepted, ignored (eSpeak has no style prompts)
 
@@ -146,6 +148,10 @@ async def create_speech(request: SpeechRequest, raw_request: Request) -> Respons
     if request.response_format not in SPEECH_FORMATS:
         return error_response(f"response_format {request.response_format!r} is not supported; "
                               f"use one of {list(SPEECH_FORMATS)}", param="response_format")
+    try:
+        check_format(request.response_format)
+    except AudioFormatError as exc:
+        return error_response(str(exc), param="response_format")
     if not request.input.strip():
         return error_response("input must not be empty", param="input")
     try:
@@ -164,10 +170,9 @@ async def create_speech(request: SpeechRequest, raw_request: Request) -> Respons
     except (VLLMValidationError, ValueError) as exc:
         return error_response(str(exc), param="voice" if "voice" in str(exc) else None)
     audio = np.concatenate(chunks) if chunks else np.zeros(0, dtype=np.float32)
-    if request.response_format == "pcm":
-        return Response(pcm16_bytes(audio), media_type="audio/pcm",
-                        headers={"X-Sample-Rate": str(rate)})
-    return Response(wav_bytes(audio, rate), media_type="audio/wav")
+    data = await asyncio.to_thread(encode_audio, audio, rate, request.response_format)
+    headers = {"X-Sample-Rate": str(rate)} if request.response_format == "pcm" else None
+    return Response(data, media_type=media_type(request.response_format), headers=headers)
 
 
 def _speech_dict(params: SpeechParams) -> dict[str, Any]:
@@ -203,6 +208,10 @@ async def _audio_chat(request: ChatCompletionRequest, raw_request: Request, moda
     if fmt not in CHAT_AUDIO_FORMATS:
         return error_response(f"audio.format {fmt!r} is not supported; use one of {list(CHAT_AUDIO_FORMATS)}",
                               param="audio.format")
+    try:
+        check_format("pcm" if fmt == "pcm16" else fmt)
+    except AudioFormatError as exc:
+        return error_response(str(exc), param="audio.format")
     if (request.n or 1) != 1 or request.use_beam_search:
         return error_response("audio output supports n=1 without beam search", param="n")
     try:
@@ -257,7 +266,7 @@ async def _audio_chat(request: ChatCompletionRequest, raw_request: Request, moda
     finally:
         await stream.aclose()
     audio = np.concatenate(chunks) if chunks else np.zeros(0, dtype=np.float32)
-    data = wav_bytes(audio, rate) if fmt == "wav" else pcm16_bytes(audio)
+    data = await asyncio.to_thread(chat_audio_bytes, audio, rate, fmt)
     created = int(time.time())
     message = {
         "role": "assistant",
@@ -292,7 +301,7 @@ async def _stream_chunks(request: ChatCompletionRequest, stream: AsyncGenerator,
                 mm = out.multimodal_output
                 if mm and mm.get("audio") is not None and len(mm["audio"]):
                     rate = int(mm.get("sample_rate", 22050))
-                    data = wav_bytes(mm["audio"], rate) if fmt == "wav" else pcm16_bytes(mm["audio"])
+                    data = chat_audio_bytes(mm["audio"], rate, fmt)
                     yield sse({"audio": {"id": audio_id, "data": base64.b64encode(data).decode("ascii")}})
             elif out.outputs:
                 piece = out.outputs[0].text
