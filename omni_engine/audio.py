@@ -99,17 +99,67 @@ def encode_audio(audio: np.ndarray, sample_rate: int, fmt: str) -> bytes:
     rate = int(sample_rate)
     if spec.rates is not None and rate not in spec.rates:
         rate = spec.rates[0]
-    buf = io.BytesIO()
-    with av.open(buf, "w", format=spec.container) as out:
-        stream = out.add_stream(spec.codec, rate=rate, layout="mono")
-        frame = av.AudioFrame.from_ndarray(pcm16(audio)[None, :], format="s16", layout="mono")
-        frame.sample_rate = int(sample_rate)
+    encoder = AudioStreamEncoder(fmt, sample_rate)
+    encoder.feed(audio)
+    encoder.close()
+    return encoder.whole()
+
+
+class AudioStreamEncoder:
+    """One continuous stream of ``fmt`` fed a piece of audio at a time (a sentence as it is spoken).
+
+    ``feed`` and ``close`` return the bytes ready to send; ``whole`` is the
+    complete file after ``close`` (with the headers a muxer rewrites at the
+    end, which a stream sent as it goes cannot have: its length is unknown).
+    """
+
+    def __init__(self, fmt: str, sample_rate: int) -> None:
+        self.fmt, self.sample_rate = fmt, int(sample_rate)
+        self._buf = io.BytesIO()
+        self._sent = 0
+        if fmt == "pcm":
+            return
+        import av
+
+        spec = ENCODED_FORMATS.get(fmt) or EncodedFormat("wav", "pcm_s16le", "audio/wav")
+        if fmt != "wav":
+            check_format(fmt)
+        rate = self.sample_rate if spec.rates is None or self.sample_rate in spec.rates else spec.rates[0]
+        self._av = av
+        self._out = av.open(self._buf, "w", format=spec.container)
+        self._stream = self._out.add_stream(spec.codec, rate=rate, layout="mono")
         # The encoder's own sample format and rate; PyAV re-frames to its frame size.
-        resampler = av.AudioResampler(format=stream.codec_context.format.name, layout="mono", rate=rate)
-        frames = resampler.resample(frame) if len(audio) else []
-        for piece in [*frames, *resampler.resample(None)]:
-            for packet in stream.encode(piece):
-                out.mux(packet)
-        for packet in stream.encode(None):
-            out.mux(packet)
-    return buf.getvalue()
+        self._resampler = av.AudioResampler(format=self._stream.codec_context.format.name, layout="mono", rate=rate)
+
+    def feed(self, audio: np.ndarray) -> bytes:
+        samples = pcm16(audio)
+        if self.fmt == "pcm":
+            return samples.tobytes()
+        if len(samples):
+            frame = self._av.AudioFrame.from_ndarray(samples[None, :], format="s16", layout="mono")
+            frame.sample_rate = self.sample_rate
+            self._encode(self._resampler.resample(frame))
+        return self._drain()
+
+    def close(self) -> bytes:
+        if self.fmt == "pcm":
+            return b""
+        self._encode(self._resampler.resample(None))
+        for packet in self._stream.encode(None):
+            self._out.mux(packet)
+        self._out.close()
+        return self._drain()
+
+    def whole(self) -> bytes:
+        return self._buf.getvalue()
+
+    def _encode(self, frames: list) -> None:
+        for frame in frames:
+            for packet in self._stream.encode(frame):
+                self._out.mux(packet)
+
+    def _drain(self) -> bytes:
+        with self._buf.getbuffer() as view:
+            data = bytes(view[self._sent:])
+        self._sent += len(data)
+        return data

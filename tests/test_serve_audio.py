@@ -12,6 +12,7 @@ import numpy as np
 import openai
 import pytest
 
+from omni_engine.pipeline.input_processors import split_sentences
 from tests.serve_helpers import openai_client, running_server
 
 pytestmark = [pytest.mark.llm, pytest.mark.tts]
@@ -213,3 +214,44 @@ def test_chat_audio_in_compressed_formats(client, fmt):
         modalities=["text", "audio"], audio={"voice": "echo", "format": fmt})
     samples, rate = decode(base64.b64decode(completion.choices[0].message.audio.data))
     assert rate == 22050 and len(samples) / rate > 0.5 and float(np.sqrt(np.mean(samples ** 2))) > 0.01
+
+
+SENTENCES = "The sun is warm today. The sea is calm and blue. Birds are singing in the trees."
+
+
+def test_speech_streams_sentence_by_sentence_as_audio(client):
+    """``stream_format: audio``: one mp3 stream, arriving in pieces (a sentence at a time)."""
+    # Each sentence is spoken on its own: the stream is their renderings, back to back.
+    expected_s = sum(len(read_wav(client.audio.speech.create(model=MODEL, voice="onyx", input=sentence,
+                                                              response_format="wav").content)[0]) / 22050
+                     for sentence in split_sentences(SENTENCES))
+    chunks = []
+    with client.audio.speech.with_streaming_response.create(
+            model=MODEL, voice="onyx", input=SENTENCES, response_format="mp3", stream_format="audio") as response:
+        assert response.headers["content-type"].startswith("audio/mpeg")
+        for chunk in response.iter_bytes():
+            chunks.append(chunk)
+    assert len(chunks) > 1, "expected the audio in several pieces"
+    samples, rate = decode(b"".join(chunks))
+    assert rate == 22050 and abs(len(samples) / rate - expected_s) < 0.15, (len(samples) / rate, expected_s)
+    assert float(np.sqrt(np.mean(samples ** 2))) > 0.01
+
+
+def test_speech_streams_as_sse_events(client):
+    """``stream_format: sse``: speech.audio.delta events with base64 audio, then speech.audio.done."""
+    import json
+
+    events = []
+    with client.audio.speech.with_streaming_response.create(
+            model=MODEL, voice="coral", input=SENTENCES, response_format="pcm", stream_format="sse") as response:
+        assert response.headers["content-type"].startswith("text/event-stream")
+        for line in response.iter_lines():
+            if line.startswith("data: "):
+                events.append(json.loads(line[len("data: "):]))
+    deltas = [e for e in events if e["type"] == "speech.audio.delta"]
+    assert len(deltas) == 3 and events[-1]["type"] == "speech.audio.done"  # one per sentence
+    assert events[-1]["usage"]["input_tokens"] > 0
+    pcm = b"".join(base64.b64decode(e["audio"]) for e in deltas)
+    assert_speech(np.frombuffer(pcm, dtype="<i2"), 22050, min_s=2.0)
+    with pytest.raises(openai.BadRequestError, match="stream_format"):
+        client.audio.speech.create(model=MODEL, voice="en", input="Hi.", stream_format="chunks")

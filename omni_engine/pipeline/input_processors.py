@@ -58,6 +58,13 @@ class TextPassthrough:
 _SENTENCE_END = re.compile(r"""[.!?。！？…]+["'”’)\]]*(?=\s)|[。！？]""")
 
 
+def split_sentences(text: str, min_chars: int = 2) -> list[str]:
+    """``text`` as its sentences (the last one may lack an ending), as ``SentenceSplitter`` cuts them."""
+    splitter = SentenceSplitter([], 0, min_chars=min_chars)
+    inputs = splitter.on_output(None, text) + splitter.on_finish({}, {})  # type: ignore[arg-type]
+    return [inp.prompt for inp in inputs]
+
+
 class SentenceSplitter:
     """Forwards complete sentences as they appear in the streamed text.
 

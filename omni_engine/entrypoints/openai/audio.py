@@ -39,7 +39,15 @@ from vllm.entrypoints.serve.utils.api_utils import get_max_tokens, validate_json
 from vllm.exceptions import VLLMValidationError
 from vllm.sampling_params import RequestOutputKind
 
-from omni_engine.audio import SPEECH_FORMATS, AudioFormatError, check_format, encode_audio, media_type
+from omni_engine.audio import (
+    SPEECH_FORMATS,
+    AudioFormatError,
+    AudioStreamEncoder,
+    check_format,
+    encode_audio,
+    media_type,
+)
+from omni_engine.pipeline.input_processors import split_sentences
 from omni_engine.engines.tts import SpeechParams
 
 router = APIRouter()
@@ -135,6 +143,9 @@ class SpeechRequest(BaseModel):
     response_format: str = "mp3"  # OpenAI's default
     speed: float = 1.0
     instructions: str | None = None  # accepted, ignored (eSpeak has no style prompts)
+    # "audio": the encoded audio streams out sentence by sentence; "sse": as
+    # speech.audio.delta events. Not given: one response once all is spoken.
+    stream_format: str | None = None
 
 
 @router.post("/v1/audio/speech", dependencies=[Depends(validate_json_request)])
@@ -154,11 +165,21 @@ async def create_speech(request: SpeechRequest, raw_request: Request) -> Respons
         return error_response(str(exc), param="response_format")
     if not request.input.strip():
         return error_response("input must not be empty", param="input")
+    if request.stream_format not in (None, "audio", "sse"):
+        return error_response(f"stream_format {request.stream_format!r} is not supported; use 'audio' or 'sse'",
+                              param="stream_format")
     try:
         params = _speech_params(client, sid, request.voice, request.speed)
     except ValueError as exc:
         return error_response(str(exc), param="speed" if "speed" in str(exc) else "voice")
     request_id = f"speech-{uuid.uuid4().hex}"
+    if request.stream_format is not None:
+        sentences = _speak_sentences(client, sid, split_sentences(request.input), _speech_dict(params), request_id)
+        if request.stream_format == "sse":
+            return StreamingResponse(_speech_events(sentences, request.response_format, len(request.input)),
+                                     media_type="text/event-stream")
+        return StreamingResponse(_speech_bytes(sentences, request.response_format),
+                                 media_type=media_type(request.response_format))
     chunks, rate = [], 22050
     try:
         async for out in client.generate(request.input, _stage_params(client, sid, _speech_dict(params)),
@@ -173,6 +194,54 @@ async def create_speech(request: SpeechRequest, raw_request: Request) -> Respons
     data = await asyncio.to_thread(encode_audio, audio, rate, request.response_format)
     headers = {"X-Sample-Rate": str(rate)} if request.response_format == "pcm" else None
     return Response(data, media_type=media_type(request.response_format), headers=headers)
+
+
+async def _speak_sentences(client: Any, sid: int, sentences: list[str], params: dict[str, Any],
+                           request_id: str) -> AsyncGenerator[tuple[np.ndarray, int], None]:
+    """Each sentence's audio in order, as soon as it is spoken; all are submitted at once
+    (the speech stage batches them). Leaving early aborts the ones not yet done."""
+
+    async def speak(i: int, text: str) -> tuple[np.ndarray, int]:
+        chunks, rate = [], 22050
+        async for out in client.generate(text, _stage_params(client, sid, params), f"{request_id}-{i}",
+                                         entry_stage_id=sid):
+            mm = out.multimodal_output
+            if mm and mm.get("audio") is not None:
+                chunks.append(np.asarray(mm["audio"], dtype=np.float32).copy())
+                rate = int(mm.get("sample_rate", rate))
+        return (np.concatenate(chunks) if chunks else np.zeros(0, dtype=np.float32)), rate
+
+    tasks = [asyncio.ensure_future(speak(i, text)) for i, text in enumerate(sentences)]
+    try:
+        for task in tasks:
+            yield await task
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def _speech_bytes(sentences: AsyncGenerator, fmt: str) -> AsyncGenerator[bytes, None]:
+    """``stream_format: audio``: one continuous stream of ``fmt``, sent a sentence at a time."""
+    encoder = None
+    try:
+        async for audio, rate in sentences:
+            encoder = encoder or AudioStreamEncoder(fmt, rate)
+            if data := encoder.feed(audio):
+                yield data
+        if encoder is not None and (data := encoder.close()):
+            yield data
+    finally:
+        await sentences.aclose()
+
+
+async def _speech_events(sentences: AsyncGenerator, fmt: str, input_chars: int) -> AsyncGenerator[str, None]:
+    """``stream_format: sse``: ``speech.audio.delta`` events (base64 audio), then ``speech.audio.done``."""
+    async for data in _speech_bytes(sentences, fmt):
+        yield "data: " + json.dumps({"type": "speech.audio.delta", "audio": base64.b64encode(data).decode()}) + "\n\n"
+    # eSpeak has no tokens: usage counts the input's characters, as OpenAI counts tokens.
+    usage = {"input_tokens": input_chars, "output_tokens": 0, "total_tokens": input_chars}
+    yield "data: " + json.dumps({"type": "speech.audio.done", "usage": usage}) + "\n\n"
 
 
 def _speech_dict(params: SpeechParams) -> dict[str, Any]:
