@@ -92,14 +92,7 @@ def encode_audio(audio: np.ndarray, sample_rate: int, fmt: str) -> bytes:
         return wav_bytes(audio, sample_rate)
     if fmt == "pcm":
         return pcm16(audio).tobytes()
-    check_format(fmt)
-    import av
-
-    spec = ENCODED_FORMATS[fmt]
-    rate = int(sample_rate)
-    if spec.rates is not None and rate not in spec.rates:
-        rate = spec.rates[0]
-    encoder = AudioStreamEncoder(fmt, sample_rate)
+    encoder = AudioStreamEncoder(fmt, sample_rate)  # checks the format
     encoder.feed(audio)
     encoder.close()
     return encoder.whole()

@@ -139,11 +139,9 @@ class StageRuntimeConfig(_Base):
 
     def device_ids(self) -> tuple[str, ...] | None:
         """``devices`` as a tuple of ids (None: not set); validation has checked their shape."""
-        devices = self.devices
-        if devices is None:
+        if self.devices is None:
             return None
-        parts = devices.split(",") if isinstance(devices, str) else devices if isinstance(devices, list) else [devices]
-        return tuple(str(part).strip() for part in parts)
+        return tuple(str(part).strip() for part in cv.device_parts(self.devices))
 
 
 class StageConfig(_Base):

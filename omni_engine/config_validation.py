@@ -251,11 +251,15 @@ def check_stage(
                          f"{path}.engine_args.model_factory", report)
 
 
+def device_parts(devices: str | int | list[int | str]) -> list[int | str]:
+    """``runtime.devices`` as written ("0,1", 0 or [0, 1]) as a list of its entries."""
+    return devices.split(",") if isinstance(devices, str) else devices if isinstance(devices, list) else [devices]
+
+
 def _check_devices(devices: Any, field_path: str, report: Report) -> None:
     """Ids are non-negative integers or device names (e.g. GPU UUIDs), each given once."""
-    parts = devices.split(",") if isinstance(devices, str) else devices if isinstance(devices, list) else [devices]
     ids = []
-    for part in parts:
+    for part in device_parts(devices):
         device = str(part).strip()
         if (isinstance(part, int) and part < 0) or not device or any(c.isspace() or c == "," for c in device):
             report(field_path, f"invalid device id {part!r}; expected non-negative integers or device names, "

@@ -147,7 +147,7 @@ class StageEngineCoreClient(BaseStageClient):
         self.run_prefix = run_prefix or new_run_prefix()
         self.shm_prefix = stage_prefix(self.run_prefix, stage_id)
         self.attachments = attachments
-        self._lease_book = lease_book
+        self.shm.book = lease_book  # default: the loop's, at start()
         self._ctx: zmq.asyncio.Context | None = None
         self._input: zmq.asyncio.Socket | None = None
         self._output: zmq.asyncio.Socket | None = None
@@ -163,9 +163,8 @@ class StageEngineCoreClient(BaseStageClient):
         """Bind, launch the stage (if configured) and wait for its READY."""
         self._loop = asyncio.get_running_loop()
         remove_stale_segments()
-        if self._lease_book is None:
-            self._lease_book = lease_book_for(self._loop)
-        self.shm.book = self._lease_book
+        if self.shm.book is None:
+            self.shm.book = lease_book_for(self._loop)
         remove_stale_runtime_dirs()
         self.runtime_dir = Path(tempfile.mkdtemp(prefix=f"{RUNTIME_DIR_PREFIX}{os.getpid()}-s{self.stage_id}-"))
         default_in, default_out = make_addresses(self.stage_id, self.transport, self.runtime_dir, self.host)
@@ -192,7 +191,7 @@ class StageEngineCoreClient(BaseStageClient):
             await self.shutdown()
             raise
         self.shm.producer_prefix = self.ready.shm_prefix
-        self._lease_book.add_producer(self.ready.shm_prefix, self._send_release)
+        self.shm.book.add_producer(self.ready.shm_prefix, self._send_release)
         self._output_task = asyncio.create_task(self._process_outputs(), name=f"stage{self.stage_id}-outputs")
         self._drain_task = asyncio.create_task(drain_after_ready(self._input, self.stage_id),
                                                name=f"stage{self.stage_id}-drain")
@@ -234,9 +233,8 @@ class StageEngineCoreClient(BaseStageClient):
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+        # (Through self.shm.close(): the stage's producer leaves the lease book, its segments are unlinked.)
         self._set_dead(StageDeadError(self.stage_id, f"stage {self.stage_id} client is shut down"), notify=False)
-        if self.ready is not None and self._lease_book is not None:
-            self._lease_book.remove_producer(self.ready.shm_prefix)
         if self._auth is not None:
             self._auth.stop()
         if self._finalizer is not None:
@@ -246,7 +244,7 @@ class StageEngineCoreClient(BaseStageClient):
     # --------------------------------------------------------- shared memory
     @property
     def lease_book(self) -> ShmLeaseBook | None:
-        return self._lease_book
+        return self.shm.book
 
     # ------------------------------------------------------------- transport
     async def _send(self, req_type: StageRequestType, msg: Any) -> None:
@@ -267,7 +265,7 @@ class StageEngineCoreClient(BaseStageClient):
         # through us: free the slot with its last view, not at a request end.
         if owner is not None and owner not in self._requests:
             owner = None
-        self._lease_book.on_view(name, owner, view)
+        self.shm.book.on_view(name, owner, view)
 
     def _send_release(self, names: list[str]) -> None:
         if self.dead_error is None and self._identity is not None and not self._stopped:

@@ -180,38 +180,32 @@ async def create_speech(request: SpeechRequest, raw_request: Request) -> Respons
                                      media_type="text/event-stream")
         return StreamingResponse(_speech_bytes(sentences, request.response_format),
                                  media_type=media_type(request.response_format))
-    chunks, rate = [], 22050
     try:
-        async for out in client.generate(request.input, _stage_params(client, sid, _speech_dict(params)),
-                                         request_id, entry_stage_id=sid):
-            mm = out.multimodal_output
-            if mm and mm.get("audio") is not None:
-                chunks.append(np.asarray(mm["audio"], dtype=np.float32).copy())
-                rate = int(mm.get("sample_rate", rate))
+        audio, rate = await _speak(client, sid, request.input, _speech_dict(params), request_id)
     except (VLLMValidationError, ValueError) as exc:
         return error_response(str(exc), param="voice" if "voice" in str(exc) else None)
-    audio = np.concatenate(chunks) if chunks else np.zeros(0, dtype=np.float32)
     data = await asyncio.to_thread(encode_audio, audio, rate, request.response_format)
     headers = {"X-Sample-Rate": str(rate)} if request.response_format == "pcm" else None
     return Response(data, media_type=media_type(request.response_format), headers=headers)
+
+
+async def _speak(client: Any, sid: int, text: str, params: dict[str, Any], request_id: str) -> tuple[np.ndarray, int]:
+    """``text`` spoken by the speech stage alone: the whole waveform and its sample rate."""
+    chunks, rate = [], 22050
+    async for out in client.generate(text, _stage_params(client, sid, params), request_id, entry_stage_id=sid):
+        mm = out.multimodal_output
+        if mm and mm.get("audio") is not None:
+            chunks.append(np.asarray(mm["audio"], dtype=np.float32).copy())
+            rate = int(mm.get("sample_rate", rate))
+    return (np.concatenate(chunks) if chunks else np.zeros(0, dtype=np.float32)), rate
 
 
 async def _speak_sentences(client: Any, sid: int, sentences: list[str], params: dict[str, Any],
                            request_id: str) -> AsyncGenerator[tuple[np.ndarray, int], None]:
     """Each sentence's audio in order, as soon as it is spoken; all are submitted at once
     (the speech stage batches them). Leaving early aborts the ones not yet done."""
-
-    async def speak(i: int, text: str) -> tuple[np.ndarray, int]:
-        chunks, rate = [], 22050
-        async for out in client.generate(text, _stage_params(client, sid, params), f"{request_id}-{i}",
-                                         entry_stage_id=sid):
-            mm = out.multimodal_output
-            if mm and mm.get("audio") is not None:
-                chunks.append(np.asarray(mm["audio"], dtype=np.float32).copy())
-                rate = int(mm.get("sample_rate", rate))
-        return (np.concatenate(chunks) if chunks else np.zeros(0, dtype=np.float32)), rate
-
-    tasks = [asyncio.ensure_future(speak(i, text)) for i, text in enumerate(sentences)]
+    tasks = [asyncio.ensure_future(_speak(client, sid, text, params, f"{request_id}-{i}"))
+             for i, text in enumerate(sentences)]
     try:
         for task in tasks:
             yield await task
