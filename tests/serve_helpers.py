@@ -47,15 +47,19 @@ def log_tail(path: Path, n: int = 4000) -> str:
 
 
 @contextlib.contextmanager
-def running_server(config: str, model: str, log_dir: Path) -> Iterator[dict[str, Any]]:
+def running_server(config: str, model: str, log_dir: Path, extra_args: tuple[str, ...] = (),
+                   api_key: str | None = None) -> Iterator[dict[str, Any]]:
     """``omni-engine serve`` in its own session until healthy; on exit SIGTERM, then
-    assert it exited 0 and left no process behind."""
+    assert it exited 0 and left no process behind. ``extra_args`` are more serve flags;
+    ``api_key`` is passed as ``--api-key`` and kept in the returned dict for clients."""
+    if api_key is not None:
+        extra_args = (*extra_args, "--api-key", api_key)
     port = free_port()
     log = log_dir / "server.log"
     with open(log, "wb") as out:
         # Inherits OMNI_ENGINE_CACHE (the prepared model) from this environment.
         proc = subprocess.Popen(
-            [*CLI, "serve", config, "--port", str(port), "--served-model-name", model],
+            [*CLI, "serve", config, "--port", str(port), "--served-model-name", model, *extra_args],
             stdout=out, stderr=subprocess.STDOUT, start_new_session=True, env=dict(os.environ),
         )
     url = f"http://127.0.0.1:{port}"
@@ -69,7 +73,7 @@ def running_server(config: str, model: str, log_dir: Path) -> Iterator[dict[str,
                 pytest.fail(f"omni-engine serve not healthy after {START_TIMEOUT_S} s:\n{log_tail(log)}")
             time.sleep(1)
         descendants = {p.pid for p in psutil.Process(proc.pid).children(recursive=True)}
-        yield {"url": url, "proc": proc, "log": log}
+        yield {"url": url, "proc": proc, "log": log, "api_key": api_key}
     finally:
         _stop(proc, descendants, log)
 
@@ -93,4 +97,11 @@ def _stop(proc: subprocess.Popen, descendants: set[int], log: Path) -> None:
 
 
 def openai_client(server: dict[str, Any]) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{server['url']}/v1", api_key="unused", timeout=120, max_retries=0)
+    return openai.OpenAI(base_url=f"{server['url']}/v1", api_key=server.get("api_key") or "unused",
+                         timeout=120, max_retries=0)
+
+
+def auth_headers(server: dict[str, Any]) -> dict[str, str]:
+    """The bearer header a request to ``server`` needs (none without ``--api-key``)."""
+    key = server.get("api_key")
+    return {"Authorization": f"Bearer {key}"} if key else {}

@@ -54,3 +54,37 @@ def test_generate_rejects_a_bad_config_before_starting_anything(tmp_path):
     assert result.returncode == 2
     assert "bad.yaml" in result.stderr and "stage 0" in result.stderr and "max_batch" in result.stderr
     assert "starting" not in result.stderr
+
+
+def test_serve_takes_vllm_serve_flags_and_shows_them_beside_its_own(capsys):
+    from omni_engine.entrypoints.cli.main import main as cli_main
+
+    def help_text(argv: list[str]) -> str:
+        with pytest.raises(SystemExit) as done:
+            cli_main(argv)
+        assert done.value.code == 0
+        return capsys.readouterr().out
+
+    full = help_text(["serve", "--help=all"])
+    for flag in ("--api-key", "--ssl-keyfile", "--root-path", "--allowed-origins", "--chat-template",
+                 "--uvicorn-log-level", "--engine-metrics-timeout", "PIPELINE_CONFIG"):
+        assert flag in full, flag
+    groups = help_text(["serve", "--help"])
+    assert "Frontend" in groups and "omni-engine" in groups and "--api-key" in groups
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["stage_configs/smollm2_text.yaml", "--max-model-len", "4096"],
+     "--max-model-len is a vLLM engine argument; a pipeline configures each stage's engine in its config: "
+     "set engine_args.max_model_len"),
+    (["stage_configs/smollm2_text.yaml", "--model", "x"], "set engine_args.model"),
+    (["stage_configs/smollm2_text.yaml", "--api-server-count", "2"], "--api-server-count is not supported"),
+    (["stage_configs/smollm2_text.yaml", "--enable-auto-tool-choice"], "requires --tool-call-parser"),
+    (["--api-key", "k"], "the pipeline config is required"),
+])
+def test_serve_refuses_what_it_cannot_honour_before_starting_anything(argv, message, capsys):
+    from omni_engine.entrypoints.cli.main import main as cli_main
+
+    assert cli_main(["serve", *argv]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "starting" not in err

@@ -13,18 +13,23 @@ import openai
 import pytest
 
 from omni_engine.pipeline.input_processors import split_sentences
-from tests.serve_helpers import openai_client, running_server
+from tests.serve_helpers import auth_headers, openai_client, running_server
 
 pytestmark = [pytest.mark.llm, pytest.mark.tts]
 
 MODEL = "smollm2-speech"
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 STORY = [{"role": "user", "content": "Tell me a short story about a cat."}]
+API_KEY = "test-key-7f3a"
+ORIGIN = "https://app.example"
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory, smollm2_path):
-    with running_server("stage_configs/smollm2_speech.yaml", MODEL, tmp_path_factory.mktemp("serve-audio")) as srv:
+    # vLLM's serve flags, as an operator passes them to `vllm serve`.
+    with running_server("stage_configs/smollm2_speech.yaml", MODEL, tmp_path_factory.mktemp("serve-audio"),
+                        extra_args=("--allowed-origins", f'["{ORIGIN}"]', "--enable-request-id-headers"),
+                        api_key=API_KEY) as srv:
         yield srv
 
 
@@ -148,7 +153,7 @@ def test_every_openai_voice_speaks_and_each_sounds_different(client):
 def test_voices_are_listed_and_an_unknown_one_points_at_the_list(server, client):
     import httpx
 
-    listing = httpx.get(f"{server['url']}/v1/audio/voices", timeout=30).json()
+    listing = httpx.get(f"{server['url']}/v1/audio/voices", timeout=30, headers=auth_headers(server)).json()
     ids = [v["id"] for v in listing["data"]]
     assert set(OPENAI_VOICES) <= set(ids) and {"en", "en-gb", "en-us"} <= set(ids)
     alloy = next(v for v in listing["data"] if v["id"] == "alloy")
@@ -200,7 +205,7 @@ def test_speech_in_each_openai_format(client, fmt, rate):
 def test_speech_defaults_to_mp3_as_openai_does(server):
     import httpx
 
-    response = httpx.post(f"{server['url']}/v1/audio/speech", timeout=60,
+    response = httpx.post(f"{server['url']}/v1/audio/speech", timeout=60, headers=auth_headers(server),
                           json={"model": MODEL, "input": "Hello world.", "voice": "alloy"})
     assert response.status_code == 200 and response.headers["content-type"].startswith("audio/mpeg")
     samples, rate = decode(response.content)
@@ -255,3 +260,49 @@ def test_speech_streams_as_sse_events(client):
     assert_speech(np.frombuffer(pcm, dtype="<i2"), 22050, min_s=2.0)
     with pytest.raises(openai.BadRequestError, match="stream_format"):
         client.audio.speech.create(model=MODEL, voice="en", input="Hi.", stream_format="chunks")
+
+
+# Every route that reaches the model, vLLM's and ours: (method, path, JSON body).
+GUARDED_ROUTES = [
+    ("GET", "/v1/models", None),
+    ("POST", "/v1/chat/completions", {"model": MODEL, "messages": QUESTION, "max_tokens": 4}),
+    ("POST", "/v1/completions", {"model": MODEL, "prompt": "Hello", "max_tokens": 4}),
+    ("POST", "/v1/audio/speech", {"model": MODEL, "input": "Hello.", "voice": "alloy"}),
+    ("GET", "/v1/audio/voices", None),
+    ("POST", "/tokenize", {"model": MODEL, "prompt": "Hello"}),
+    ("POST", "/detokenize", {"model": MODEL, "tokens": [1, 2]}),
+    ("POST", "/invocations", {"model": MODEL, "prompt": "Hello", "max_tokens": 4}),
+]
+
+
+def test_the_api_key_is_required_on_every_route(server):
+    """``--api-key`` as in ``vllm serve``, and on every route (vLLM leaves /tokenize, /invocations
+    ... open): 401 without the key or with a wrong one; the probes and /metrics stay open."""
+    import httpx
+
+    url = server["url"]
+    for method, path, body in GUARDED_ROUTES:
+        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": f"Basic {API_KEY}"}):
+            response = httpx.request(method, url + path, json=body, headers=headers, timeout=30)
+            assert response.status_code == 401, (path, headers, response.status_code, response.text[:200])
+        response = httpx.request(method, url + path, json=body, headers=auth_headers(server), timeout=60)
+        assert response.status_code == 200, (path, response.status_code, response.text[:300])
+    for path in ("/health", "/ping", "/metrics", "/version"):
+        assert httpx.get(url + path, timeout=30).status_code == 200, path
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="wrong", timeout=30, max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        client.audio.speech.create(model=MODEL, voice="alloy", input="Hello.")
+
+
+def test_vllm_cors_and_request_id_flags_behave_as_in_vllm_serve(server):
+    import httpx
+
+    preflight = {"Access-Control-Request-Method": "POST", "Access-Control-Request-Headers": "authorization"}
+    allowed = httpx.options(f"{server['url']}/v1/audio/speech", headers={"Origin": ORIGIN, **preflight}, timeout=30)
+    assert allowed.status_code == 200 and allowed.headers["access-control-allow-origin"] == ORIGIN
+    other = httpx.options(f"{server['url']}/v1/audio/speech", timeout=30,
+                          headers={"Origin": "https://elsewhere.example", **preflight})
+    assert "access-control-allow-origin" not in other.headers
+    response = httpx.get(f"{server['url']}/v1/audio/voices", timeout=30,
+                         headers={**auth_headers(server), "X-Request-Id": "trace-42"})
+    assert response.status_code == 200 and response.headers["x-request-id"] == "trace-42"

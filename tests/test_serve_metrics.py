@@ -53,15 +53,15 @@ def client(server):
     return openai_client(server)
 
 
-def scrape(url: str) -> dict[str, list[tuple[dict[str, str], float]]]:
-    """Sample name -> [(labels, value)] of the omni_engine_* series on /metrics."""
+def scrape(url: str, prefix: str = "omni_engine_") -> dict[str, list[tuple[dict[str, str], float]]]:
+    """Sample name -> [(labels, value)] of the series on /metrics whose name starts with ``prefix``."""
     with urllib.request.urlopen(f"{url}/metrics", timeout=10) as response:
         assert response.status == 200
         text = response.read().decode()
     samples: dict[str, list[tuple[dict[str, str], float]]] = {}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
-            if sample.name.startswith("omni_engine_"):
+            if sample.name.startswith(prefix):
                 samples.setdefault(sample.name, []).append((dict(sample.labels), sample.value))
     return samples
 
@@ -170,6 +170,49 @@ def test_a_spoken_answer_moves_the_speech_stage_and_edge_metrics(server, client)
     assert value(m, EDGE_BYTES, src="0", dst="1") > 0
     assert value(m, f"{TTFO}_count", stage="1") >= 1
     assert value(m, f"{E2E}_count", final_stages="0,1") >= 1
+
+
+VLLM_SERIES = ["vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
+               "vllm:prompt_tokens_total", "vllm:generation_tokens_total", "vllm:time_to_first_token_seconds_count",
+               "vllm:inter_token_latency_seconds_count", "vllm:e2e_request_latency_seconds_count"]
+
+
+def test_the_llm_stages_vllm_metrics_are_on_metrics_and_move_with_load(server, client, after_chats):
+    """vLLM's own engine series of the LLM stage, fetched from the stage process at scrape time,
+    labelled with its stage (the speech stage has none) and the served model name."""
+    url = server["url"]
+    before = scrape(url, "vllm:")
+    for name in VLLM_SERIES:
+        assert before.get(name), f"{name} missing from /metrics"
+    stages = {labels["stage"] for samples in before.values() for labels, _ in samples}
+    assert stages == {"0"}
+    assert {labels["model_name"] for labels, _ in before["vllm:generation_tokens_total"]} == {MODEL}
+    assert value(before, "vllm:time_to_first_token_seconds_count", stage="0") >= 2  # the two chats
+    assert value(before, "vllm:num_requests_running", stage="0") == 0
+
+    stream = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Write a long story about a dragon."}],
+        temperature=0, max_tokens=1500, stream=True, extra_body={"ignore_eos": True})
+    chunks = 0
+    for chunk in stream:
+        if chunk.choices and chunk.choices[0].delta.content:
+            chunks += 1
+            if chunks >= 5:
+                break
+    during = scrape(url, "vllm:")
+    stream.close()
+    assert value(during, "vllm:num_requests_running", stage="0") == 1
+    assert value(during, "vllm:generation_tokens_total", stage="0") >= (
+        value(before, "vllm:generation_tokens_total", stage="0") + chunks)
+    assert value(during, "vllm:prompt_tokens_total", stage="0") > value(before, "vllm:prompt_tokens_total", stage="0")
+    deadline = time.monotonic() + 15
+    while value(after := scrape(url, "vllm:"), "vllm:num_requests_running", stage="0") != 0:
+        assert time.monotonic() < deadline, "the aborted request still runs in the stage's vLLM"
+        time.sleep(0.2)
+    assert value(after, "vllm:generation_tokens_total", stage="0") >= value(
+        during, "vllm:generation_tokens_total", stage="0")
+    # The pipeline's own series are unchanged beside them.
+    assert value(scrape(url), "omni_engine_stage_up", stage="0") == 1
 
 
 def test_health_is_503_soon_after_a_stage_is_killed_and_the_server_keeps_serving(server):

@@ -41,24 +41,34 @@ def test_an_engine_core_request_becomes_a_token_input_and_its_params():
     assert _round_trip(StageGenerateRequest("r1", prompt, got_params)).prompt == prompt
 
 
-def test_audio_routes_hook_into_the_app_vllm_builds(smollm2_path, monkeypatch):
-    """``omni-engine serve`` adds its routes by wrapping vLLM's ``build_app``: the app that
-    ``build_and_serve`` builds has them. A vLLM that moves the function fails here, naming it."""
-    import argparse
+def test_our_routes_and_key_guard_hook_into_the_app_vllm_builds(smollm2_path, monkeypatch):
+    """``omni-engine serve`` extends vLLM's app by wrapping its ``build_app``: the app that
+    ``build_and_serve`` builds has our routes first and, with ``--api-key``, our guard in place
+    of vLLM's. A vLLM that moves the function fails here, naming it."""
     import importlib
 
-    from omni_engine.entrypoints.cli.serve import vllm_server_args
-    from omni_engine.entrypoints.openai.audio import VLLM_BUILD_APP, install_audio_routes
+    from vllm.entrypoints.serve.middleware.authenticate import AuthenticationMiddleware
+
+    from omni_engine.entrypoints.cli.serve_args import parse_serve_args, server_args_for
+    from omni_engine.entrypoints.openai.app import VLLM_BUILD_APP, install_app_extensions
+    from omni_engine.entrypoints.openai.auth import ApiKeyMiddleware
 
     module = importlib.import_module(VLLM_BUILD_APP.rpartition(".")[0])
     monkeypatch.setattr(module, "build_app", module.build_app)  # restored after the test
-    install_audio_routes()
-    install_audio_routes()  # idempotent: wrapped once
-    args = vllm_server_args(str(smollm2_path), "smollm2",
-                            argparse.Namespace(host="127.0.0.1", port=8000, uvicorn_log_level="info"))
-    paths = [getattr(r, "path", None) for r in module.build_app(args, ("generate",)).routes]
+    install_app_extensions()
+    install_app_extensions()  # idempotent: wrapped once
+    args = server_args_for(parse_serve_args(["pipeline.yaml", "--api-key", "k1"]), str(smollm2_path), ["smollm2"])
+    app = module.build_app(args, ("generate",))
+    paths = [getattr(r, "path", None) for r in app.routes]
     assert paths.count("/v1/audio/speech") == 1 and "/v1/chat/completions" in paths
     assert paths.index("/v1/audio/speech") < paths.index("/v1/chat/completions")  # ours first
+    guards = [m for m in app.user_middleware if issubclass(m.cls, AuthenticationMiddleware)]
+    assert [m.cls for m in guards] == [ApiKeyMiddleware] and guards[0].kwargs == {"tokens": ["k1"]}
+    built, classes = app.middleware_stack, []  # vLLM builds the stack in build_app: ours must be in it
+    while built is not None:
+        classes.append(type(built))
+        built = getattr(built, "app", None)
+    assert ApiKeyMiddleware in classes and AuthenticationMiddleware not in classes
 
 
 def test_a_vllm_without_the_build_app_hook_fails_loudly(monkeypatch):
@@ -66,9 +76,9 @@ def test_a_vllm_without_the_build_app_hook_fails_loudly(monkeypatch):
 
     import pytest
 
-    from omni_engine.entrypoints.openai.audio import VLLM_BUILD_APP, install_audio_routes
+    from omni_engine.entrypoints.openai.app import VLLM_BUILD_APP, install_app_extensions
 
     module = importlib.import_module(VLLM_BUILD_APP.rpartition(".")[0])
     monkeypatch.delattr(module, "build_app")
     with pytest.raises(RuntimeError, match=VLLM_BUILD_APP.replace(".", r"\.")):
-        install_audio_routes()
+        install_app_extensions()

@@ -18,6 +18,7 @@ from vllm.sampling_params import RequestOutputKind
 from omni_engine.engines.base import StageEngine, StageEngineError
 from omni_engine.inputs import OmniTextPrompt
 from omni_engine.outputs import OmniRequestOutput
+from omni_engine.prometheus_snapshot import snapshot_families
 
 logger = logging.getLogger(__name__)
 
@@ -26,7 +27,7 @@ class LLMStageEngine(StageEngine):
     UTILITY_METHODS = StageEngine.UTILITY_METHODS | {
         "pause_generation", "resume_generation", "is_paused", "sleep", "wake_up", "is_sleeping",
         "reset_prefix_cache", "collective_rpc", "get_supported_tasks", "reset_mm_cache",
-        "reset_encoder_cache", "start_profile", "stop_profile", "add_lora",
+        "reset_encoder_cache", "start_profile", "stop_profile", "add_lora", "engine_metrics",
     }
 
     def __init__(self, stage_id: int, engine_args: dict[str, Any], final_output_type: str = "text") -> None:
@@ -79,6 +80,12 @@ class LLMStageEngine(StageEngine):
             "served_model_name": model_config.served_model_name,
             "max_model_len": model_config.max_model_len,
         }
+
+    def engine_metrics(self) -> list[Any]:
+        """vLLM's own ``vllm:*`` metric families of this engine, for the server's ``/metrics``."""
+        from vllm.v1.metrics.prometheus import get_prometheus_registry
+
+        return snapshot_families(get_prometheus_registry(), "vllm:")
 
     def num_unfinished_requests(self) -> int:
         return self.engine.output_processor.get_num_unfinished_requests()

@@ -331,6 +331,17 @@ class MultiStageEngineClient(EngineClient):
             raise ValueError(f"no stage {sorted(unknown)} in this pipeline")
         return list(await asyncio.gather(*(ctx.client.call_utility_async(utility, **kwargs) for ctx in chosen)))
 
+    async def engine_metrics(self, timeout: float = 2.0) -> dict[int, list[Any]]:
+        """vLLM's ``vllm:*`` metric families of each live LLM stage (stage id -> snapshot,
+        ``prometheus_snapshot`` format); a stage that does not answer within ``timeout`` is left out."""
+        chosen = [ctx for ctx in self.stage_contexts
+                  if ctx.stage_type in (None, "llm") and not ctx.client.is_dead]
+        results = await asyncio.gather(
+            *(ctx.client.call_utility_async("engine_metrics", call_timeout=timeout) for ctx in chosen),
+            return_exceptions=True)
+        return {ctx.stage_id: result for ctx, result in zip(chosen, results)
+                if not isinstance(result, BaseException)}
+
     async def sleep(self, level: int = 1, mode: str = "abort") -> None:
         await self._call_stages("sleep", llm_only=True, level=level)
 

@@ -3,7 +3,8 @@
 Each module in ``SUBCOMMANDS`` exposes ``add_parser(subparsers)``, which adds
 its parser and sets ``handler`` (``Namespace -> int``) as a default. To add a
 subcommand, write such a module and append it to the list; this file only
-builds the parser and dispatches.
+builds the parser and dispatches. A module with ``PARSES_OWN_ARGS`` (``serve``,
+whose parser is vLLM's) gets its raw arguments through ``main(argv)``.
 """
 
 from __future__ import annotations
@@ -34,6 +35,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Parse ``argv`` (default: ``sys.argv[1:]``) and run the chosen subcommand."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    own = {m.NAME: m for m in SUBCOMMANDS if getattr(m, "PARSES_OWN_ARGS", False)}
+    if argv and argv[0] in own:
+        try:
+            return int(own[argv[0]].main(argv[1:]))
+        except (KeyboardInterrupt, asyncio.CancelledError):
+            return 130
     parser = build_parser()
     args = parser.parse_args(argv)
     handler = getattr(args, "handler", None)

@@ -14,25 +14,34 @@ import argparse
 import os
 import signal
 import time
-from pathlib import Path
+from collections.abc import Sequence
 
 from omni_engine.entrypoints.cli.common import say, set_stage_env_defaults
 
 NAME = "serve"
+# main() hands this subcommand its raw arguments: vLLM's parser reads them.
+PARSES_OWN_ARGS = True
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    parser = subparsers.add_parser(NAME, help="serve a pipeline with vLLM's OpenAI-compatible API")
-    parser.add_argument("config", type=Path, help="pipeline stage config (YAML)")
-    parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
-    parser.add_argument("--port", type=int, default=8000, help="port to listen on (default: 8000)")
-    parser.add_argument("--served-model-name", default=None,
-                        help="model name in the API (default: the text stage's served_model_name, "
-                             "else its model as the config names it)")
-    parser.add_argument("--uvicorn-log-level", default="info",
-                        choices=["critical", "error", "warning", "info", "debug", "trace"])
-    parser.set_defaults(handler=run)
+    """Listed in ``omni-engine --help``; its arguments are parsed by ``main`` (vLLM's parser)."""
+    parser = subparsers.add_parser(
+        NAME, add_help=False,
+        help="serve a pipeline with vLLM's OpenAI-compatible API (takes `vllm serve` flags; see serve --help)")
+    parser.set_defaults(handler=lambda _args: main([]))
     return parser
+
+
+def main(argv: Sequence[str]) -> int:
+    """``omni-engine serve PIPELINE_CONFIG [vllm serve flags] [omni-engine flags]``."""
+    from omni_engine.entrypoints.cli.serve_args import ServeArgsError, parse_serve_args
+
+    try:
+        args = parse_serve_args(argv)
+    except ServeArgsError as exc:
+        say(str(exc))
+        return 2
+    return run(args)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -45,7 +54,7 @@ def run(args: argparse.Namespace) -> int:
     from omni_engine.entrypoints.openai.engine_config import text_stage_of
 
     try:
-        config = load_pipeline_config(args.config)
+        config = load_pipeline_config(args.pipeline_config)
         text_stage_of(config)
     except (ConfigError, ValueError) as exc:
         say(str(exc))
@@ -60,47 +69,35 @@ def run(args: argparse.Namespace) -> int:
     return uvloop.run(_serve(args, config))
 
 
-def vllm_server_args(model: str, served_model_name: str, args: argparse.Namespace) -> argparse.Namespace:
-    """vLLM's own ``vllm serve`` arguments (all defaults) for this model, host and port."""
-    from vllm.entrypoints.launchers.cli_args import (
-        make_arg_parser,
-        validate_parsed_serve_args,
-    )
-    from vllm.utils.argparse_utils import FlexibleArgumentParser
-
-    parser = make_arg_parser(FlexibleArgumentParser(prog="omni-engine serve"))
-    ns = parser.parse_args([
-        "--model", model, "--served-model-name", served_model_name,
-        "--host", args.host, "--port", str(args.port), "--uvicorn-log-level", args.uvicorn_log_level,
-    ])
-    validate_parsed_serve_args(ns)
-    return ns
-
-
 async def _serve(args: argparse.Namespace, config) -> int:
     import asyncio
 
     from vllm.entrypoints.launchers.api_server.entry import build_and_serve
     from vllm.entrypoints.launchers.launcher import setup_server
 
-    from omni_engine.entrypoints.openai.audio import install_audio_routes
+    from omni_engine.entrypoints.cli.serve_args import server_args_for
+    from omni_engine.entrypoints.openai.app import install_app_extensions
     from omni_engine.entrypoints.openai.engine_config import (
         apply_text_stage_config,
         build_text_stage_config,
         default_served_model_name,
         text_stage_of,
+        with_served_model_name,
     )
     from omni_engine.entrypoints.openai.serving_client import OpenAIServingEngineClient
     from omni_engine.pipeline.stage_specs import prepare_models
 
-    # Our audio routes (/v1/audio/speech, chat with audio) on the app build_and_serve builds.
-    install_audio_routes()
+    # Our audio routes (/v1/audio/speech, chat with audio) and the API key on every route,
+    # on the app build_and_serve builds.
+    install_app_extensions()
 
     started = time.monotonic()
-    served_name = args.served_model_name or default_served_model_name(text_stage_of(config))
-    config = prepare_models(config, say)  # the model names as vLLM's server and the stages take them
+    served_names = list(args.served_model_name or [default_served_model_name(text_stage_of(config))])
+    served_name = served_names[0]
+    # The text stage's vLLM labels its vllm:* metrics with the name the API serves, as under `vllm serve`.
+    config = with_served_model_name(prepare_models(config, say), served_names)
     text_stage = text_stage_of(config)
-    server_args = vllm_server_args(str(text_stage.engine_args["model"]), served_name, args)
+    server_args = server_args_for(args, str(text_stage.engine_args["model"]), served_names)
     # Bind the port before anything starts: a port in use fails at once.
     try:
         listen_address, sock = setup_server(server_args, reuse_port=False)
@@ -108,12 +105,12 @@ async def _serve(args: argparse.Namespace, config) -> int:
         say(f"cannot listen on {args.host}:{args.port}: {exc}")
         return 1
     try:
-        say(f"starting {len(config.stage_args)} stage(s) from {args.config}; "
+        say(f"starting {len(config.stage_args)} stage(s) from {args.pipeline_config}; "
              f"text stage {text_stage.stage_id} served as {served_name!r}")
         # The text stage's config and tokenizer load while the stages start.
         client_result, text_result = await asyncio.gather(
             OpenAIServingEngineClient.from_config(config, progress=say),
-            asyncio.to_thread(build_text_stage_config, text_stage, served_name),
+            asyncio.to_thread(build_text_stage_config, text_stage, served_names),
             return_exceptions=True,
         )
         if isinstance(client_result, BaseException):
@@ -124,7 +121,8 @@ async def _serve(args: argparse.Namespace, config) -> int:
                 raise text_result
             apply_text_stage_config(client, text_result)
             from omni_engine.entrypoints.openai.metrics import register_pipeline_metrics
-            register_pipeline_metrics(client)  # omni_engine_* series on vLLM's /metrics
+            # omni_engine_* series and the LLM stages' vllm:* series on vLLM's /metrics
+            register_pipeline_metrics(client, engine_metrics_timeout=args.engine_metrics_timeout)
             client.bind_loop()
             say(f"pipeline ready in {time.monotonic() - started:.1f} s ({config.runtime.execution_mode}); "
                  f"serving on {listen_address}")

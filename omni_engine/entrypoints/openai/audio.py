@@ -13,19 +13,18 @@
   chat request goes to vLLM's own handler unchanged.
 
 ``add_audio_routes(app)`` puts these routes ahead of vLLM's (so the chat route
-sees a request first); ``install_audio_routes()`` wraps vLLM's
-``build_app`` for ``omni-engine serve``.
+sees a request first); ``omni_engine.entrypoints.openai.app`` calls it on the
+app ``omni-engine serve`` builds.
 """
 
 from __future__ import annotations
 
 import asyncio
 import base64
-import importlib
 import json
 import time
 import uuid
-from collections.abc import AsyncGenerator, Callable
+from collections.abc import AsyncGenerator
 from typing import Any
 
 import numpy as np
@@ -397,41 +396,3 @@ def add_audio_routes(app: FastAPI) -> FastAPI:
     app.router.routes[:] = ours + before
     app.openapi_schema = None
     return app
-
-
-# vLLM (0.32) has no hook for extra routes: ``build_and_serve`` builds its app
-# with this module-level function, which is therefore wrapped where it is looked up.
-VLLM_BUILD_APP = "vllm.entrypoints.launchers.api_server.entry.build_app"
-
-
-class _AudioBuildApp:
-    """vLLM's ``build_app`` that also adds the audio routes."""
-
-    def __init__(self, build_app: Callable[..., FastAPI]) -> None:
-        self.wrapped = build_app
-
-    def __call__(self, *args: Any, **kwargs: Any) -> FastAPI:
-        return add_audio_routes(self.wrapped(*args, **kwargs))
-
-
-def install_audio_routes() -> None:
-    """Make vLLM's ``build_and_serve`` build its app with the audio routes (idempotent).
-
-    The one place that reaches into vLLM's server. A vLLM whose
-    ``build_and_serve`` no longer builds through ``VLLM_BUILD_APP`` fails here,
-    naming the function, instead of serving without the audio routes.
-    """
-    module_name, _, name = VLLM_BUILD_APP.rpartition(".")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise RuntimeError(f"cannot add the audio routes: {module_name} does not import ({exc}); "
-                           f"this vLLM moved {VLLM_BUILD_APP}") from exc
-    build_app = getattr(module, name, None)
-    serve = getattr(module, "build_and_serve", None)
-    if not callable(build_app) or serve is None or name not in serve.__code__.co_names:
-        raise RuntimeError(f"cannot add the audio routes: this vLLM has no {VLLM_BUILD_APP} that "
-                           f"{module_name}.build_and_serve builds its app with (vLLM moved it; "
-                           "omni_engine.entrypoints.openai.audio.install_audio_routes must follow)")
-    if not isinstance(build_app, _AudioBuildApp):
-        setattr(module, name, _AudioBuildApp(build_app))

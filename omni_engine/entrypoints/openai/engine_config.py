@@ -28,7 +28,7 @@ class TextStageConfig:
     model_config: Any
     renderer: Any
     input_processor: Any
-    served_model_name: str
+    served_model_name: str | list[str]
 
 
 def text_stage_of(config: PipelineConfig) -> StageConfig:
@@ -52,7 +52,16 @@ def default_served_model_name(stage: StageConfig) -> str:
     return str(name or stage.engine_args.get("model") or f"stage-{stage.stage_id}")
 
 
-def build_text_stage_config(stage: StageConfig, served_model_name: str | None = None) -> TextStageConfig:
+def with_served_model_name(config: PipelineConfig, names: list[str]) -> PipelineConfig:
+    """``config`` with its text stage serving under ``names`` (vLLM's ``served_model_name``)."""
+    text = text_stage_of(config)
+    stages = [s.replace(engine_args={**s.engine_args, "served_model_name": list(names)}) if s is text else s
+              for s in config.stage_args]
+    return config.replace(stage_args=stages)
+
+
+def build_text_stage_config(stage: StageConfig,
+                            served_model_name: str | list[str] | None = None) -> TextStageConfig:
     """Build the text stage's ``VllmConfig``, renderer and input processor (no engine).
 
     Blocking (it reads the model's config and tokenizer, ~1 s after vLLM is

@@ -17,10 +17,16 @@ collector there. Two kinds of series:
 Every name starts with ``omni_engine_``; stages are labelled ``stage``, edges
 ``src`` and ``dst``. Sub-requests count as requests of their stage (an
 ``async_chunk`` speech stage gets one per sentence).
+
+Beside them, the ``vllm:*`` series of each LLM stage's own vLLM (requests
+running and waiting, KV-cache usage, TTFT, ITL, e2e, tokens ...), as vLLM
+names them, with a ``stage`` label added: ``StageEngineMetrics`` fetches them
+from the stage processes when ``/metrics`` is scraped.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import threading
 from collections.abc import Iterable
@@ -32,6 +38,7 @@ from prometheus_client.registry import Collector
 
 from omni_engine import envs
 from omni_engine.metrics import PipelineObserver
+from omni_engine.prometheus_snapshot import FamilySnapshot, merge_families
 
 logger = logging.getLogger(__name__)
 
@@ -43,11 +50,59 @@ TIME_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 2
 TRANSFER_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
 
 
+class StageEngineMetrics:
+    """The LLM stages' ``vllm:*`` families, fetched from the stage processes at scrape time.
+
+    vLLM's ``/metrics`` handler collects in a worker thread, so a scrape waits
+    (up to ``timeout``) for the stages' answers on the client's loop and shows
+    what they report now. A stage that does not answer in time shows its last
+    snapshot; a dead stage shows none (``omni_engine_stage_up`` says why).
+    Collected on the loop itself (no waiting possible there), the last
+    snapshots are shown and a fetch is started for the next scrape.
+    """
+
+    def __init__(self, client: Any, loop: asyncio.AbstractEventLoop | None, timeout: float) -> None:
+        self.client = client
+        self.loop = loop
+        self.timeout = timeout
+        self._last: dict[int, list[FamilySnapshot]] = {}
+        self._fetching: set[asyncio.Task] = set()
+
+    def collect(self) -> list[Metric]:
+        self._refresh()
+        last = {sid: snap for sid, snap in self._last.items() if self.client.stage_alive(sid)}
+        return merge_families({str(sid): snap for sid, snap in last.items()}, "stage")
+
+    def _refresh(self) -> None:
+        loop = self.loop
+        if loop is None or loop.is_closed() or not loop.is_running():
+            return
+        try:
+            on_loop = asyncio.get_running_loop() is loop
+        except RuntimeError:
+            on_loop = False
+        if on_loop:
+            task = loop.create_task(self._fetch())
+            self._fetching.add(task)
+            task.add_done_callback(self._fetching.discard)
+            return
+        future = asyncio.run_coroutine_threadsafe(self._fetch(), loop)
+        try:
+            future.result(self.timeout + 1.0)
+        except Exception as exc:  # noqa: BLE001 - a scrape shows the last snapshots instead
+            future.cancel()
+            logger.debug("stage engine metrics not fetched: %r", exc)
+
+    async def _fetch(self) -> None:
+        self._last.update(await self.client.engine_metrics(self.timeout))
+
+
 class PipelineMetricsCollector(PipelineObserver, Collector):
     """The orchestrator's observer and a Prometheus collector of one ``MultiStageEngineClient``."""
 
-    def __init__(self, client: Any) -> None:
+    def __init__(self, client: Any, engine_metrics: StageEngineMetrics | None = None) -> None:
         self.client = client
+        self.engine_metrics = engine_metrics
         self._lock = threading.Lock()
         self._errors: dict[tuple[str, str], int] = {}
         self._edge_bytes: dict[tuple[str, str], int] = {}
@@ -187,10 +242,19 @@ class PipelineMetricsCollector(PipelineObserver, Collector):
         for histogram in self._histograms:
             yield from histogram.collect()
 
+        if self.engine_metrics is not None:
+            yield from self.engine_metrics.collect()
 
-def register_pipeline_metrics(client: Any, registry: CollectorRegistry | None = None) -> PipelineMetricsCollector:
-    """Hook a collector into ``client``'s orchestrator and register it (default: vLLM's ``/metrics`` registry)."""
-    collector = PipelineMetricsCollector(client)
+
+def register_pipeline_metrics(client: Any, registry: CollectorRegistry | None = None, *,
+                              engine_metrics_timeout: float = 2.0) -> PipelineMetricsCollector:
+    """Hook a collector into ``client``'s orchestrator and register it (default: vLLM's ``/metrics``
+    registry). Called on the client's loop, the collector also carries the LLM stages' ``vllm:*`` series."""
+    try:
+        loop: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
+    except RuntimeError:
+        loop = None
+    collector = PipelineMetricsCollector(client, StageEngineMetrics(client, loop, engine_metrics_timeout))
     if registry is None:
         registry = REGISTRY
         if envs.prometheus_multiproc_dir():

@@ -1,0 +1,56 @@
+"""What ``omni-engine serve`` adds to the app vLLM's server builds.
+
+vLLM (0.32) has no hook for extra routes or middleware: ``build_and_serve``
+builds its app with the module-level function ``VLLM_BUILD_APP``, which is
+therefore wrapped where it is looked up. The wrapper adds the audio routes
+(``audio.add_audio_routes``) and, when an API key is set, swaps vLLM's
+authentication middleware for one guarding every route (``auth``).
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from typing import Any
+
+from fastapi import FastAPI
+
+from omni_engine.entrypoints.openai.audio import add_audio_routes
+from omni_engine.entrypoints.openai.auth import guard_every_route
+
+VLLM_BUILD_APP = "vllm.entrypoints.launchers.api_server.entry.build_app"
+
+
+class _OmniBuildApp:
+    """vLLM's ``build_app``, then our routes and our API-key guard on the app it built."""
+
+    def __init__(self, build_app: Callable[..., FastAPI]) -> None:
+        self.wrapped = build_app
+
+    def __call__(self, *args: Any, **kwargs: Any) -> FastAPI:
+        app = add_audio_routes(self.wrapped(*args, **kwargs))
+        guard_every_route(app)
+        return app
+
+
+def install_app_extensions() -> None:
+    """Make vLLM's ``build_and_serve`` build its app through ``_OmniBuildApp`` (idempotent).
+
+    The one place that reaches into vLLM's server. A vLLM whose
+    ``build_and_serve`` no longer builds through ``VLLM_BUILD_APP`` fails here,
+    naming the function, instead of serving without our routes or the key.
+    """
+    module_name, _, name = VLLM_BUILD_APP.rpartition(".")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise RuntimeError(f"cannot extend vLLM's server: {module_name} does not import ({exc}); "
+                           f"this vLLM moved {VLLM_BUILD_APP}") from exc
+    build_app = getattr(module, name, None)
+    serve = getattr(module, "build_and_serve", None)
+    if not callable(build_app) or serve is None or name not in serve.__code__.co_names:
+        raise RuntimeError(f"cannot extend vLLM's server: this vLLM has no {VLLM_BUILD_APP} that "
+                           f"{module_name}.build_and_serve builds its app with (vLLM moved it; "
+                           "omni_engine.entrypoints.openai.app.install_app_extensions must follow)")
+    if not isinstance(build_app, _OmniBuildApp):
+        setattr(module, name, _OmniBuildApp(build_app))
