@@ -123,17 +123,23 @@ def test_every_family_is_exported_for_every_stage_and_edge(after_chats):
         value(m, REQUESTS, outcome=outcome)
 
 
-def test_gauges_and_aborts_follow_a_streamed_request(server, client):
-    url = server["url"]
+def long_stream(client, chunks: int):
+    """A streamed chat that runs for a long while (ignore_eos), after its first ``chunks`` text chunks."""
     stream = client.chat.completions.create(
         model=MODEL, messages=[{"role": "user", "content": "Write a long story about a dragon."}],
         temperature=0, max_tokens=1500, stream=True, extra_body={"ignore_eos": True})
-    chunks = 0
+    read = 0
     for chunk in stream:
         if chunk.choices and chunk.choices[0].delta.content:
-            chunks += 1
-            if chunks >= 3:
+            read += 1
+            if read >= chunks:
                 break
+    return stream, read
+
+
+def test_gauges_and_aborts_follow_a_streamed_request(server, client):
+    url = server["url"]
+    stream, chunks = long_stream(client, 3)
     during = scrape(url)
     stream.close()  # the client leaves: the server aborts the request on its stages
     assert value(during, "omni_engine_stage_requests_running", stage="0") == 1
@@ -190,15 +196,7 @@ def test_the_llm_stages_vllm_metrics_are_on_metrics_and_move_with_load(server, c
     assert value(before, "vllm:time_to_first_token_seconds_count", stage="0") >= 2  # the two chats
     assert value(before, "vllm:num_requests_running", stage="0") == 0
 
-    stream = client.chat.completions.create(
-        model=MODEL, messages=[{"role": "user", "content": "Write a long story about a dragon."}],
-        temperature=0, max_tokens=1500, stream=True, extra_body={"ignore_eos": True})
-    chunks = 0
-    for chunk in stream:
-        if chunk.choices and chunk.choices[0].delta.content:
-            chunks += 1
-            if chunks >= 5:
-                break
+    stream, chunks = long_stream(client, 5)
     during = scrape(url, "vllm:")
     stream.close()
     assert value(during, "vllm:num_requests_running", stage="0") == 1
