@@ -86,3 +86,22 @@ class OmniRequestOutput(RequestOutput):
             f"final_output_type={self.final_output_type!r}, finished={self.finished}, "
             f"outputs={self.outputs!r}, multimodal_output={mm})"
         )
+
+
+def aborted_output(request_id: str, stage_id: int, final_output_type: str = "text",
+                   last: RequestOutput | None = None) -> OmniRequestOutput:
+    """The final output of an aborted request, for an engine that did not give one.
+
+    As vLLM's own abort output: ``finished``, ``finish_reason="abort"`` on every
+    completion. ``last`` (a cumulative output seen before) gives the partial
+    text and tokens; without it the completion is empty (a DELTA stream's final
+    delta, or a stage without text).
+    """
+    completions = [
+        CompletionOutput(c.index, c.text, list(c.token_ids), c.cumulative_logprob, c.logprobs,
+                         finish_reason="abort")
+        for c in (last.outputs if last is not None else []) if c.finish_reason is None
+    ] or [CompletionOutput(0, "", [], None, None, finish_reason="abort")]
+    return OmniRequestOutput(
+        request_id, getattr(last, "prompt", None), getattr(last, "prompt_token_ids", None), None, completions,
+        True, stage_id=stage_id, final_output_type=final_output_type)

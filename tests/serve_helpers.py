@@ -48,7 +48,7 @@ def log_tail(path: Path, n: int = 4000) -> str:
 
 @contextlib.contextmanager
 def running_server(config: str, model: str, log_dir: Path, extra_args: tuple[str, ...] = (),
-                   api_key: str | None = None) -> Iterator[dict[str, Any]]:
+                   api_key: str | None = None, env: dict[str, str] | None = None) -> Iterator[dict[str, Any]]:
     """``omni-engine serve`` in its own session until healthy; on exit SIGTERM, then
     assert it exited 0 and left no process behind. ``extra_args`` are more serve flags;
     ``api_key`` is passed as ``--api-key`` and kept in the returned dict for clients."""
@@ -60,7 +60,7 @@ def running_server(config: str, model: str, log_dir: Path, extra_args: tuple[str
         # Inherits OMNI_ENGINE_CACHE (the prepared model) from this environment.
         proc = subprocess.Popen(
             [*CLI, "serve", config, "--port", str(port), "--served-model-name", model, *extra_args],
-            stdout=out, stderr=subprocess.STDOUT, start_new_session=True, env=dict(os.environ),
+            stdout=out, stderr=subprocess.STDOUT, start_new_session=True, env={**os.environ, **(env or {})},
         )
     url = f"http://127.0.0.1:{port}"
     descendants: set[int] = set()

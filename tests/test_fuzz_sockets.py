@@ -117,6 +117,21 @@ def test_duplicate_abort_and_unknown_names_are_answered_in_order(raw_stage, fore
     assert output.request_id == "again" and output.multimodal_output["tensor"].numel() == 8
 
 
+def test_abort_with_final_outputs_ends_the_request_before_its_id_runs_again(raw_stage):
+    """ABORT asking for final outputs (what the orchestrator sends, as vLLM's AsyncLLM ends an
+    aborted stream): the aborted request ends with a final output marked "abort", and a GENERATE
+    of the same id right behind it starts only after that, so the two never interleave."""
+    gen = lambda rid, **p: raw_stage.send(StageRequestType.GENERATE, StageGenerateRequest(rid, {"nbytes": 8, **p}))
+    gen("again", delay=5)
+    raw_stage.send(StageRequestType.ABORT, StageAbortRequest(["again"], final_outputs=True))
+    gen("again")
+    answers = raw_stage.settle()
+    assert not [m for k, m in answers if k is StageResponseType.ERROR], answers
+    aborted, output = [o for k, m in answers if k is StageResponseType.OUTPUT for o in m.outputs]
+    assert aborted.request_id == "again" and aborted.finished and aborted.outputs[0].finish_reason == "abort"
+    assert output.request_id == "again" and output.multimodal_output["tensor"].numel() == 8
+
+
 class _Touch:
     """Unpickling this creates a file: proof that a pickle was (not) loaded."""
 

@@ -15,7 +15,9 @@ QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory, smollm2_path):
-    with running_server("stage_configs/smollm2_text.yaml", MODEL, tmp_path_factory.mktemp("serve")) as srv:
+    # Dev mode: vLLM's RL routes (/pause, /resume, /abort_requests) are on, as RL trainers use them.
+    with running_server("stage_configs/smollm2_text.yaml", MODEL, tmp_path_factory.mktemp("serve"),
+                        env={"VLLM_SERVER_DEV_MODE": "1"}) as srv:
         yield srv
 
 
@@ -63,5 +65,32 @@ def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(client):
     with pytest.raises(openai.BadRequestError) as too_long:  # checked before any stage sees it
         client.completions.create(model=MODEL, prompt="hello " * 3000, max_tokens=4)
     assert "context length" in str(too_long.value)
+    response = client.chat.completions.create(model=MODEL, messages=QUESTION, temperature=0, max_tokens=32)
+    assert "Paris" in response.choices[0].message.content
+
+
+def test_abort_requests_without_ids_aborts_everything_and_streams_end_with_partial_output(server, client):
+    """vLLM's RL route: no ids means every request in flight (vLLM's own handler asserts an
+    AsyncLLM there); each aborted stream ends with its partial answer, finish_reason "abort"."""
+    import httpx
+
+    stream = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Write a long story about a dragon."}],
+        temperature=0, max_tokens=1500, stream=True, extra_body={"ignore_eos": True})
+    chunks = iter(stream)
+    text = ""
+    while len(text) < 20:
+        chunk = next(chunks)
+        text += (chunk.choices[0].delta.content or "") if chunk.choices else ""
+    response = httpx.post(f"{server['url']}/abort_requests", json={}, timeout=30)
+    assert response.status_code == 200 and response.json() == {"status": "aborted", "aborted": 1}, response.text
+    rest = list(chunks)
+    reasons = [c.choices[0].finish_reason for c in rest if c.choices and c.choices[0].finish_reason]
+    assert reasons == ["abort"], rest[-3:]
+    for body, wrong in (([1, 2], "JSON object"), ({"request_ids": "x"}, "list of strings")):
+        bad = httpx.post(f"{server['url']}/abort_requests", json=body, timeout=30)
+        assert bad.status_code == 400 and wrong in bad.json()["error"], bad.text
+    unknown = httpx.post(f"{server['url']}/abort_requests", json={"request_ids": ["no-such"]}, timeout=30)
+    assert unknown.status_code == 200  # unknown ids are a no-op, as in vLLM
     response = client.chat.completions.create(model=MODEL, messages=QUESTION, temperature=0, max_tokens=32)
     assert "Paris" in response.choices[0].message.content

@@ -20,7 +20,6 @@ import pytest_asyncio
 
 from omni_engine.connectors.shm import list_segments
 from omni_engine.entrypoints.multi_stage_engine_client import MultiStageEngineClient
-from omni_engine.pipeline.orchestrator import RequestAbortedError
 from omni_engine.errors import StageDeadError
 from tests.helpers import process_exists, tensor_pipeline_config, wait_group_gone
 from tests.stress.checks import after_shutdown, wait_clean
@@ -104,8 +103,7 @@ async def test_normal_requests_take_slots_and_give_them_back(pipeline):
 async def test_aborts_mid_request_give_every_slot_back(pipeline):
     aborted = await start_held_request(pipeline, "abort-me")
     await pipeline.abort("abort-me")
-    with pytest.raises(RequestAbortedError):
-        await aborted
+    assert (await aborted)[-1].finished  # the stream ends with its final (aborted) output
     left = await start_held_request(pipeline, "leave-me")
     left.cancel()  # the caller goes away mid-request
     await asyncio.wait({left})
@@ -124,8 +122,7 @@ async def test_a_reused_request_id_keeps_its_slot_until_it_ends_again(pipeline):
     source = pipeline.stage_contexts[0].client
     assert await leased(source) >= 1
     await pipeline.abort("reused")
-    with pytest.raises(RequestAbortedError):
-        await again
+    assert (await again)[-1].finished
     assert not await wait_clean(pipeline)
 
 

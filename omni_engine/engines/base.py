@@ -47,6 +47,11 @@ class StageEngine(abc.ABC):
     async def abort(self, request_ids: Sequence[str]) -> None:
         """Stop the given requests; unknown ids are ignored."""
 
+    @property
+    def output_type(self) -> str:
+        """What this engine's outputs carry ("text", "audio", ...)."""
+        return "text"
+
     def info(self) -> dict[str, Any]:
         """Facts sent to the client in READY (model name, sample rate, ...)."""
         return {}

@@ -52,6 +52,10 @@ class LLMStageEngine(StageEngine):
             raise ValueError(f"stage {self.stage_id}: invalid engine_args for vLLM: {exc}") from exc
         self.engine = AsyncLLM.from_engine_args(args)
 
+    @property
+    def output_type(self) -> str:
+        return self.final_output_type
+
     async def generate(self, request_id: str, prompt: Any, sampling_params: Any) -> AsyncIterator[OmniRequestOutput]:
         from vllm.v1.engine.exceptions import EngineDeadError
 

@@ -91,13 +91,11 @@ class AsyncOmni:
         if self.engine is not None:
             await self.engine.shutdown_async()
 
-    def shutdown(self) -> Any:
-        """Synchronous from outside a loop; inside one, a task the caller may await."""
-        try:
-            loop = asyncio.get_running_loop()
-        except RuntimeError:
-            return asyncio.run(self.shutdown_async())
-        return loop.create_task(self.shutdown_async())
+    def shutdown(self, timeout: float | None = None) -> None:
+        """Synchronous, idempotent, from any context (``MultiStageEngineClient.shutdown``)."""
+        self._stopped = True
+        if self.engine is not None:
+            self.engine.shutdown(timeout)
 
     # ---------------------------------------------------------- generation
     async def generate(

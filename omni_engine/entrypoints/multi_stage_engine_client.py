@@ -18,6 +18,7 @@ from vllm.engine.protocol import EngineClient
 
 from omni_engine.config import EdgeConfig, PipelineConfig, StageConfig, load_pipeline_config
 from omni_engine.errors import StageDeadError
+from omni_engine.loop_context import LoopContext, loop_context
 from omni_engine.metrics import OrchestratorMetrics, PipelineObserver
 from omni_engine.outputs import OmniRequestOutput
 from omni_engine.pipeline.orchestrator import PipelineOrchestrator
@@ -29,6 +30,9 @@ from omni_engine.stage_engine.stage_core_client import StageEngineCoreClient
 from omni_engine.stage_engine.stage_spec import StageProcessSpec
 
 logger = logging.getLogger(__name__)
+
+# Seconds a synchronous shutdown() takes at most by default (then the stages are killed).
+SHUTDOWN_TIMEOUT_S = 30.0
 
 Progress = Callable[[str], None]
 StageClientFactory = Callable[[StageConfig, StageProcessSpec], BaseStageClient]
@@ -62,6 +66,12 @@ class MultiStageEngineClient(EngineClient):
         self._resumed = asyncio.Event()
         self._resumed.set()
         self._stopped = False
+        self._closed = False  # every stage stopped and freed (_stopped: shutting down)
+        # The loop that owns the stage sockets and tasks (a synchronous shutdown needs it).
+        try:
+            self._loop: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
+        except RuntimeError:
+            self._loop = None
         # What vLLM's serving layer reads; filled from the text stage by the server integration.
         self.vllm_config: Any = None
         self.model_config: Any = None
@@ -183,6 +193,10 @@ class MultiStageEngineClient(EngineClient):
     async def abort(self, request_id: str | Iterable[str]) -> None:
         ids = [request_id] if isinstance(request_id, str) else list(request_id)
         await self.orchestrator.abort_request(ids)
+
+    def in_flight_request_ids(self) -> list[str]:
+        """The requests in the pipeline now (for "abort everything")."""
+        return self.orchestrator.request_ids()
 
     def encode(self, *args: Any, **kwargs: Any) -> Any:
         raise NotImplementedError("omni_engine pipelines generate; pooling (encode) is not supported")
@@ -385,15 +399,44 @@ class MultiStageEngineClient(EngineClient):
         await self.supervisor.stop()
         await self.orchestrator.stop()
         await asyncio.gather(*(ctx.client.shutdown() for ctx in self.stage_contexts), return_exceptions=True)
+        self._closed = True
 
-    def shutdown(self, timeout: float | None = None) -> Any:
-        """vLLM calls ``shutdown()`` synchronously; inside a running loop this
-        returns a task the caller may await."""
-        try:
-            loop = asyncio.get_running_loop()
-        except RuntimeError:
-            return asyncio.run(self.shutdown_async())
-        return loop.create_task(self.shutdown_async())
+    def shutdown(self, timeout: float | None = None) -> None:
+        """Stop every stage and free everything, synchronously (as vLLM's ``AsyncLLM.shutdown``).
+
+        Idempotent and bounded in time (``timeout``, default ``SHUTDOWN_TIMEOUT_S``,
+        then the stages are killed), from any context: from another thread
+        while the client's loop runs, the work runs on that loop and this
+        thread waits; on the loop's own thread (a coroutine, a signal handler)
+        or once the loop stopped or closed, it is done here without awaiting:
+        SHUTDOWN is sent, the processes get a grace period, then SIGTERM and
+        SIGKILL; sockets, socket files and shared memory are freed; tasks are
+        cancelled (none is left to warn when collected).
+        """
+        if self._closed:
+            return
+        limit = timeout if timeout else SHUTDOWN_TIMEOUT_S
+        if loop_context(self._loop) is LoopContext.OTHER_THREAD:
+            future = asyncio.run_coroutine_threadsafe(self.shutdown_async(), self._loop)
+            try:
+                future.result(limit)
+                return
+            except Exception as exc:  # noqa: BLE001 - stopped the hard way below
+                logger.warning("shutdown on the client's loop did not complete (%r); stopping the stages here", exc)
+                future.cancel()
+        self._shutdown_now(limit)
+
+    def _shutdown_now(self, timeout: float) -> None:
+        self._stopped = True
+        self.supervisor.stop_now()
+        self.orchestrator.stop_now()
+        grace = max(1.0, timeout / max(1, len(self.stage_contexts)) / 2)
+        for ctx in self.stage_contexts:
+            try:
+                ctx.client.shutdown_now(grace)
+            except Exception:  # noqa: BLE001 - the other stages are stopped regardless
+                logger.exception("stage %d: shutdown failed", ctx.stage_id)
+        self._closed = True
 
 
 __all__ = ["MultiStageEngineClient", "StageDeadError"]

@@ -12,14 +12,17 @@ pipes becoming readable rather than by polling.
 from __future__ import annotations
 
 import asyncio
+import atexit
 import logging
 import multiprocessing
 import os
 import queue
+import weakref
 from typing import Any
 
 from omni_engine.errors import StageDeadError
 from omni_engine.legacy.queues import StageQueue
+from omni_engine.loop_context import cancel_now
 from omni_engine.legacy.stage_worker import LEGACY_STAGE_MAIN
 from omni_engine.stage_engine.base_client import BaseStageClient
 from omni_engine.wire.protocol import (
@@ -45,6 +48,7 @@ class OmniStage(BaseStageClient):
         self.in_q: StageQueue | None = None
         self.out_q: StageQueue | None = None
         self._handler = output_handler
+        self._finalizer: weakref.finalize | None = None
         self._ready_future: asyncio.Future[StageReady] | None = None
 
     # ------------------------------------------------- vLLM-Omni's stage API
@@ -64,6 +68,11 @@ class OmniStage(BaseStageClient):
         self.process = StageProcess(self.stage_id, self.process_spec, log_path=log_path,
                                     main=LEGACY_STAGE_MAIN, channels={"in_q": self.in_q, "out_q": self.out_q})
         self.process.start()
+        # A program that never shuts down must still exit: at interpreter exit
+        # multiprocessing joins this non-daemonic process, so it is killed
+        # first (atexit runs this before multiprocessing's own exit handler).
+        self._finalizer = weakref.finalize(self, StageProcess.kill_group, self.process)
+        atexit.register(self._finalizer)
         # The child has its own copy of the answer pipe's write end now. Ours
         # must go: a stage killed in the middle of writing an answer then
         # gives us EOF instead of a read that blocks the event loop forever.
@@ -140,6 +149,25 @@ class OmniStage(BaseStageClient):
             self._handler.remove(self)
         self._set_dead(StageDeadError(self.stage_id, f"stage {self.stage_id} client is shut down"), notify=False)
         self._close_queues()
+        if self._finalizer is not None:
+            self._finalizer.detach()
+
+    def shutdown_now(self, timeout: float = 10.0) -> None:
+        """``shutdown`` without awaiting (a synchronous shutdown on the loop's thread or after it stopped)."""
+        if self._stopped:
+            return
+        self._stopped = True
+        self._stop_process_now(timeout)
+        if self._handler is not None:
+            self._handler.remove(self, self._loop)
+        self._set_dead_now(StageDeadError(self.stage_id, f"stage {self.stage_id} client is shut down"))
+        self._close_queues()
+        if self._finalizer is not None:
+            self._finalizer.detach()
+
+    def _send_nowait(self, req_type: StageRequestType, msg: Any) -> bool:
+        self.submit((req_type, msg))
+        return True
 
     def _close_queues(self) -> None:
         for q in (self.in_q, self.out_q):
@@ -176,14 +204,17 @@ class LegacyOutputHandler:
         if self._task is None or self._task.done():
             self._task = loop.create_task(self._run_output_handler(), name="legacy-output-handler")
 
-    def remove(self, stage: OmniStage) -> None:
+    def remove(self, stage: OmniStage, loop: asyncio.AbstractEventLoop | None = None) -> None:
+        """Stop watching ``stage`` (``loop``: the handler's, when called off it)."""
+        loop = loop or asyncio.get_running_loop()
         for fd, known in list(self._stages.items()):
             if known is stage:
-                asyncio.get_running_loop().remove_reader(fd)
+                if not loop.is_closed():
+                    loop.remove_reader(fd)
                 del self._stages[fd]
                 self._readable.discard(fd)
         if not self._stages and self._task is not None:
-            self._task.cancel()
+            cancel_now([self._task], loop)
             self._task = None
 
     def _on_readable(self, fd: int) -> None:

@@ -39,9 +39,15 @@ from omni_engine.errors import (
     StageRequestError,
 )
 from omni_engine.metrics import OrchestratorMetrics, PipelineObserver
-from omni_engine.outputs import OmniRequestOutput
+from omni_engine.loop_context import cancel_now
+from omni_engine.outputs import OmniRequestOutput, aborted_output
 
 logger = logging.getLogger(__name__)
+
+# Seconds abort_request waits for the stages' final outputs of an aborted request
+# (they come at once; a stage that does not answer gets one made for it).
+ABORT_WAIT_S = 5.0
+
 
 class RequestAbortedError(asyncio.CancelledError):
     """The request was aborted (by ``abort_request`` or the caller leaving)."""
@@ -110,6 +116,26 @@ class PipelineOrchestrator:
         self._readers.clear()
         for state in list(self._requests.values()):
             self._finish(state, StageDeadError(-1, "pipeline is shut down"))
+
+    def stop_now(self) -> None:
+        """``stop`` without awaiting (a synchronous shutdown). Off the loop the requests' callers
+        are gone with it: their state is dropped, not ended."""
+        loop = self._loop_of_readers()
+        cancel_now(self._readers.values(), loop)
+        self._readers.clear()
+        for state in list(self._requests.values()):
+            try:
+                self._finish(state, StageDeadError(-1, "pipeline is shut down"))
+            except RuntimeError:  # no running loop: nobody can read the stream any more
+                self._requests.pop(state.request_id, None)
+                state.ended = True
+        for routes in self._routes.values():
+            routes.clear()
+
+    def _loop_of_readers(self) -> asyncio.AbstractEventLoop | None:
+        for task in self._readers.values():
+            return task.get_loop()
+        return None
 
     @property
     def num_requests(self) -> int:
@@ -222,9 +248,9 @@ class PipelineOrchestrator:
                 for sid in self.stage_order}
 
     async def _submit_sub_request(self, state: ClientRequestState, sid: int, inp: StageInput) -> int:
-        if state.ended:
-            # Aborted while an earlier submit of its routing step was awaited:
-            # nothing more may reach a stage, or it would run for nobody.
+        if state.ended or state.aborting:
+            # Aborted (perhaps while an earlier submit of its routing step was
+            # awaited): nothing more may reach a stage, or it would run for nobody.
             return 0
         track = state.stages[sid]
         k = track.submitted
@@ -305,6 +331,8 @@ class PipelineOrchestrator:
         self.events.output(state, sid, k, now, output.finished)
         new_text = new_text_of(track, sub_id, output)
         track.text += new_text
+        if output.outputs and sid in state.final_stages and track.kinds.get(sub_id) is not RequestOutputKind.DELTA:
+            track.last_output = output  # the partial answer, should an abort have to be ended here
         if track.consumers_pending:
             track.outputs.append(output)
         if output.finished:
@@ -357,7 +385,7 @@ class PipelineOrchestrator:
         track = state.stages[sid]
         track.done = True
         state.metrics.stage_done[sid] = asyncio.get_running_loop().time()
-        if sid in state.final_stages and not track.closed:
+        if sid in state.final_stages and not track.closed and not (state.aborting and not track.submitted):
             ctx = self.stages[sid]
             self._deliver(state, sid, OmniRequestOutput(
                 state.request_id, finished=True, stage_id=sid, final_output_type=ctx.final_output_type))
@@ -386,27 +414,54 @@ class PipelineOrchestrator:
 
     # ---------------------------------------------------- abort and failure
     async def abort_request(self, request_id: str | Sequence[str]) -> None:
-        """Abort on every stage where the request is in flight; free its state."""
-        ids = [request_id] if isinstance(request_id, str) else list(request_id)
-        for rid in ids:
-            state = self._requests.get(rid)
-            if state is not None:
-                await self._abort_everywhere(state)
-                self._finish(state, RequestAbortedError(f"request {rid!r} was aborted"))
+        """Abort the requests on every stage where they are in flight.
 
-    async def _abort_everywhere(self, state: ClientRequestState) -> None:
+        As vLLM's ``AsyncLLM.abort``: each aborted stream ends with a final
+        output per final stage that had started (``finish_reason="abort"``,
+        the partial text and tokens), then stops. The stages send those
+        outputs; a stage that has not within ``ABORT_WAIT_S`` gets one made
+        from what it sent before. Unknown or finished ids are ignored.
+        """
+        ids = [request_id] if isinstance(request_id, str) else list(request_id)
+        states = [s for rid in dict.fromkeys(ids) if (s := self._requests.get(rid)) is not None and not s.aborting]
+        for state in states:
+            state.aborting = True
+            await self._abort_everywhere(state, keep_routes=True)
+        if not states:
+            return
+        await asyncio.wait([asyncio.ensure_future(s.ended_event.wait()) for s in states], timeout=ABORT_WAIT_S)
+        for state in states:
+            if not state.ended:
+                self._close_aborted(state)
+
+    def _close_aborted(self, state: ClientRequestState) -> None:
+        """End an aborted request whose stages did not send their final outputs in time."""
+        for sid in sorted(state.final_stages):
+            track = state.stages[sid]
+            if track.submitted and not track.closed:
+                state.queue.put_nowait(aborted_output(state.request_id, sid, self.stages[sid].final_output_type,
+                                                      track.last_output))
+        for sid, track in state.stages.items():
+            for sub_id in track.inflight:
+                self._routes[sid].pop(sub_id, None)
+            track.inflight.clear()
+        self._finish(state)
+
+    async def _abort_everywhere(self, state: ClientRequestState, keep_routes: bool = False) -> None:
+        """Abort the request's sub-requests in flight; ``keep_routes``: their final outputs are still routed."""
         for sid, track in state.stages.items():
             if not track.inflight:
                 continue
             sub_ids = list(track.inflight)
-            for sub_id in sub_ids:
-                self._routes[sid].pop(sub_id, None)
-            track.inflight.clear()
+            if not keep_routes:
+                for sub_id in sub_ids:
+                    self._routes[sid].pop(sub_id, None)
+                track.inflight.clear()
             self.events.aborted(state, sid, len(sub_ids))
             client = self.stages[sid].client
             if not client.is_dead:
                 try:
-                    await client.abort_request(sub_ids)
+                    await client.abort_request(sub_ids, keep_final=keep_routes)
                 except Exception:  # noqa: BLE001 - the stage may be dying; its client cleans up
                     logger.debug("abort of %s on stage %d failed", sub_ids, sid, exc_info=True)
 
@@ -433,7 +488,8 @@ class PipelineOrchestrator:
         for sid, track in state.stages.items():
             for sub_id in track.inflight:
                 self._routes[sid].pop(sub_id, None)
-        self.events.done(state, error)
+        self.events.done(state, error if error is not None or not state.aborting
+                         else RequestAbortedError(f"request {state.request_id!r} was aborted"))
         # Sub-requests were submitted with end_on_finish=False: their stage
         # clients keep them (and their shared-memory slots) until told here.
         for sid, track in state.stages.items():
@@ -449,6 +505,7 @@ class PipelineOrchestrator:
             while not state.queue.empty():
                 state.queue.get_nowait()
         state.queue.put_nowait(error if error is not None else ClientRequestState.END)
+        state.ended_event.set()
 
     # ------------------------------------------------------------ streaming
     def process_pipeline(

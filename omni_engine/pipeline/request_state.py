@@ -40,6 +40,8 @@ class StageTrack:
     # Delivery order to the caller: chunk next_emit goes out first; later ones wait.
     next_emit: int = 0
     held: dict[int, list[OmniRequestOutput]] = field(default_factory=dict)
+    # The last cumulative text output of a final stage (an abort's partial answer).
+    last_output: OmniRequestOutput | None = None
     closed: bool = False
     done: bool = False
 
@@ -71,6 +73,10 @@ class ClientRequestState:
     # Set when the request ends (finished, failed or aborted): a routing step
     # that awaited meanwhile must not submit anything more for it.
     ended: bool = False
+    # Set by abort_request: nothing new is submitted; the stages' final (partial)
+    # outputs still come in and end the caller's stream.
+    aborting: bool = False
+    ended_event: asyncio.Event = field(default_factory=asyncio.Event)
 
 
 def new_text_of(track: StageTrack, sub_id: str, output: OmniRequestOutput) -> str:

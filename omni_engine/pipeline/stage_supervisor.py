@@ -17,6 +17,7 @@ from collections.abc import Callable, Sequence
 
 from omni_engine.pipeline.stage_context import StageContext
 from omni_engine.errors import StageDeadError
+from omni_engine.loop_context import cancel_now
 from omni_engine.stage_engine.base_client import BaseStageClient
 
 logger = logging.getLogger(__name__)
@@ -90,6 +91,12 @@ class StageSupervisor:
             self._watch(ctx)
             logger.warning("stage %d is back (pid %s)", sid, client.ready.pid if client.ready else "?")
             return
+
+    def stop_now(self) -> None:
+        """No more restarts; one under way is cancelled, not awaited (a synchronous shutdown)."""
+        self._stopped = True
+        tasks = list(self._tasks.values())
+        cancel_now(tasks, tasks[0].get_loop() if tasks else None)
 
     async def stop(self) -> None:
         """No more restarts; wait for one under way to give up."""

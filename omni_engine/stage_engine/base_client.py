@@ -140,14 +140,19 @@ class BaseStageClient:
             self._manual_end.discard(request_id)
             raise
 
-    async def abort_request(self, request_ids: str | Sequence[str]) -> None:
-        """Abort in the stage and forget locally; late outputs of these ids are dropped."""
+    async def abort_request(self, request_ids: str | Sequence[str], *, keep_final: bool = False) -> None:
+        """Abort in the stage. The stage ends each aborted request with a final output
+        (``finish_reason="abort"``); with ``keep_final`` it is delivered like any output and
+        ends the request here, else the ids are forgotten now and their late outputs dropped."""
         ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
-        for rid in ids:
-            self._end_request(rid)
-        self._drop_queued(set(ids))
+        if keep_final:
+            ids = [rid for rid in ids if rid in self._requests]
+        else:
+            for rid in ids:
+                self._end_request(rid)
+            self._drop_queued(set(ids))
         if self.dead_error is None and ids:
-            await self._send(StageRequestType.ABORT, StageAbortRequest(ids))
+            await self._send(StageRequestType.ABORT, StageAbortRequest(ids, final_outputs=keep_final))
 
     def end_request(self, request_id: str) -> None:
         """The pipeline is done with ``request_id``: free what the transport holds for it."""
@@ -330,6 +335,37 @@ class BaseStageClient:
             await asyncio.to_thread(self.process.stop, timeout if asked else 0.0)
             if self.process.exitcode == 0:
                 self.process.log_path.unlink(missing_ok=True)
+
+    def _send_nowait(self, req_type: StageRequestType, msg: Any) -> bool:
+        """Send without the event loop (a synchronous shutdown); False if it could not be sent."""
+        return False
+
+    def _stop_process_now(self, timeout: float) -> None:
+        """``_stop_process`` without awaiting: SHUTDOWN if it can be sent at once, then the process
+        gets ``timeout`` to exit before SIGTERM and SIGKILL of its group."""
+        process = self.process
+        if process is not None and process.pid is not None and self._loop is not None and not self._loop.is_closed():
+            self._loop.remove_reader(process.sentinel)
+        asked = False
+        if self.ready is not None and self.dead_error is None:
+            try:
+                asked = self._send_nowait(StageRequestType.SHUTDOWN, StageShutdown("client shutdown"))
+            except Exception:  # noqa: BLE001 - stopped below either way
+                logger.debug("stage %d: SHUTDOWN not sent", self.stage_id, exc_info=True)
+        if process is not None:
+            process.stop(timeout if asked else 0.0)
+            if process.exitcode == 0:
+                process.log_path.unlink(missing_ok=True)
+
+    def _set_dead_now(self, error: StageDeadError) -> None:
+        """``_set_dead`` where the loop may be closed: waking a waiter there raises, and nobody waits any more."""
+        try:
+            self._set_dead(error, notify=False)
+        except RuntimeError:  # the loop is closed
+            self.dead_error = error
+            self._requests.clear()
+            self._manual_end.clear()
+            self.resources.close()
 
     def _set_dead(self, error: StageDeadError, notify: bool = True) -> StageDeadError:
         """Fail everything waiting on this stage and free what it held. Idempotent."""

@@ -20,9 +20,9 @@ from typing import Any, ClassVar, Protocol
 import uvloop
 
 from omni_engine.engines.base import StageEngine, StageEngineError
+from omni_engine.outputs import OmniRequestOutput, aborted_output
 from omni_engine.wire.protocol import (
     DUPLICATE_REQUEST,
-    StageAbortRequest,
     StageDead,
     StageError,
     StageGenerateRequest,
@@ -37,6 +37,10 @@ from omni_engine.wire.protocol import (
 logger = logging.getLogger(__name__)
 
 _OUTPUT = StageResponseType.OUTPUT
+# Seconds an aborted request's engine has to end its stream with its own final
+# output (vLLM's does at once, with the partial text) before the stage cancels
+# it and sends an empty final output itself.
+ABORT_GRACE_S = 1.0
 
 
 class ResponseSink(Protocol):
@@ -56,6 +60,8 @@ class StageEngineCore:
         self.engine = engine
         self._out_q = out_q
         self._requests: dict[str, asyncio.Task] = {}
+        # Aborted requests whose streams are ending (their final output still to send).
+        self._aborting: dict[str, asyncio.Task] = {}
         self._exit_code = 0
         self._loop: asyncio.AbstractEventLoop | None = None
         self._shutdown: asyncio.Event | None = None
@@ -120,13 +126,16 @@ class StageEngineCore:
         if req_type is StageRequestType.GENERATE:
             self._add_request(msg)
         elif req_type is StageRequestType.ABORT:
-            # Cancel now, not in the task: a GENERATE right behind the ABORT
-            # may reuse the id, and must not find the old request running.
-            for rid in msg.request_ids:
-                task = self._requests.pop(rid, None)
-                if task is not None:
+            # Free the ids now, not in a task: a GENERATE right behind the ABORT may reuse one.
+            aborted = {rid: task for rid in msg.request_ids if (task := self._requests.pop(rid, None)) is not None}
+            if msg.final_outputs:
+                # The aborted streams end with their final outputs; a reused id starts after that.
+                self._aborting.update(aborted)
+            else:
+                for task in aborted.values():
                     task.cancel()
-            asyncio.create_task(self._abort(msg))
+            if aborted:
+                asyncio.create_task(self._abort(aborted))
         elif req_type is StageRequestType.HEALTH_CHECK:
             asyncio.create_task(self._health(msg))
         elif req_type is StageRequestType.UTILITY:
@@ -172,24 +181,37 @@ class StageEngineCore:
             self._send_error(f"stage {self.stage_id}: GENERATE for request {rid!r} refused: that request id is "
                              "already running", rid, DUPLICATE_REQUEST)
             return
-        task = asyncio.create_task(self._generate(req), name=f"stage{self.stage_id}-{rid}")
+        task = asyncio.create_task(self._generate(req, self._aborting.get(rid)), name=f"stage{self.stage_id}-{rid}")
         self._requests[rid] = task
         task.add_done_callback(lambda t, rid=rid: self._request_done(rid, t))
 
     def _request_done(self, rid: str, task: asyncio.Task) -> None:
         if self._requests.get(rid) is task:
             del self._requests[rid]
+        if self._aborting.get(rid) is task:
+            del self._aborting[rid]
         self._on_request_done(rid)
 
     def _on_request_done(self, request_id: str) -> None:
         """A request's task ended (finished, failed or aborted); its outputs are queued."""
 
-    async def _generate(self, req: StageGenerateRequest) -> None:
+    async def _generate(self, req: StageGenerateRequest, aborted_before: asyncio.Task | None = None) -> None:
+        """Run one request, sending its outputs. Aborted, it still ends with one final output
+        (finish_reason "abort", the partial text where the engine has it), as vLLM's AsyncLLM does."""
+        if aborted_before is not None:
+            # The aborted request with this id sends its final output first.
+            await asyncio.wait([aborted_before])
         put = self._out_q.put
+        finished = False
         try:
             async for output in self.engine.generate(req.request_id, req.prompt, req.sampling_params):
                 put((_OUTPUT, output))
+                finished = output.finished
+            if not finished and self._is_aborting(req.request_id):
+                put((_OUTPUT, self._abort_output(req.request_id)))
         except asyncio.CancelledError:
+            if not finished and self._is_aborting(req.request_id):
+                put((_OUTPUT, self._abort_output(req.request_id)))
             raise
         except StageEngineError as exc:
             self._send_error(f"stage {self.stage_id}: request {req.request_id!r} failed: {exc}", req.request_id,
@@ -200,9 +222,18 @@ class StageEngineCore:
             self._send_error(f"stage {self.stage_id}: request {req.request_id!r} failed: {type(exc).__name__}: {exc}",
                              req.request_id, type(exc).__name__)
 
-    async def _abort(self, msg: StageAbortRequest) -> None:
-        # An id submitted again since the ABORT arrived is a new request: spare it.
-        request_ids = [rid for rid in msg.request_ids if rid not in self._requests]
+    def _is_aborting(self, request_id: str) -> bool:
+        return self._aborting.get(request_id) is asyncio.current_task()
+
+    def _abort_output(self, request_id: str) -> OmniRequestOutput:
+        return aborted_output(request_id, self.stage_id, self.engine.output_type)
+
+    async def _abort(self, aborted: dict[str, asyncio.Task]) -> None:
+        # Spare a new request with an aborted one's id: one that ending aborted
+        # streams wait for starts once the old one is done; a cancelled one's
+        # id may be running again already.
+        request_ids = [rid for rid, task in aborted.items()
+                       if (not task.done() if self._aborting.get(rid) is task else rid not in self._requests)]
         if not request_ids:
             return
         try:
@@ -210,7 +241,11 @@ class StageEngineCore:
         except StageEngineError as exc:
             self._fatal(exc)
         except Exception:  # noqa: BLE001
-            logger.exception("stage %d: abort of %s failed", self.stage_id, msg.request_ids)
+            logger.exception("stage %d: abort of %s failed", self.stage_id, request_ids)
+        # An engine that did not end the stream (it had not seen the request yet) is cut off.
+        _, running = await asyncio.wait(list(aborted.values()), timeout=ABORT_GRACE_S)
+        for task in running:
+            task.cancel()
 
     async def _health(self, msg: StageHealthCheck) -> None:
         healthy = True

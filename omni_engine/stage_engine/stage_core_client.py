@@ -34,6 +34,7 @@ from omni_engine.connectors.shm import (
     unlink_prefix,
 )
 from omni_engine.errors import StageDeadError
+from omni_engine.loop_context import cancel_now
 from omni_engine.stage_engine import security
 from omni_engine.stage_engine.base_client import BaseStageClient
 from omni_engine.wire.framing import RESPONSE_TYPES, decode_frames
@@ -240,6 +241,33 @@ class StageEngineCoreClient(BaseStageClient):
         if self._finalizer is not None:
             self._finalizer()
         self.attachments.detach(prefix=self.shm_prefix)
+
+    def shutdown_now(self, timeout: float = 10.0) -> None:
+        """``shutdown`` without awaiting, for a synchronous shutdown on the loop's thread or
+        after the loop stopped (see ``omni_engine.loop_context``). Idempotent."""
+        if self._stopped:
+            return
+        self._stopped = True
+        if self._input is not None:
+            self._stop_process_now(timeout)
+        cancel_now((self._output_task, self._drain_task), self._loop)
+        self._set_dead_now(StageDeadError(self.stage_id, f"stage {self.stage_id} client is shut down"))
+        if self._auth is not None:
+            self._auth.stop()
+        if self._finalizer is not None:
+            self._finalizer()  # closes the sockets (the context), the socket directory, the stage's segments
+        self.attachments.detach(prefix=self.shm_prefix)
+
+    def _send_nowait(self, req_type: StageRequestType, msg: Any) -> bool:
+        if self._identity is None:
+            return False
+        # The asyncio socket's own handle, used synchronously: nothing else uses it now.
+        socket = zmq.Socket.shadow(self._input.underlying)
+        try:
+            socket.send_multipart([self._identity, req_type.value, *self._encoder.encode(msg)], flags=zmq.NOBLOCK)
+        except zmq.ZMQError:
+            return False
+        return True
 
     # --------------------------------------------------------- shared memory
     @property

@@ -42,6 +42,10 @@ class StageGenerateRequest(msgspec.Struct, array_like=True, omit_defaults=True, 
 
 class StageAbortRequest(msgspec.Struct, array_like=True, gc=False):
     request_ids: list[str]
+    # True: each aborted request still ends with a final output (finish_reason "abort",
+    # its partial text), as vLLM's AsyncLLM ends an aborted stream; the client keeps the
+    # id until then. False: the requests just stop; the client has forgotten them.
+    final_outputs: bool = False
 
 
 class StageHealthCheck(msgspec.Struct, array_like=True, gc=False):

@@ -61,6 +61,8 @@ class Outcome:
     audio_outputs: int = 0
     audio_samples: int = 0
     finished: list[int] = field(default_factory=list)  # final stages that reported finished, in order
+    # Outputs whose completion says "abort": the stream of an aborted request ends with one.
+    abort_outputs: int = 0
     seconds: float = 0.0
 
     def record(self, output: Any) -> None:
@@ -74,6 +76,8 @@ class Outcome:
             self.audio_samples += 0 if audio is None else len(audio)
         if output.finished:
             self.finished.append(output.stage_id)
+        if any(c.finish_reason == "abort" for c in output.outputs):
+            self.abort_outputs += 1
 
     def current_phase(self) -> str:
         if len(self.finished) == len(FINAL_STAGES):
@@ -102,7 +106,11 @@ class Outcome:
         if self.result == "failed":
             return [f"request {rid}: failed: {self.error}"]
         if self.result == "aborted":
-            return [] if self.plan.kind is not None else [f"request {rid}: aborted but nobody aborted it"]
+            if self.plan.kind is None:
+                return [f"request {rid}: aborted but nobody aborted it"]
+            if self.plan.method == "abort" and 0 not in self.finished:
+                return [f"request {rid}: aborted by abort() but its stream has no final text output"]
+            return []
         found = []
         if sorted(self.finished) != list(FINAL_STAGES):
             found.append(f"request {rid}: finished outputs of stages {self.finished}, expected one each of "
@@ -158,8 +166,8 @@ async def _read_stream(client: MultiStageEngineClient, plan: Plan, outcome: Outc
         if outcome.phase is None and outcome.triggered():
             outcome.phase = outcome.current_phase()
             if plan.method == "abort":
-                # The stream goes on: its next item is RequestAbortedError, or
-                # the rest of a request that had ended before the abort.
+                # The stream goes on: its final outputs (marked "abort"), or the
+                # rest of a request that had ended before the abort.
                 await client.abort(plan.request_id)
                 continue
             if plan.method == "close":
@@ -168,7 +176,7 @@ async def _read_stream(client: MultiStageEngineClient, plan: Plan, outcome: Outc
             # finalizer closes the stream once nothing references it.
             outcome.result = "aborted"
             return
-    outcome.result = "finished"
+    outcome.result = "aborted" if outcome.abort_outputs else "finished"
     if plan.kind == "after_finish":
         outcome.phase = outcome.current_phase()
         if plan.method == "abort":
@@ -200,7 +208,8 @@ async def _abort_from_outside(client: MultiStageEngineClient, plan: Plan, outcom
     elif reader.exception() is not None:
         raise reader.exception()
     else:
-        outcome.result = "finished"  # the abort came before the request reached the pipeline or after its end
+        # "finished": the abort came before the request reached the pipeline or after its end.
+        outcome.result = "aborted" if outcome.abort_outputs else "finished"
 
 
 async def run_storm(client: MultiStageEngineClient, plans: Sequence[Plan], concurrency: int,

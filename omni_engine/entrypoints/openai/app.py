@@ -3,8 +3,9 @@
 vLLM (0.32) has no hook for extra routes or middleware: ``build_and_serve``
 builds its app with the module-level function ``VLLM_BUILD_APP``, which is
 therefore wrapped where it is looked up. The wrapper adds the audio routes
-(``audio.add_audio_routes``) and, when an API key is set, swaps vLLM's
-authentication middleware for one guarding every route (``auth``).
+(``audio.add_audio_routes``), replaces vLLM's ``/abort_requests`` where it has
+one (``rl_routes``) and, when an API key is set, swaps vLLM's authentication
+middleware for one guarding every route (``auth``).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from fastapi import FastAPI
 
 from omni_engine.entrypoints.openai.audio import add_audio_routes
 from omni_engine.entrypoints.openai.auth import guard_every_route
+from omni_engine.entrypoints.openai.rl_routes import replace_abort_requests_route
 
 VLLM_BUILD_APP = "vllm.entrypoints.launchers.api_server.entry.build_app"
 
@@ -29,6 +31,7 @@ class _OmniBuildApp:
 
     def __call__(self, *args: Any, **kwargs: Any) -> FastAPI:
         app = add_audio_routes(self.wrapped(*args, **kwargs))
+        replace_abort_requests_route(app)
         guard_every_route(app)
         return app
 

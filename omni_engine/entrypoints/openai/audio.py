@@ -46,6 +46,7 @@ from omni_engine.audio import (
     encode_audio,
     media_type,
 )
+from omni_engine.entrypoints.openai.routing import include_router_first
 from omni_engine.pipeline.input_processors import split_sentences
 from omni_engine.engines.tts import SpeechParams
 
@@ -390,9 +391,4 @@ async def _stream_chunks(request: ChatCompletionRequest, stream: AsyncGenerator,
 # ------------------------------------------------------------------ wiring
 def add_audio_routes(app: FastAPI) -> FastAPI:
     """Add this module's routes ahead of vLLM's (ours shadow ``POST /v1/chat/completions``)."""
-    before = list(app.router.routes)
-    app.include_router(router)
-    ours = [r for r in app.router.routes if r not in before]
-    app.router.routes[:] = ours + before
-    app.openapi_schema = None
-    return app
+    return include_router_first(app, router)

@@ -53,7 +53,6 @@ class OpenAIServingEngineClient(MultiStageEngineClient):
         self.text_stage_id: int | None = None
         # What a request gets when it does not say: only text, so the request ends at the text stage.
         self.default_modalities: tuple[str, ...] = ("text",)
-        self._loop: asyncio.AbstractEventLoop | None = None
 
     def bind_loop(self) -> None:
         """Remember the event loop that owns the stage sockets (for ``shutdown`` from a thread)."""
@@ -116,18 +115,3 @@ class OpenAIServingEngineClient(MultiStageEngineClient):
             return
         if isinstance(prompt, dict) and "type" in prompt:
             self.input_processor.process_inputs(request_id, prompt, sampling_params, supported_tasks=("generate",))
-
-    def shutdown(self, timeout: float | None = None) -> Any:
-        """vLLM's server calls this from an executor thread on SIGTERM; the stage
-        sockets belong to the serving loop, so the shutdown runs there (and this
-        thread waits for it)."""
-        try:
-            asyncio.get_running_loop()
-        except RuntimeError:
-            loop = self._loop
-            if loop is not None and loop.is_running():
-                future = asyncio.run_coroutine_threadsafe(self.shutdown_async(), loop)
-                # vLLM passes its drain timeout (0: abort at once); stopping the
-                # stage processes still takes a moment.
-                return future.result(max(timeout or 0.0, 60.0))
-        return super().shutdown(timeout)
