@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import AsyncGenerator, Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -430,10 +431,12 @@ class MultiStageEngineClient(EngineClient):
         self._stopped = True
         self.supervisor.stop_now()
         self.orchestrator.stop_now()
-        grace = max(1.0, timeout / max(1, len(self.stage_contexts)) / 2)
-        for ctx in self.stage_contexts:
+        # Every stage is asked first, so they wind down together within one grace period.
+        asked = [ctx for ctx in self.stage_contexts if ctx.client.ask_stop_now()]
+        deadline = time.monotonic() + timeout / 2
+        for ctx in asked:
             try:
-                ctx.client.shutdown_now(grace)
+                ctx.client.finish_shutdown_now(max(0.0, deadline - time.monotonic()))
             except Exception:  # noqa: BLE001 - the other stages are stopped regardless
                 logger.exception("stage %d: shutdown failed", ctx.stage_id)
         self._closed = True

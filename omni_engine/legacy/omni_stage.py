@@ -152,15 +152,10 @@ class OmniStage(BaseStageClient):
         if self._finalizer is not None:
             self._finalizer.detach()
 
-    def shutdown_now(self, timeout: float = 10.0) -> None:
-        """``shutdown`` without awaiting (a synchronous shutdown on the loop's thread or after it stopped)."""
-        if self._stopped:
-            return
-        self._stopped = True
-        self._stop_process_now(timeout)
+    def _release_now(self) -> None:
         if self._handler is not None:
             self._handler.remove(self, self._loop)
-        self._set_dead_now(StageDeadError(self.stage_id, f"stage {self.stage_id} client is shut down"))
+        super()._release_now()
         self._close_queues()
         if self._finalizer is not None:
             self._finalizer.detach()

@@ -100,6 +100,7 @@ class BaseStageClient:
         self._call_ids = itertools.count(1)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stopped = False
+        self._asked_stop = False  # a synchronous shutdown sent SHUTDOWN
         # Told when the stage dies unexpectedly (not at shutdown): e.g. the
         # pipeline's restart policy.
         self.on_dead: Callable[[StageDeadError], None] | None = None
@@ -340,22 +341,43 @@ class BaseStageClient:
         """Send without the event loop (a synchronous shutdown); False if it could not be sent."""
         return False
 
-    def _stop_process_now(self, timeout: float) -> None:
-        """``_stop_process`` without awaiting: SHUTDOWN if it can be sent at once, then the process
-        gets ``timeout`` to exit before SIGTERM and SIGKILL of its group."""
+    def shutdown_now(self, timeout: float = 10.0) -> None:
+        """``shutdown`` without awaiting, for a synchronous shutdown on the loop's thread or
+        after the loop stopped (see ``omni_engine.loop_context``). Idempotent."""
+        if self.ask_stop_now():
+            self.finish_shutdown_now(timeout)
+
+    def ask_stop_now(self) -> bool:
+        """First half of ``shutdown_now``: stop watching the process and send SHUTDOWN if it can
+        go at once (not awaited). False if this client was stopping already. A pipeline asks all
+        its stages first, so they exit together."""
+        if self._stopped:
+            return False
+        self._stopped = True
         process = self.process
         if process is not None and process.pid is not None and self._loop is not None and not self._loop.is_closed():
             self._loop.remove_reader(process.sentinel)
-        asked = False
+        self._asked_stop = False
         if self.ready is not None and self.dead_error is None:
             try:
-                asked = self._send_nowait(StageRequestType.SHUTDOWN, StageShutdown("client shutdown"))
+                self._asked_stop = self._send_nowait(StageRequestType.SHUTDOWN, StageShutdown("client shutdown"))
             except Exception:  # noqa: BLE001 - stopped below either way
                 logger.debug("stage %d: SHUTDOWN not sent", self.stage_id, exc_info=True)
+        return True
+
+    def finish_shutdown_now(self, timeout: float) -> None:
+        """Second half: the process gets ``timeout`` to exit (if asked), then SIGTERM and SIGKILL of
+        its group; then everything else the client holds is freed (``_release_now``)."""
+        process = self.process
         if process is not None:
-            process.stop(timeout if asked else 0.0)
+            process.stop(timeout if self._asked_stop else 0.0)
             if process.exitcode == 0:
                 process.log_path.unlink(missing_ok=True)
+        self._release_now()
+
+    def _release_now(self) -> None:
+        """Free the transport, tasks and request state without awaiting (after the process stopped)."""
+        self._set_dead_now(StageDeadError(self.stage_id, f"stage {self.stage_id} client is shut down"))
 
     def _set_dead_now(self, error: StageDeadError) -> None:
         """``_set_dead`` where the loop may be closed: waking a waiter there raises, and nobody waits any more."""

@@ -242,16 +242,9 @@ class StageEngineCoreClient(BaseStageClient):
             self._finalizer()
         self.attachments.detach(prefix=self.shm_prefix)
 
-    def shutdown_now(self, timeout: float = 10.0) -> None:
-        """``shutdown`` without awaiting, for a synchronous shutdown on the loop's thread or
-        after the loop stopped (see ``omni_engine.loop_context``). Idempotent."""
-        if self._stopped:
-            return
-        self._stopped = True
-        if self._input is not None:
-            self._stop_process_now(timeout)
+    def _release_now(self) -> None:
         cancel_now((self._output_task, self._drain_task), self._loop)
-        self._set_dead_now(StageDeadError(self.stage_id, f"stage {self.stage_id} client is shut down"))
+        super()._release_now()
         if self._auth is not None:
             self._auth.stop()
         if self._finalizer is not None:
