@@ -20,7 +20,6 @@ import queue
 import weakref
 from typing import Any
 
-from omni_engine.errors import StageDeadError
 from omni_engine.legacy.queues import StageQueue
 from omni_engine.loop_context import cancel_now
 from omni_engine.legacy.stage_worker import LEGACY_STAGE_MAIN
@@ -145,12 +144,7 @@ class OmniStage(BaseStageClient):
             return
         self._stopped = True
         await self._stop_process(timeout)
-        if self._handler is not None:
-            self._handler.remove(self)
-        self._set_dead(StageDeadError(self.stage_id, f"stage {self.stage_id} client is shut down"), notify=False)
-        self._close_queues()
-        if self._finalizer is not None:
-            self._finalizer.detach()
+        self._release_now()
 
     def _release_now(self) -> None:
         if self._handler is not None:

@@ -323,8 +323,7 @@ class BaseStageClient:
 
     async def _stop_process(self, timeout: float) -> None:
         """Ask the stage to exit (SHUTDOWN), then stop its process group; keep logs of failed stages."""
-        if self.process is not None and self.process.pid is not None and self._loop is not None:
-            self._loop.remove_reader(self.process.sentinel)  # (none to remove if it never started)
+        self._forget_process()
         asked = False
         if self.ready is not None and self.dead_error is None:
             try:
@@ -332,10 +331,22 @@ class BaseStageClient:
                 asked = True
             except Exception:  # noqa: BLE001 - the stage may be gone already; stopped below
                 logger.debug("stage %d: SHUTDOWN not sent", self.stage_id, exc_info=True)
-        if self.process is not None:
-            await asyncio.to_thread(self.process.stop, timeout if asked else 0.0)
-            if self.process.exitcode == 0:
-                self.process.log_path.unlink(missing_ok=True)
+        await asyncio.to_thread(self._reap_process, timeout if asked else 0.0)
+
+    def _forget_process(self) -> None:
+        """Stop watching the process's exit: from here on it is stopped on purpose."""
+        process = self.process
+        if process is not None and process.pid is not None and self._loop is not None and not self._loop.is_closed():
+            self._loop.remove_reader(process.sentinel)  # (none to remove if it never started)
+
+    def _reap_process(self, grace: float) -> None:
+        """Blocking: ``grace`` for a requested exit, then SIGTERM and SIGKILL of the process group;
+        the log of a stage that exited cleanly goes, a failed one's stays."""
+        process = self.process
+        if process is not None:
+            process.stop(grace)
+            if process.exitcode == 0:
+                process.log_path.unlink(missing_ok=True)
 
     def _send_nowait(self, req_type: StageRequestType, msg: Any) -> bool:
         """Send without the event loop (a synchronous shutdown); False if it could not be sent."""
@@ -354,9 +365,7 @@ class BaseStageClient:
         if self._stopped:
             return False
         self._stopped = True
-        process = self.process
-        if process is not None and process.pid is not None and self._loop is not None and not self._loop.is_closed():
-            self._loop.remove_reader(process.sentinel)
+        self._forget_process()
         self._asked_stop = False
         if self.ready is not None and self.dead_error is None:
             try:
@@ -368,15 +377,12 @@ class BaseStageClient:
     def finish_shutdown_now(self, timeout: float) -> None:
         """Second half: the process gets ``timeout`` to exit (if asked), then SIGTERM and SIGKILL of
         its group; then everything else the client holds is freed (``_release_now``)."""
-        process = self.process
-        if process is not None:
-            process.stop(timeout if self._asked_stop else 0.0)
-            if process.exitcode == 0:
-                process.log_path.unlink(missing_ok=True)
+        self._reap_process(timeout if self._asked_stop else 0.0)
         self._release_now()
 
     def _release_now(self) -> None:
-        """Free the transport, tasks and request state without awaiting (after the process stopped)."""
+        """Free the transport, tasks and request state without awaiting (after the process stopped;
+        the end of ``shutdown`` too)."""
         self._set_dead_now(StageDeadError(self.stage_id, f"stage {self.stage_id} client is shut down"))
 
     def _set_dead_now(self, error: StageDeadError) -> None:

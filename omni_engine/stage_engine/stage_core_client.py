@@ -234,16 +234,11 @@ class StageEngineCoreClient(BaseStageClient):
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-        # (Through self.shm.close(): the stage's producer leaves the lease book, its segments are unlinked.)
-        self._set_dead(StageDeadError(self.stage_id, f"stage {self.stage_id} client is shut down"), notify=False)
-        if self._auth is not None:
-            self._auth.stop()
-        if self._finalizer is not None:
-            self._finalizer()
-        self.attachments.detach(prefix=self.shm_prefix)
+        self._release_now()
 
     def _release_now(self) -> None:
         cancel_now((self._output_task, self._drain_task), self._loop)
+        # (Through self.shm.close(): the stage's producer leaves the lease book, its segments are unlinked.)
         super()._release_now()
         if self._auth is not None:
             self._auth.stop()

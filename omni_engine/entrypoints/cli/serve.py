@@ -123,7 +123,6 @@ async def _serve(args: argparse.Namespace, config) -> int:
             from omni_engine.entrypoints.openai.metrics import register_pipeline_metrics
             # omni_engine_* series and the LLM stages' vllm:* series on vLLM's /metrics
             register_pipeline_metrics(client, engine_metrics_timeout=args.engine_metrics_timeout)
-            client.bind_loop()
             say(f"pipeline ready in {time.monotonic() - started:.1f} s ({config.runtime.execution_mode}); "
                  f"serving on {listen_address}")
             shutdown_task = await build_and_serve(client, listen_address, sock, server_args)

@@ -37,6 +37,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from omni_engine import envs
+from omni_engine.loop_context import LoopContext, loop_context
 from omni_engine.metrics import PipelineObserver
 from omni_engine.prometheus_snapshot import FamilySnapshot, merge_families
 
@@ -74,14 +75,10 @@ class StageEngineMetrics:
         return merge_families({str(sid): snap for sid, snap in last.items()}, "stage")
 
     def _refresh(self) -> None:
-        loop = self.loop
-        if loop is None or loop.is_closed() or not loop.is_running():
+        loop, where = self.loop, loop_context(self.loop)
+        if where is LoopContext.NOT_RUNNING:
             return
-        try:
-            on_loop = asyncio.get_running_loop() is loop
-        except RuntimeError:
-            on_loop = False
-        if on_loop:
+        if where is LoopContext.ON_LOOP:
             task = loop.create_task(self._fetch())
             self._fetching.add(task)
             task.add_done_callback(self._fetching.discard)

@@ -16,7 +16,6 @@ are not run, and only the text stage's outputs reach vLLM's serving code.
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import AsyncGenerator, Sequence
 from typing import Any
 
@@ -53,10 +52,6 @@ class OpenAIServingEngineClient(MultiStageEngineClient):
         self.text_stage_id: int | None = None
         # What a request gets when it does not say: only text, so the request ends at the text stage.
         self.default_modalities: tuple[str, ...] = ("text",)
-
-    def bind_loop(self) -> None:
-        """Remember the event loop that owns the stage sockets (for ``shutdown`` from a thread)."""
-        self._loop = asyncio.get_running_loop()
 
     def final_stages_for(self, modalities: Sequence[str] | None) -> int | list[int] | None:
         """The stage(s) a request ends at: the text stage for text only, else the pipeline's finals."""
