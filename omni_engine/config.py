@@ -104,7 +104,7 @@ class SecurityConfig(_Base):
                 pairs[name] = KeyPair.load(path) if path else KeyPair.generate()
             except KeyFileError as exc:
                 raise ConfigError([f"runtime.security.{name}: {exc}"]) from None
-        return CurveKeys(pairs["server_key"], pairs["client_key"])
+        return CurveKeys(pairs["server_key"], pairs["client_key"], fixed_client=self.client_key is not None)
 
 
 class PipelineRuntimeConfig(_Base):
@@ -130,18 +130,37 @@ class StageRuntimeConfig(_Base):
     max_batch_size: Annotated[int, msgspec.Meta(ge=1)] | None = None
     transport: str = "ipc"
     # "on-failure": a stage process that dies is started again (requests in
-    # flight through it still fail), at most max_restarts (default 3) times per pipeline.
+    # flight through it still fail), at most max_restarts (default 3) times per replica.
     restart: str = "no"
     max_restarts: Annotated[int, msgspec.Meta(ge=0)] | None = None
     # tcp only: the address the client binds for this stage (default 127.0.0.1:
     # never reachable from other machines unless asked for).
     host: str | None = None
+    # Processes running this stage; the orchestrator still sees one stage. A
+    # request goes to the replica with the fewest requests in flight
+    # ("least-loaded", ties rotated) or to the next in turn ("round-robin").
+    num_replicas: Annotated[int, msgspec.Meta(ge=1)] = 1
+    load_balance: str = "least-loaded"
+    # "request": the sub-requests of one request stay on one replica (a stage
+    # holding per-request state); "none": they spread like requests.
+    affinity: str = "none"
+    # When a replica dies, its requests that produced no output yet go to a live
+    # replica ("before_first_output") or fail with it ("never").
+    retry: str = "before_first_output"
 
     def device_ids(self) -> tuple[str, ...] | None:
         """``devices`` as a tuple of ids (None: not set); validation has checked their shape."""
         if self.devices is None:
             return None
         return tuple(str(part).strip() for part in cv.device_parts(self.devices))
+
+    def replica_device_ids(self, replica: int) -> tuple[str, ...] | None:
+        """The devices of one replica: ``devices`` shared out in equal consecutive parts."""
+        ids = self.device_ids()
+        if ids is None:
+            return None
+        per = len(ids) // self.num_replicas
+        return ids[replica * per:(replica + 1) * per]
 
 
 class StageConfig(_Base):

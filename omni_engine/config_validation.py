@@ -20,6 +20,9 @@ from omni_engine.stage_engine.stage_sockets import check_host
 from omni_engine.utils import resolve_dotted
 
 RESTART_POLICIES = ("no", "on-failure")
+LOAD_BALANCE_POLICIES = ("least-loaded", "round-robin")
+AFFINITIES = ("none", "request")
+RETRY_POLICIES = ("before_first_output", "never")
 
 if TYPE_CHECKING:
     from omni_engine.config import (
@@ -203,6 +206,7 @@ def check_stage(
                                           "remove the field or set it to true")
     if stage.runtime.devices is not None:
         _check_devices(stage.runtime.devices, f"{path}.runtime.devices", report)
+    _check_replicas(stage, f"{path}.runtime", report)
     for key in stage.env:
         if key.startswith("OMNI_ENGINE_"):
             report(f"{path}.env.{key}", "omni_engine's settings are not read in stage processes; set tensor "
@@ -249,6 +253,22 @@ def check_stage(
         else:
             check_dotted(stage.engine_args["model_factory"], "model_factory",
                          f"{path}.engine_args.model_factory", report)
+
+
+def _check_replicas(stage: StageConfig, path: str, report: Report) -> None:
+    """``num_replicas`` and the fields that say how replicas share work and fail."""
+    runtime = stage.runtime
+    for name, allowed in (("load_balance", LOAD_BALANCE_POLICIES), ("affinity", AFFINITIES),
+                          ("retry", RETRY_POLICIES)):
+        value = getattr(runtime, name)
+        if value not in allowed:
+            report(f"{path}.{name}", f"unknown {name} {value!r}; expected one of {list(allowed)}")
+    n = runtime.num_replicas
+    if runtime.devices is not None and n > 1:
+        count = len(device_parts(runtime.devices))
+        if count % n:
+            report(f"{path}.devices", f"{count} device(s) cannot be shared out equally over num_replicas: {n}; "
+                                      f"give each replica the same number (e.g. {n} devices, one each)")
 
 
 def device_parts(devices: str | int | list[int | str]) -> list[int | str]:

@@ -14,13 +14,21 @@ from vllm.v1.engine.exceptions import EngineDeadError, EngineGenerateError
 
 
 class StageDeadError(EngineDeadError):
-    """A stage process died or reported a fatal error; it serves nothing more."""
+    """A stage process died or reported a fatal error; it serves nothing more.
 
-    def __init__(self, stage_id: int, message: str, exit_code: int | None = None) -> None:
+    Of a replicated stage: ``replica`` names the replica that died, and
+    ``request_id`` the request that was lost with it (the stage lives on in
+    its other replicas).
+    """
+
+    def __init__(self, stage_id: int, message: str, exit_code: int | None = None, *,
+                 replica: int | None = None, request_id: str | None = None) -> None:
         super().__init__()
         self.stage_id = stage_id
         self.exit_code = exit_code
         self.message = message
+        self.replica = replica
+        self.request_id = request_id
         self.args = (message,)
 
     def __str__(self) -> str:

@@ -5,7 +5,7 @@ registry; the server's ``/metrics`` is another process. ``snapshot_families``
 turns the families of a registry into plain lists (msgpack-friendly, sent as
 a utility result over the stage socket); ``merge_families`` turns the
 snapshots of several processes back into one family per name, each sample
-labelled with the process it came from (``stage="0"``), as the text format
+labelled with the process it came from (``stage="0", replica="1"``), as the text format
 requires (one ``# TYPE`` per name).
 """
 
@@ -29,15 +29,15 @@ def snapshot_families(registry: Any, prefix: str) -> list[FamilySnapshot]:
     ]
 
 
-def merge_families(snapshots: Mapping[str, list[FamilySnapshot]], label: str) -> list[Metric]:
-    """One ``Metric`` per family name over all ``snapshots`` (label value -> snapshot),
-    every sample with ``label`` set to the key of the snapshot it came from."""
+def merge_families(snapshots: Mapping[tuple[tuple[str, str], ...], list[FamilySnapshot]]) -> list[Metric]:
+    """One ``Metric`` per family name over all ``snapshots`` (labels -> snapshot), every
+    sample given the labels of the snapshot it came from (e.g. ``stage``, ``replica``)."""
     families: dict[str, Metric] = {}
-    for label_value, snapshot in sorted(snapshots.items()):
+    for labels, snapshot in sorted(snapshots.items()):
         for name, typ, documentation, samples in snapshot:
             family = families.get(name)
             if family is None:
                 family = families[name] = Metric(name, documentation, typ)
-            for sample_name, labels, value in samples:
-                family.add_sample(sample_name, {**labels, label: label_value}, value)
+            for sample_name, sample_labels, value in samples:
+                family.add_sample(sample_name, {**sample_labels, **dict(labels)}, value)
     return list(families.values())

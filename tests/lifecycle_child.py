@@ -41,7 +41,7 @@ async def start(pipeline: str, legacy: bool):
         prompt, params = "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n", SamplingParams(max_tokens=8)
     outputs = [o async for o in client.generate(prompt, params, "once")]
     assert outputs and outputs[-1].finished
-    stages = [ctx.client for ctx in client.stage_contexts]
+    stages = [replica for ctx in client.stage_contexts for replica in ctx.client.replicas]
     print(json.dumps({
         "pids": [s.process.pid for s in stages],
         "runtime_dirs": [str(s.runtime_dir) for s in stages if getattr(s, "runtime_dir", None)],

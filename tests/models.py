@@ -196,3 +196,36 @@ class EnvProbe(_Model):
 
 def make_env_probe(name: str) -> EnvProbe:
     return EnvProbe(name)
+
+
+class PidProbe(_Model):
+    """Answers with its process id (which replica ran the request) and the prompt's ``index``,
+    after ``delay`` seconds of waiting (work that takes time but no CPU)."""
+
+    def __init__(self, delay: float = 0.0) -> None:
+        self.delay = delay
+
+    async def generate(self, requests: list[GenerationRequest]) -> list[Any]:
+        import os
+
+        if self.delay:
+            await asyncio.sleep(self.delay)
+        return [{"pid": os.getpid(), "index": r.prompt.get("index", 0)} for r in requests]
+
+
+def make_pid_probe(delay: float = 0.0) -> PidProbe:
+    return PidProbe(delay)
+
+
+class FanOut:
+    """Input processor: the prompt's ``fan_out`` requests to the next stage, ``{"index": i}`` each
+    (sub-requests of one request, as sentences become speech requests)."""
+
+    def __init__(self, sources: list[int], dst: int, prompt: Any = None) -> None:
+        self.n = prompt.get("fan_out", 1) if isinstance(prompt, dict) else 1
+
+    def on_output(self, output: Any, new_text: str) -> list[StageInput]:
+        return []
+
+    def on_finish(self, outputs: dict[int, list[Any]], text: dict[int, str]) -> list[StageInput]:
+        return [StageInput({"index": i}) for i in range(self.n)]

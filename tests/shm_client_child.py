@@ -42,7 +42,7 @@ async def main() -> None:
         stream = client.generate({"nbytes": NBYTES, "sink_delay": 600}, None, "held")
         request = asyncio.create_task(first_output(stream))
         await wait_in_sink(client)
-        stages = [ctx.client for ctx in client.stage_contexts]
+        stages = [replica for ctx in client.stage_contexts for replica in ctx.client.replicas]
         info = {"pid": os.getpid(), "stages": [s.process.pid for s in stages],
                 "prefixes": [s.shm_prefix for s in stages], "runtime_dirs": [str(s.runtime_dir) for s in stages]}
         print("ready", json.dumps(info), flush=True)

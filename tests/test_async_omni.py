@@ -40,7 +40,7 @@ async def test_single_stage_pipeline(monkeypatch, smollm2_path):
             sampling_params_list=[SamplingParams(max_tokens=8)],
         ):
             outputs.append(output)
-        assert async_omni.engine.orchestrator.stages[0].client.__class__.__name__ == "StageEngineCoreClient"
+        assert async_omni.engine.orchestrator.stages[0].client.replicas[0].__class__.__name__ == "StageEngineCoreClient"
 
     assert len(outputs) > 0
     assert outputs[-1].finished
@@ -65,7 +65,7 @@ async def test_two_stage_pipeline(monkeypatch, smollm2_path, chat_prompt):
             sampling_params_list=[SamplingParams(temperature=0.0, max_tokens=32), SamplingParams()],
         ):
             outputs.append(output)
-        assert async_omni.engine.orchestrator.stages[0].client.__class__.__name__ == "OmniStage"
+        assert async_omni.engine.orchestrator.stages[0].client.replicas[0].__class__.__name__ == "OmniStage"
         # abort of an unknown id is harmless; health is checked on every stage
         await async_omni.abort("unknown")
         await async_omni.check_health()

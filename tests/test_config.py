@@ -175,10 +175,10 @@ def test_build_stage_specs_takes_connectors_from_config_over_environment(monkeyp
     monkeypatch.setenv("OMNI_ENGINE_USE_SHM", "0")
     data = chain(final(llm(0)))
     specs = build_stage_specs(parse_pipeline_config(data))
-    assert (specs[0].connectors.shm_threshold, specs[0].connectors.use_shm) == (123, False)
+    assert (specs[0][0].connectors.shm_threshold, specs[0][0].connectors.use_shm) == (123, False)
     data["runtime"] = {"connectors": {"shm_threshold": 4096, "use_shm": True}}
     specs = build_stage_specs(parse_pipeline_config(data))
-    assert (specs[0].connectors.shm_threshold, specs[0].connectors.use_shm) == (4096, True)
+    assert (specs[0][0].connectors.shm_threshold, specs[0][0].connectors.use_shm) == (4096, True)
 
 
 def test_devices_index_into_the_devices_this_process_sees(monkeypatch: pytest.MonkeyPatch) -> None:

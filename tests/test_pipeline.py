@@ -62,9 +62,10 @@ async def pipeline(request, smollm2_path):
     yield client
     await client.shutdown_async()
     for ctx in client.stage_contexts:
-        assert not ctx.client.process.is_alive()
-        if is_new(client):
-            assert not list_segments(ctx.client.shm_prefix)
+        for replica in ctx.client.replicas:
+            assert not replica.process.is_alive()
+            if is_new(client):
+                assert not list_segments(replica.shm_prefix)
 
 
 def is_new(client) -> bool:
@@ -289,8 +290,9 @@ async def test_health_and_protocol_surface(pipeline):
     assert not await pipeline.is_paused()
     with pytest.raises(NotImplementedError):
         pipeline.encode("x", None, "r")
-    # collective_rpc reaches the vLLM workers of the LLM stage(s), or the chosen stages.
-    (per_worker,) = await pipeline.collective_rpc("get_supported_tasks")
+    # collective_rpc reaches the vLLM workers of the LLM stage(s), or the chosen stages: one
+    # result per worker, as vLLM's AsyncLLM.collective_rpc.
+    per_worker = await pipeline.collective_rpc("get_supported_tasks")
     assert per_worker and all("generate" in tasks for tasks in per_worker)
     with pytest.raises(RuntimeError, match="stage 1 .*no utility method 'collective_rpc'"):
         await pipeline.collective_rpc("get_cache_block_size_bytes", stage_ids=[1])

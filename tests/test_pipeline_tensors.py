@@ -26,7 +26,7 @@ async def run_once(client, request_id):
 @pytest.mark.parametrize("use_shm", [True, False])
 async def test_tensor_crosses_stages_without_the_client_copying_it(use_shm):
     client = await MultiStageEngineClient.from_config(tensor_pipeline_config(use_shm))
-    source = client.stage_contexts[0].client
+    source = client.stage_contexts[0].client.replicas[0]
     try:
         result = await run_once(client, "t0")
         assert result["nbytes"] == NBYTES and result["all_same"] and result["first"] == NBYTES % 251
@@ -58,7 +58,7 @@ async def test_an_output_written_into_shared_memory_is_sent_without_a_copy():
     slot itself goes to the sink, and comes back after the request. A slot
     whose output is never sent (the request failed) comes back too."""
     client = await MultiStageEngineClient.from_config(tensor_pipeline_config())
-    source = client.stage_contexts[0].client
+    source = client.stage_contexts[0].client.replicas[0]
     try:
         outputs = [o async for o in client.generate({"nbytes": NBYTES, "into_slot": True}, None, "slot")]
         result = outputs[-1].multimodal_output

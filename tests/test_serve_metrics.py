@@ -193,7 +193,7 @@ def test_the_llm_stages_vllm_metrics_are_on_metrics_and_move_with_load(server, c
     stages = {labels["stage"] for samples in before.values() for labels, _ in samples}
     assert stages == {"0"}
     assert {labels["model_name"] for labels, _ in before["vllm:generation_tokens_total"]} == {MODEL}
-    assert value(before, "vllm:time_to_first_token_seconds_count", stage="0") >= 2  # the two chats
+    assert value(before, "vllm:time_to_first_token_seconds_count", stage="0", replica="0") >= 2  # the two chats
     assert value(before, "vllm:num_requests_running", stage="0") == 0
 
     stream, chunks = long_stream(client, 5)

@@ -66,7 +66,7 @@ async def start_held_request(client: MultiStageEngineClient, request_id: str) ->
         return [o async for o in client.generate({"nbytes": NBYTES, "sink_delay": HELD}, None, request_id)]
 
     task = asyncio.create_task(read())
-    source, sink = (ctx.client for ctx in client.stage_contexts)
+    source, sink = (ctx.client.replicas[0] for ctx in client.stage_contexts)
     await wait_until(lambda: sink.num_unfinished_requests() == 1, 30, f"{request_id} in the sink")
 
     async def slot_leased() -> bool:
@@ -92,7 +92,7 @@ async def pipeline():
 
 
 async def test_normal_requests_take_slots_and_give_them_back(pipeline):
-    source = pipeline.stage_contexts[0].client
+    source = pipeline.stage_contexts[0].client.replicas[0]
     for i in range(3):
         outputs = [o async for o in pipeline.generate({"nbytes": NBYTES}, None, f"normal-{i}")]
         assert outputs[-1].finished and outputs[-1].multimodal_output["segment"].startswith(source.shm_prefix)
@@ -119,7 +119,7 @@ async def test_a_reused_request_id_keeps_its_slot_until_it_ends_again(pipeline):
     again = await start_held_request(pipeline, "reused")
     gc.collect()  # the client's own views of the slot die: the sink's request must still hold it
     await asyncio.sleep(0.2)  # a release would be on its way by now
-    source = pipeline.stage_contexts[0].client
+    source = pipeline.stage_contexts[0].client.replicas[0]
     assert await leased(source) >= 1
     await pipeline.abort("reused")
     assert (await again)[-1].finished
@@ -131,7 +131,7 @@ async def test_stage_deaths_mid_request_kill9_and_sigterm():
     other, the request through it fails within 2 s naming the stage and the signal."""
     before = segments_of()
     client = await MultiStageEngineClient.from_config(tensor_pipeline_config())
-    source, sink = (ctx.client for ctx in client.stage_contexts)
+    source, sink = (ctx.client.replicas[0] for ctx in client.stage_contexts)
     try:
         request = await start_held_request(client, "doomed")
         assert list_segments(source.shm_prefix)

@@ -23,6 +23,7 @@ from omni_engine.loop_context import LoopContext, loop_context
 from omni_engine.metrics import OrchestratorMetrics, PipelineObserver
 from omni_engine.outputs import OmniRequestOutput
 from omni_engine.pipeline.orchestrator import PipelineOrchestrator
+from omni_engine.pipeline.replica_set import ReplicaStatus, StageReplicaSet
 from omni_engine.pipeline.stage_context import StageContext
 from omni_engine.pipeline.stage_specs import build_stage_specs, prepare_models
 from omni_engine.pipeline.stage_supervisor import StageClientMaker, StageSupervisor
@@ -39,6 +40,14 @@ Progress = Callable[[str], None]
 StageClientFactory = Callable[[StageConfig, StageProcessSpec], BaseStageClient]
 
 
+def replica_set_for(stage: StageConfig, replicas: Sequence[BaseStageClient]) -> StageReplicaSet:
+    """The replicas of ``stage`` as one stage client, balanced and failing over as configured."""
+    runtime = stage.runtime
+    capacity = runtime.max_batch_size or stage.engine_args.get("max_num_seqs") or 1
+    return StageReplicaSet(stage.stage_id, replicas, load_balance=runtime.load_balance, affinity=runtime.affinity,
+                           retry=runtime.retry, capacity=capacity)
+
+
 class MultiStageEngineClient(EngineClient):
     """A pipeline of stages that vLLM can serve as one model."""
 
@@ -51,8 +60,9 @@ class MultiStageEngineClient(EngineClient):
         stage_makers: dict[int, StageClientMaker] | None = None,
     ) -> None:
         """``edges``: per-edge overrides (default: the config's ``runtime.edges``).
-        ``stage_makers`` make a new client (and process) for a stage; stages
-        with ``runtime.restart: on-failure`` are restarted with them."""
+        ``stage_makers`` make a new client (and process) for a replica of a
+        stage (called with the replica's index); replicas of stages with
+        ``runtime.restart: on-failure`` are restarted with them."""
         self.stage_contexts = list(stages)
         self.config = config
         self.metrics = OrchestratorMetrics()
@@ -95,39 +105,45 @@ class MultiStageEngineClient(EngineClient):
         say = progress or (lambda msg: None)
         cfg = prepare_models(cfg, say)
         specs = build_stage_specs(cfg)
-        # One set of CURVE keys per run, shared by every stage (None: CURVE off).
+        # CURVE on: one server keypair per run; each stage process its own keypair
+        # unless the config fixes one (None: CURVE off).
         curve = cfg.runtime.security.curve_keys()
 
         def zmq_client(stage: StageConfig, spec: StageProcessSpec) -> StageEngineCoreClient:
             return StageEngineCoreClient(stage.stage_id, process=spec, transport=stage.runtime.transport,
-                                         host=stage.runtime.host, curve=curve)
+                                         host=stage.runtime.host,
+                                         curve=curve.for_new_process() if curve is not None else None)
 
         make_client = make_stage_client or zmq_client
-        clients = {stage.stage_id: make_client(stage, specs[stage.stage_id]) for stage in cfg.stage_args}
+        stage_sets = {stage.stage_id: replica_set_for(stage, [make_client(stage, spec)
+                                                              for spec in specs[stage.stage_id]])
+                      for stage in cfg.stage_args}
 
         async def start(stage_id: int) -> None:
-            say(f"stage {stage_id}: starting process")
+            n = len(specs[stage_id])
+            say(f"stage {stage_id}: starting {'process' if n == 1 else f'{n} replicas'}")
             loop = asyncio.get_running_loop()
             t0 = loop.time()
-            await clients[stage_id].start()
-            say(f"stage {stage_id}: ready in {loop.time() - t0:.1f} s (pid {clients[stage_id].ready.pid})")
+            await stage_sets[stage_id].start()
+            pids = ", ".join(str(r.ready.pid) for r in stage_sets[stage_id].replicas)
+            say(f"stage {stage_id}: ready in {loop.time() - t0:.1f} s (pid {pids})")
 
-        results = await asyncio.gather(*(start(sid) for sid in clients), return_exceptions=True)
+        results = await asyncio.gather(*(start(sid) for sid in stage_sets), return_exceptions=True)
         errors = [r for r in results if isinstance(r, BaseException)]
         if errors:
-            await asyncio.gather(*(c.shutdown() for c in clients.values()), return_exceptions=True)
+            await asyncio.gather(*(c.shutdown() for c in stage_sets.values()), return_exceptions=True)
             raise errors[0]
         contexts = [
             StageContext(
                 stage_id=stage.stage_id,
                 stage_config=stage,
-                client=clients[stage.stage_id],
+                client=stage_sets[stage.stage_id],
                 is_final_output=stage.final_output,
                 final_output_type=stage.final_output_type or "text",
             )
             for stage in cfg.stage_args
         ]
-        makers = {stage.stage_id: (lambda stage=stage: make_client(stage, specs[stage.stage_id]))
+        makers = {stage.stage_id: (lambda replica, stage=stage: make_client(stage, specs[stage.stage_id][replica]))
                   for stage in cfg.stage_args}
         return cls(contexts, cfg.runtime.execution_mode, cfg.runtime.edges, cfg, makers)
 
@@ -236,8 +252,25 @@ class MultiStageEngineClient(EngineClient):
         return dict(ready.engine_info) if ready is not None else {}
 
     def stage_alive(self, stage_id: int) -> bool:
-        """Whether the stage's current process is up (False once it died, until a restart)."""
+        """Whether the stage serves: one of its replicas is up (False once none is, until a restart)."""
         return not self.orchestrator.stages[stage_id].client.is_dead
+
+    def replica_status(self, stage_id: int) -> list[ReplicaStatus]:
+        """Per replica of the stage: alive, requests in flight, requests sent to it, pid."""
+        client = self.orchestrator.stages[stage_id].client
+        if isinstance(client, StageReplicaSet):
+            return client.status()
+        return [ReplicaStatus(not client.is_dead, client.num_unfinished_requests(), 0,
+                              client.ready.pid if client.ready is not None else None)]
+
+    def replica_alive(self, stage_id: int, replica: int) -> bool:
+        status = self.replica_status(stage_id)
+        return replica < len(status) and status[replica].alive
+
+    def stage_retries(self) -> dict[int, int]:
+        """Per stage: requests moved to another replica when theirs died (``runtime.retry``)."""
+        return {ctx.stage_id: ctx.client.resubmitted for ctx in self.stage_contexts
+                if isinstance(ctx.client, StageReplicaSet)}
 
     def stage_load(self) -> dict[int, tuple[int, int]]:
         """Per stage: (waiting, running) sub-requests."""
@@ -331,31 +364,36 @@ class MultiStageEngineClient(EngineClient):
         self, method: str, timeout: float | None = None, args: tuple = (), kwargs: dict | None = None,
         stage_ids: Sequence[int] | None = None,
     ) -> list[Any]:
-        """vLLM's ``collective_rpc`` on the workers of the chosen (default: every LLM) stage."""
-        return await self._call_stages(
-            "collective_rpc", stage_ids=stage_ids, llm_only=stage_ids is None,
-            method=method, timeout=timeout, args=tuple(args), kwargs=kwargs)
+        """vLLM's ``collective_rpc`` on the workers of the chosen (default: every LLM) stage: one
+        result per worker, over every replica of those stages."""
+        chosen = self._chosen_stages(stage_ids, llm_only=stage_ids is None)
+        per_stage = await asyncio.gather(*(ctx.client.call_each_replica_async(
+            "collective_rpc", method=method, timeout=timeout, args=tuple(args), kwargs=kwargs) for ctx in chosen))
+        return [worker for results in per_stage for _, workers in sorted(results.items()) for worker in workers]
 
-    async def _call_stages(self, utility: str, /, *, stage_ids: Sequence[int] | None = None, llm_only: bool = False,
-                           **kwargs: Any) -> list[Any]:
-        chosen = [ctx for ctx in self.stage_contexts if stage_ids is None or ctx.stage_id in stage_ids]
-        if llm_only:
-            chosen = [ctx for ctx in chosen if ctx.stage_type in (None, "llm")]
+    def _chosen_stages(self, stage_ids: Sequence[int] | None, llm_only: bool) -> list[StageContext]:
         unknown = set(stage_ids or ()) - {ctx.stage_id for ctx in self.stage_contexts}
         if unknown:
             raise ValueError(f"no stage {sorted(unknown)} in this pipeline")
+        chosen = [ctx for ctx in self.stage_contexts if stage_ids is None or ctx.stage_id in stage_ids]
+        return [ctx for ctx in chosen if ctx.stage_type in (None, "llm")] if llm_only else chosen
+
+    async def _call_stages(self, utility: str, /, *, stage_ids: Sequence[int] | None = None, llm_only: bool = False,
+                           **kwargs: Any) -> list[Any]:
+        chosen = self._chosen_stages(stage_ids, llm_only)
         return list(await asyncio.gather(*(ctx.client.call_utility_async(utility, **kwargs) for ctx in chosen)))
 
-    async def engine_metrics(self, timeout: float = 2.0) -> dict[int, list[Any]]:
-        """vLLM's ``vllm:*`` metric families of each live LLM stage (stage id -> snapshot,
-        ``prometheus_snapshot`` format); a stage that does not answer within ``timeout`` is left out."""
+    async def engine_metrics(self, timeout: float = 2.0) -> dict[tuple[int, int], list[Any]]:
+        """vLLM's ``vllm:*`` metric families of each live LLM stage replica ((stage id, replica) ->
+        snapshot, ``prometheus_snapshot`` format); one that does not answer within ``timeout`` is left out."""
         chosen = [ctx for ctx in self.stage_contexts
                   if ctx.stage_type in (None, "llm") and not ctx.client.is_dead]
-        results = await asyncio.gather(
-            *(ctx.client.call_utility_async("engine_metrics", call_timeout=timeout) for ctx in chosen),
-            return_exceptions=True)
-        return {ctx.stage_id: result for ctx, result in zip(chosen, results)
-                if not isinstance(result, BaseException)}
+        per_stage = await asyncio.gather(
+            *(ctx.client.call_each_replica_async("engine_metrics", call_timeout=timeout, return_exceptions=True)
+              for ctx in chosen), return_exceptions=True)
+        return {(ctx.stage_id, replica): snapshot
+                for ctx, results in zip(chosen, per_stage) if not isinstance(results, BaseException)
+                for replica, snapshot in results.items() if not isinstance(snapshot, BaseException)}
 
     async def sleep(self, level: int = 1, mode: str = "abort") -> None:
         await self._call_stages("sleep", llm_only=True, level=level)

@@ -257,7 +257,7 @@ class PipelineOrchestrator(RequestEndings):
         self.events.submitting(state, sid, k)
         client = self.stages[sid].client
         sent_before = client.bytes_sent
-        await client.submit_request(sub_id, inp.prompt, params, end_on_finish=False)
+        await client.submit_request(sub_id, inp.prompt, params, end_on_finish=False, group=state.request_id)
         nbytes = client.bytes_sent - sent_before
         self.events.submitted(state, sid, nbytes)
         return nbytes
@@ -290,7 +290,7 @@ class PipelineOrchestrator(RequestEndings):
             if state is None:
                 continue  # aborted or finished meanwhile
             try:
-                if isinstance(item, StageRequestError):
+                if isinstance(item, (StageRequestError, StageDeadError)):  # (lost with a replica)
                     await self._fail(state, item)
                 elif self._has_async_edge(sid, state):
                     await self._process_async_chunk_pipeline(state, sid, item)

@@ -5,9 +5,10 @@ Two explicit steps, in this order, on the client side:
 * ``prepare_models``: recipe model names (``smollm2``) become prepared model
   directories. This is I/O (it may build the model), so it is a step of its
   own and never a side effect of building or reading a config.
-* ``build_stage_specs``: one ``StageProcessSpec`` per stage with every setting
-  the process needs as a field -- engine args, batch size, connector settings,
-  devices, environment -- so a stage reads nothing from the environment.
+* ``build_stage_specs``: one ``StageProcessSpec`` per stage replica with every
+  setting the process needs as a field -- engine args, batch size, connector
+  settings, devices (each replica its share), environment -- so a stage reads
+  nothing from the environment.
 """
 
 from __future__ import annotations
@@ -52,14 +53,16 @@ def device_control_variable() -> str:
     return current_platform.device_control_env_var
 
 
-def device_assignment(stage: StageConfig, variable: str, source: str = "<dict>") -> DeviceAssignment | None:
-    """The stage's ``runtime.devices`` as values of ``variable`` (None: devices not set).
+def device_assignment(stage: StageConfig, variable: str, source: str = "<dict>",
+                      replica: int = 0) -> DeviceAssignment | None:
+    """The devices of one replica of the stage (its share of ``runtime.devices``) as values
+    of ``variable`` (None: devices not set).
 
     When this process has ``variable`` set itself (a container or job given
     some devices), the stage's ids index into what it holds, as vLLM's own
     workers do; otherwise they are the platform's ids as written.
     """
-    ids = stage.runtime.device_ids()
+    ids = stage.runtime.replica_device_ids(replica)
     if ids is None:
         return None
     where = f"{source}: stage {stage.stage_id}: runtime.devices"
@@ -80,11 +83,11 @@ def device_assignment(stage: StageConfig, variable: str, source: str = "<dict>")
 
 
 def stage_process_spec(stage: StageConfig, connectors: ConnectorSettings, device_variable: str | None = None,
-                       source: str = "<dict>") -> StageProcessSpec:
-    """The spec one stage's process is spawned with (its launch fields are its client's to fill)."""
+                       source: str = "<dict>", replica: int = 0) -> StageProcessSpec:
+    """The spec a stage replica's process is spawned with (its launch fields are its client's to fill)."""
     devices = None
     if stage.runtime.devices is not None:
-        devices = device_assignment(stage, device_variable or device_control_variable(), source)
+        devices = device_assignment(stage, device_variable or device_control_variable(), source, replica)
     return StageProcessSpec(
         stage.stage_type,
         stage.engine_args_for_engine(),
@@ -96,10 +99,14 @@ def stage_process_spec(stage: StageConfig, connectors: ConnectorSettings, device
     )
 
 
-def build_stage_specs(config: PipelineConfig, connectors: ConnectorSettings | None = None) -> dict[int, StageProcessSpec]:
-    """Every stage's process spec; ``connectors`` default to the config's over the environment's."""
+def build_stage_specs(config: PipelineConfig,
+                      connectors: ConnectorSettings | None = None) -> dict[int, list[StageProcessSpec]]:
+    """Every stage's process specs, one per replica; ``connectors`` default to the config's over
+    the environment's."""
     connectors = connectors or envs.connector_settings(config.runtime.connectors)
     source = config.source_path or "<dict>"
     needs_devices = any(stage.runtime.devices is not None for stage in config.stage_args)
     variable = device_control_variable() if needs_devices else None
-    return {stage.stage_id: stage_process_spec(stage, connectors, variable, source) for stage in config.stage_args}
+    return {stage.stage_id: [stage_process_spec(stage, connectors, variable, source, replica)
+                             for replica in range(stage.runtime.num_replicas)]
+            for stage in config.stage_args}

@@ -1,11 +1,12 @@
-"""``StageSupervisor``: starts a stage again when it dies (``runtime.restart: on-failure``).
+"""``StageSupervisor``: starts a stage replica again when it dies (``runtime.restart: on-failure``).
 
-A stage that dies fails the requests in flight through it (the orchestrator
-does that, naming the stage); the supervisor then replaces the stage's client
-with a new one and a new process, so that later requests succeed. While the
-stage is down, requests that need it fail at once and ``check_health`` (the
-server's ``/health``) reports it. Restarts are limited per stage
-(``runtime.max_restarts``) and spaced by a growing delay, so a stage that
+A replica that dies is evicted by its ``StageReplicaSet`` (what it ran moves
+to a live replica or fails, naming stage and replica); the supervisor then
+makes a new client and process for that replica only and readmits it, so the
+stage serves at full strength again. While no replica of a stage lives,
+requests that need it fail at once and ``check_health`` (the server's
+``/health``) reports it. Restarts are limited per replica
+(``runtime.max_restarts``) and spaced by a growing delay, so a replica that
 cannot start does not spin.
 """
 
@@ -15,6 +16,7 @@ import asyncio
 import logging
 from collections.abc import Callable, Sequence
 
+from omni_engine.pipeline.replica_set import StageReplicaSet
 from omni_engine.pipeline.stage_context import StageContext
 from omni_engine.errors import StageDeadError
 from omni_engine.loop_context import cancel_now
@@ -22,7 +24,8 @@ from omni_engine.stage_engine.base_client import BaseStageClient
 
 logger = logging.getLogger(__name__)
 
-StageClientMaker = Callable[[], BaseStageClient]
+# Makes the client (and process) of one replica of a stage, given the replica's index.
+StageClientMaker = Callable[[int], BaseStageClient]
 
 DEFAULT_MAX_RESTARTS = 3
 _FIRST_DELAY_S = 0.5
@@ -30,16 +33,19 @@ _MAX_DELAY_S = 10.0
 
 
 class StageSupervisor:
-    """Watches every stage with a restart policy and a way to make a new client."""
+    """Watches every replicated stage with a restart policy and a way to make a new replica."""
 
     def __init__(self, stages: Sequence[StageContext], makers: dict[int, StageClientMaker]) -> None:
         self._stages = {ctx.stage_id: ctx for ctx in stages}
         self._makers = makers
-        self.restarts: dict[int, int] = {sid: 0 for sid in self._stages}
-        self._tasks: dict[int, asyncio.Task] = {}
+        self.restarts: dict[int, int] = {sid: 0 for sid in self._stages}  # per stage, all replicas
+        self._replica_restarts: dict[tuple[int, int], int] = {}
+        self._tasks: dict[tuple[int, int], asyncio.Task] = {}
         self._stopped = False
         for ctx in stages:
-            self._watch(ctx)
+            if self._policy(ctx)[0] == "on-failure" and ctx.stage_id in self._makers \
+                    and isinstance(ctx.client, StageReplicaSet):
+                ctx.client.on_replica_dead = lambda replica, error, ctx=ctx: self._on_dead(ctx, replica, error)
 
     def _policy(self, ctx: StageContext) -> tuple[str, int]:
         runtime = ctx.stage_config.runtime if ctx.stage_config is not None else None
@@ -47,39 +53,40 @@ class StageSupervisor:
             return "no", 0
         return runtime.restart, DEFAULT_MAX_RESTARTS if runtime.max_restarts is None else runtime.max_restarts
 
-    def _watch(self, ctx: StageContext) -> None:
-        if self._policy(ctx)[0] == "on-failure" and ctx.stage_id in self._makers:
-            ctx.client.on_dead = lambda error, ctx=ctx: self._on_dead(ctx, error)
-
     def restarting(self, stage_id: int) -> bool:
-        task = self._tasks.get(stage_id)
-        return task is not None and not task.done()
+        return any(sid == stage_id and not task.done() for (sid, _), task in self._tasks.items())
 
-    def _on_dead(self, ctx: StageContext, error: StageDeadError) -> None:
-        if self._stopped or self.restarting(ctx.stage_id):
+    def _on_dead(self, ctx: StageContext, replica: int, error: StageDeadError) -> None:
+        key = (ctx.stage_id, replica)
+        task = self._tasks.get(key)
+        if self._stopped or (task is not None and not task.done()):
             return
         _, limit = self._policy(ctx)
-        if self.restarts[ctx.stage_id] >= limit:
-            logger.error("stage %d died and is not restarted: it was restarted %d time(s), the limit "
-                         "(runtime.max_restarts)", ctx.stage_id, self.restarts[ctx.stage_id])
+        done = self._replica_restarts.get(key, 0)
+        if done >= limit:
+            logger.error("stage %d replica %d died and is not restarted: it was restarted %d time(s), the limit "
+                         "(runtime.max_restarts)", ctx.stage_id, replica, done)
             return
-        self._tasks[ctx.stage_id] = asyncio.get_running_loop().create_task(
-            self._restart(ctx, error), name=f"restart-stage{ctx.stage_id}")
+        self._tasks[key] = asyncio.get_running_loop().create_task(
+            self._restart(ctx, replica, error), name=f"restart-stage{ctx.stage_id}-replica{replica}")
 
-    async def _restart(self, ctx: StageContext, error: StageDeadError) -> None:
-        sid = ctx.stage_id
+    async def _restart(self, ctx: StageContext, replica: int, error: StageDeadError) -> None:
+        sid, key = ctx.stage_id, (ctx.stage_id, replica)
+        replicas: StageReplicaSet = ctx.client
         _, limit = self._policy(ctx)
         delay = _FIRST_DELAY_S
-        while not self._stopped and self.restarts[sid] < limit:
+        while not self._stopped and self._replica_restarts.get(key, 0) < limit:
+            self._replica_restarts[key] = self._replica_restarts.get(key, 0) + 1
             self.restarts[sid] += 1
-            logger.warning("stage %d died (%s); restarting it (restart %d of at most %d)",
-                           sid, str(error).splitlines()[0], self.restarts[sid], limit)
-            await ctx.client.shutdown()  # reap what is left of the old one: process group, sockets, segments
-            client = self._makers[sid]()
+            logger.warning("stage %d replica %d died (%s); restarting it (restart %d of at most %d)",
+                           sid, replica, str(error).splitlines()[0], self._replica_restarts[key], limit)
+            # Reap what is left of the old one: process group, sockets, segments.
+            await replicas.replicas[replica].shutdown()
+            client = self._makers[sid](replica)
             try:
                 await client.start()
             except Exception as exc:  # noqa: BLE001 - retried with a delay until the limit
-                logger.error("stage %d: restart %d failed: %s", sid, self.restarts[sid], exc)
+                logger.error("stage %d replica %d: restart failed: %s", sid, replica, exc)
                 await client.shutdown()
                 await asyncio.sleep(delay)
                 delay = min(2 * delay, _MAX_DELAY_S)
@@ -87,9 +94,9 @@ class StageSupervisor:
             if self._stopped:
                 await client.shutdown()
                 return
-            ctx.client = client
-            self._watch(ctx)
-            logger.warning("stage %d is back (pid %s)", sid, client.ready.pid if client.ready else "?")
+            replicas.readmit(replica, client)
+            logger.warning("stage %d replica %d is back (pid %s)", sid, replica,
+                           client.ready.pid if client.ready else "?")
             return
 
     def stop_now(self) -> None:

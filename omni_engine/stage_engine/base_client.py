@@ -40,7 +40,9 @@ from omni_engine.stage_engine.stage_startup import wait_ready
 
 logger = logging.getLogger(__name__)
 
-StageItem = OmniRequestOutput | StageRequestError
+# What a stage client delivers per request: an output, a request's error, or (from a
+# replica set) a request lost with the replica that ran it.
+StageItem = OmniRequestOutput | StageRequestError | StageDeadError
 
 
 class RequestResources(Protocol):
@@ -104,6 +106,8 @@ class BaseStageClient:
         # Told when the stage dies unexpectedly (not at shutdown): e.g. the
         # pipeline's restart policy.
         self.on_dead: Callable[[StageDeadError], None] | None = None
+        # Where batches go instead of this client's own queue: a replica set's merged one.
+        self.sink: Callable[[list[StageItem]], None] | None = None
         # Wire traffic, for metrics (transports that cannot count leave 0).
         self.bytes_sent = 0
         self.bytes_received = 0
@@ -118,13 +122,15 @@ class BaseStageClient:
 
     # ------------------------------------------------------------- requests
     async def submit_request(self, request_id: str, prompt: Any, sampling_params: Any = None, *,
-                             end_on_finish: bool = True) -> None:
+                             end_on_finish: bool = True, group: str | None = None) -> None:
         """Send a GENERATE; outputs come from ``get_output_async``.
 
         With ``end_on_finish`` False what the transport holds for the request
         (shared-memory slots of its outputs) stays held after it finishes,
         until ``end_request``: under an orchestrator a handle may still be on
-        its way to the next stage.
+        its way to the next stage. ``group`` names the request a sub-request
+        belongs to (a replica set keeps a group on one replica; one client has
+        nothing to choose).
         """
         self._check_alive()
         if request_id in self._requests:
@@ -184,7 +190,7 @@ class BaseStageClient:
             self._pending_items = await self.get_outputs_async()
             self._pending_items.reverse()
         item = self._pending_items.pop()
-        if isinstance(item, StageRequestError):
+        if isinstance(item, BaseException):
             raise item
         return item
 
@@ -198,6 +204,9 @@ class BaseStageClient:
         return self._batches.popleft()
 
     def _put_batch(self, items: list[StageItem]) -> None:
+        if self.sink is not None:
+            self.sink(items)
+            return
         self._batches.append(items)
         self._batch_ready.set()
 
@@ -232,6 +241,16 @@ class BaseStageClient:
         if result.error is not None:
             raise RuntimeError(result.error)
         return result.result
+
+    async def call_each_replica_async(self, utility: str, /, *args: Any, call_timeout: float | None = None,
+                                      return_exceptions: bool = False, **kwargs: Any) -> dict[int, Any]:
+        """``call_utility_async`` per replica (replica index -> result); one client is replica 0."""
+        try:
+            return {0: await self.call_utility_async(utility, *args, call_timeout=call_timeout, **kwargs)}
+        except Exception as exc:
+            if not return_exceptions:
+                raise
+            return {0: exc}
 
     async def _call(self, req_type: StageRequestType, msg: Any, call_id: int, timeout: float | None) -> Any:
         self._check_alive()

@@ -100,6 +100,9 @@ class CurveKeys:
     client: KeyPair
     # Client public keys the ZAP check admits; by default only the stages' own.
     allowed_clients: frozenset[bytes] = frozenset()
+    # The stages' keypair came from a file (runtime.security.client_key): every
+    # stage process uses it. Else each stage process gets a keypair of its own.
+    fixed_client: bool = False
 
     def __post_init__(self) -> None:
         if not self.allowed_clients:
@@ -112,6 +115,13 @@ class CurveKeys:
 
     def for_stage(self) -> StageCurveKeys:
         return StageCurveKeys(self.client, self.server.public)
+
+    def for_new_process(self) -> CurveKeys:
+        """The keys for one more stage process: a fresh stage keypair unless it is fixed, so a
+        process that was evicted (dead, replaced) holds a key nobody admits any more."""
+        if self.fixed_client:
+            return self
+        return CurveKeys(self.server, KeyPair.generate())
 
 
 def make_server(sock: zmq.Socket, keys: CurveKeys) -> None:

@@ -17,6 +17,11 @@ from tests.helpers import group_members
 from tests.stress.pipeline import is_legacy
 
 
+def replica_clients(stage_client) -> list:
+    """The clients of every replica of a stage (a stage built by hand is one)."""
+    return list(getattr(stage_client, "replicas", [stage_client]))
+
+
 def client_side(client: MultiStageEngineClient) -> list[str]:
     """State held in the client process: orchestrator, stage clients, lease book."""
     orch = client.orchestrator
@@ -32,7 +37,8 @@ def client_side(client: MultiStageEngineClient) -> list[str]:
         counts = ctx.client.state_counts()
         if any(counts.values()):
             found.append(f"stage {ctx.stage_id} client holds {counts}")
-    books = {id(b): b for ctx in client.stage_contexts if (b := getattr(ctx.client, "lease_book", None)) is not None}
+    books = {id(b): b for ctx in client.stage_contexts for replica in replica_clients(ctx.client)
+             if (b := getattr(replica, "lease_book", None)) is not None}
     for book in books.values():
         if book.num_tracked():
             found.append(f"lease book tracks {book.num_tracked()} shared-memory slot(s)")
@@ -43,13 +49,16 @@ async def stage_side(client: MultiStageEngineClient) -> list[str]:
     """State held in the stage processes: unfinished requests, leased shm slots."""
     found = []
     for ctx in client.stage_contexts:
-        n = await ctx.client.call_utility_async("num_unfinished_requests", call_timeout=10)
-        if n:
-            found.append(f"stage {ctx.stage_id} process reports {n} unfinished request(s)")
+        counts = await ctx.client.call_each_replica_async("num_unfinished_requests", call_timeout=10)
+        for replica, n in counts.items():
+            if n:
+                found.append(f"stage {ctx.stage_id} replica {replica} process reports {n} unfinished request(s)")
         if not is_legacy(client):
-            stats = await ctx.client.call_utility_async("shm_stats", call_timeout=10)
-            if stats["leased"]:
-                found.append(f"stage {ctx.stage_id} shm pool has {stats['leased']} leased slot(s)")
+            stats = await ctx.client.call_each_replica_async("shm_stats", call_timeout=10)
+            for replica, stat in stats.items():
+                if stat["leased"]:
+                    found.append(f"stage {ctx.stage_id} replica {replica} shm pool has {stat['leased']} "
+                                 "leased slot(s)")
     return found
 
 
@@ -81,17 +90,24 @@ async def after_shutdown(client: MultiStageEngineClient, timeout: float = 5.0) -
 def _left_after_shutdown(client: MultiStageEngineClient) -> list[str]:
     found = []
     for ctx in client.stage_contexts:
-        stage = ctx.client
-        if stage.process is not None:
-            if stage.process.is_alive():
-                found.append(f"stage {ctx.stage_id} process {stage.process.pid} is alive")
-            members = group_members(stage.process.pid)
-            if members:
-                found.append(f"stage {ctx.stage_id} process group still has {members}")
-        runtime_dir = getattr(stage, "runtime_dir", None)
-        if runtime_dir is not None and runtime_dir.exists():
-            found.append(f"stage {ctx.stage_id} socket dir {runtime_dir} remains")
-        prefix = getattr(stage, "shm_prefix", None)
-        if prefix is not None and list_segments(prefix):
-            found.append(f"stage {ctx.stage_id} segments remain: {list_segments(prefix)[:5]}")
+        for stage in replica_clients(ctx.client):
+            found += _left_of_replica(ctx.stage_id, stage)
+    return found
+
+
+def _left_of_replica(stage_id: int, stage) -> list[str]:
+    """What one stage replica's client left: its process (group), socket dir, segments."""
+    found = []
+    if stage.process is not None:
+        if stage.process.is_alive():
+            found.append(f"stage {stage_id} process {stage.process.pid} is alive")
+        members = group_members(stage.process.pid)
+        if members:
+            found.append(f"stage {stage_id} process group still has {members}")
+    runtime_dir = getattr(stage, "runtime_dir", None)
+    if runtime_dir is not None and runtime_dir.exists():
+        found.append(f"stage {stage_id} socket dir {runtime_dir} remains")
+    prefix = getattr(stage, "shm_prefix", None)
+    if prefix is not None and list_segments(prefix):
+        found.append(f"stage {stage_id} segments remain: {list_segments(prefix)[:5]}")
     return found

@@ -14,13 +14,13 @@ collector there. Two kinds of series:
   ``OrchestratorMetrics`` already keeps (requests, finished, failed, aborted,
   outputs, bytes), so nothing is counted twice.
 
-Every name starts with ``omni_engine_``; stages are labelled ``stage``, edges
-``src`` and ``dst``. Sub-requests count as requests of their stage (an
+Every name starts with ``omni_engine_``; stages are labelled ``stage``, stage
+replicas ``stage`` and ``replica``, edges ``src`` and ``dst``. Sub-requests count as requests of their stage (an
 ``async_chunk`` speech stage gets one per sentence).
 
 Beside them, the ``vllm:*`` series of each LLM stage's own vLLM (requests
 running and waiting, KV-cache usage, TTFT, ITL, e2e, tokens ...), as vLLM
-names them, with a ``stage`` label added: ``StageEngineMetrics`` fetches them
+names them, with ``stage`` and ``replica`` labels added: ``StageEngineMetrics`` fetches them
 from the stage processes when ``/metrics`` is scraped.
 """
 
@@ -66,13 +66,14 @@ class StageEngineMetrics:
         self.client = client
         self.loop = loop
         self.timeout = timeout
-        self._last: dict[int, list[FamilySnapshot]] = {}
+        self._last: dict[tuple[int, int], list[FamilySnapshot]] = {}  # (stage, replica) -> snapshot
         self._fetching: set[asyncio.Task] = set()
 
     def collect(self) -> list[Metric]:
         self._refresh()
-        last = {sid: snap for sid, snap in self._last.items() if self.client.stage_alive(sid)}
-        return merge_families({str(sid): snap for sid, snap in last.items()}, "stage")
+        return merge_families({(("stage", str(sid)), ("replica", str(replica))): snap
+                               for (sid, replica), snap in self._last.items()
+                               if self.client.replica_alive(sid, replica)})
 
     def _refresh(self) -> None:
         loop, where = self.loop, loop_context(self.loop)
@@ -166,12 +167,35 @@ class PipelineMetricsCollector(PipelineObserver, Collector):
             self.ttfo.labels(stage=str(sid)).observe(seconds)
 
     # ----------------------------------------------------------- collector
+    @staticmethod
+    def _replica_families(client: Any, stage_ids: list[int]) -> Iterable[Metric]:
+        up = GaugeMetricFamily(PREFIX + "replica_up", "1 while the stage replica's process is alive",
+                               labels=["stage", "replica"])
+        running = GaugeMetricFamily(PREFIX + "replica_requests_in_flight",
+                                    "Per stage replica: (sub-)requests submitted and not finished",
+                                    labels=["stage", "replica"])
+        sent = CounterMetricFamily(PREFIX + "replica_requests",
+                                   "Per stage replica: (sub-)requests sent to it, resubmissions included",
+                                   labels=["stage", "replica"])
+        for sid in stage_ids:
+            for replica, status in enumerate(client.replica_status(sid)):
+                labels = [str(sid), str(replica)]
+                up.add_metric(labels, 1.0 if status.alive else 0.0)
+                running.add_metric(labels, status.in_flight)
+                sent.add_metric(labels, status.submitted)
+        retried = CounterMetricFamily(PREFIX + "stage_requests_retried",
+                                      "Per stage: requests moved to another replica when theirs died "
+                                      "(runtime.retry)", labels=["stage"])
+        for sid, count in sorted(client.stage_retries().items()):
+            retried.add_metric([str(sid)], count)
+        return [up, running, sent, retried]
+
     def collect(self) -> Iterable[Metric]:
         client = self.client
         stage_ids = client.stage_ids()
         load = client.stage_load()
 
-        up = GaugeMetricFamily(PREFIX + "stage_up", "1 while the stage process is alive, 0 once it died",
+        up = GaugeMetricFamily(PREFIX + "stage_up", "1 while the stage serves (one of its replicas is alive), 0 once none is",
                                labels=["stage"])
         waiting = GaugeMetricFamily(PREFIX + "stage_requests_waiting",
                                     "Per stage: (sub-)requests submitted that have no output yet", labels=["stage"])
@@ -192,6 +216,7 @@ class PipelineMetricsCollector(PipelineObserver, Collector):
         for sid in stage_ids:
             restarts.add_metric([str(sid)], restart_counts.get(sid, 0))
         yield restarts
+        yield from self._replica_families(client, stage_ids)
 
         stage_counters = (
             ("stage_requests", "requests", "Per stage: (sub-)requests submitted"),
