@@ -139,14 +139,15 @@ class StageRuntimeConfig(_Base):
     # Processes running this stage; the orchestrator still sees one stage. A
     # request goes to the replica with the fewest requests in flight
     # ("least-loaded", ties rotated) or to the next in turn ("round-robin").
+    # The three below apply with num_replicas > 1 only (None: the default named).
     num_replicas: Annotated[int, msgspec.Meta(ge=1)] = 1
-    load_balance: str = "least-loaded"
+    load_balance: str | None = None  # default "least-loaded"
     # "request": the sub-requests of one request stay on one replica (a stage
-    # holding per-request state); "none": they spread like requests.
-    affinity: str = "none"
+    # holding per-request state); "none" (the default): they spread like requests.
+    affinity: str | None = None
     # When a replica dies, its requests that produced no output yet go to a live
-    # replica ("before_first_output") or fail with it ("never").
-    retry: str = "before_first_output"
+    # replica ("before_first_output", the default) or fail with it ("never").
+    retry: str | None = None
 
     def device_ids(self) -> tuple[str, ...] | None:
         """``devices`` as a tuple of ids (None: not set); validation has checked their shape."""

@@ -258,12 +258,16 @@ def check_stage(
 def _check_replicas(stage: StageConfig, path: str, report: Report) -> None:
     """``num_replicas`` and the fields that say how replicas share work and fail."""
     runtime = stage.runtime
+    n = runtime.num_replicas
     for name, allowed in (("load_balance", LOAD_BALANCE_POLICIES), ("affinity", AFFINITIES),
                           ("retry", RETRY_POLICIES)):
         value = getattr(runtime, name)
+        if value is None:
+            continue
         if value not in allowed:
             report(f"{path}.{name}", f"unknown {name} {value!r}; expected one of {list(allowed)}")
-    n = runtime.num_replicas
+        elif n == 1:
+            report(f"{path}.{name}", "applies only with num_replicas > 1 (this stage has one replica)")
     if runtime.devices is not None and n > 1:
         count = len(device_parts(runtime.devices))
         if count % n:

@@ -19,7 +19,12 @@ from omni_engine.config import (
 )
 from omni_engine.connectors.settings import ConnectorSettings
 from omni_engine.pipeline.stage_graph import StageGraph
-from omni_engine.pipeline.stage_specs import build_stage_specs, prepare_models, stage_process_spec
+from omni_engine.pipeline.stage_specs import (
+    build_stage_specs,
+    device_control_variable,
+    prepare_models,
+    stage_process_spec,
+)
 from omni_engine.utils import resolve_dotted
 
 TTS_FACTORY = "omni_engine.engines.tts:make_espeak_tts"
@@ -497,3 +502,39 @@ def test_settings_that_would_do_nothing_are_refused(tmp_path: Path) -> None:
     data = base()
     data["runtime"]["connectors"] = {"use_shm": False, "shm_threshold": 4096}
     one_error(tmp_path, data, "runtime.connectors.shm_threshold", "has no effect with use_shm: false")
+
+
+def test_replica_settings_are_checked_and_devices_shared_out(tmp_path: Path) -> None:
+    data = base()
+    data["stage_args"][1]["runtime"].update(num_replicas=2, load_balance="fastest", affinity="sticky", retry="always")
+    errors = errors_of(tmp_path, data)
+    assert len(errors) == 3, errors
+    for field, value in (("load_balance", "fastest"), ("affinity", "sticky"), ("retry", "always")):
+        assert any(f"stage_args[1].runtime.{field}: unknown {field} {value!r}" in e for e in errors), errors
+    # With one replica there is nothing to balance, keep together or retry on.
+    data = base()
+    data["stage_args"][1]["runtime"]["retry"] = "never"
+    one_error(tmp_path, data, "stage 1", "stage_args[1].runtime.retry", "applies only with num_replicas > 1")
+    # Devices go to replicas in equal consecutive shares ...
+    data = chain(final(llm(0, runtime={"devices": [0, 1, 2, 3], "num_replicas": 2})))
+    cfg = parse_pipeline_config(data)
+    specs = build_stage_specs(cfg, ConnectorSettings())
+    assert [spec.process_environment().get(device_control_variable()) for spec in specs[0]] == ["0,1", "2,3"]
+    # ... or are refused when they cannot be.
+    data["stage_args"][0]["runtime"]["num_replicas"] = 3
+    one_error(tmp_path, data, "stage 0", "runtime.devices", "4 device(s) cannot be shared out equally over "
+                                                            "num_replicas: 3")
+    data["stage_args"][0]["runtime"]["num_replicas"] = 0
+    assert "num_replicas" in one_error(tmp_path, data, "stage 0")
+
+
+def test_legacy_architecture_refuses_replicas(tmp_path: Path) -> None:
+    from omni_engine.legacy.pipeline import check_legacy_config
+
+    data = base()
+    data["stage_args"][1]["runtime"]["num_replicas"] = 2
+    del data["runtime"]["connectors"]
+    path = write(tmp_path, yaml.safe_dump(data))
+    with pytest.raises(ConfigError, match=r"stage 1: stage_args\[1\].runtime.num_replicas is not supported by the "
+                                          "legacy architecture"):
+        check_legacy_config(load_pipeline_config(path))

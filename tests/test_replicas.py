@@ -58,6 +58,15 @@ async def load_both(client, n: int, text: str = TEXT) -> list[asyncio.Task]:
     return tasks
 
 
+def exported(client, name: str) -> dict[tuple[str, ...], float]:
+    """The samples of ``name`` on the server's /metrics collector: label values -> value."""
+    from omni_engine.entrypoints.openai.metrics import PipelineMetricsCollector
+
+    return {tuple(sample.labels.values()): sample.value
+            for family in PipelineMetricsCollector(client).collect() for sample in family.samples
+            if sample.name == name}
+
+
 class HealthWatch:
     """Calls ``check_health`` over and over while running; keeps every failure."""
 
@@ -99,6 +108,9 @@ async def test_requests_spread_over_two_replicas_with_equal_outputs(speech_repli
     assert per_replica == [4, 4]
     for audio in audios:
         assert_same_speech(audio, reference)
+    sent = exported(client, "omni_engine_replica_requests_total")
+    assert sent == {("0", str(i)): s.submitted for i, s in enumerate(client.replica_status(0))}
+    assert exported(client, "omni_engine_replica_up") == {("0", "0"): 1.0, ("0", "1"): 1.0}
     assert not await wait_clean(client)
 
 
@@ -154,6 +166,8 @@ async def test_without_retry_a_dead_replica_fails_its_requests_naming_it():
             assert "stage 0 replica 0 died" in str(error) and "runtime.retry is never" in str(error)
         # One replica lives: the stage serves and is healthy.
         await client.check_health()
+        assert exported(client, "omni_engine_replica_up") == {("0", "0"): 0.0, ("0", "1"): 1.0}
+        assert exported(client, "omni_engine_stage_up") == {("0",): 1.0}
         assert not client.errored and client.stage_alive(0)
         assert len(await speak(client, "Still here.", "one-left")) > 0
         # None lives: the stage is dead, naming every replica gone.

@@ -44,8 +44,9 @@ def replica_set_for(stage: StageConfig, replicas: Sequence[BaseStageClient]) -> 
     """The replicas of ``stage`` as one stage client, balanced and failing over as configured."""
     runtime = stage.runtime
     capacity = runtime.max_batch_size or stage.engine_args.get("max_num_seqs") or 1
-    return StageReplicaSet(stage.stage_id, replicas, load_balance=runtime.load_balance, affinity=runtime.affinity,
-                           retry=runtime.retry, capacity=capacity)
+    return StageReplicaSet(stage.stage_id, replicas, load_balance=runtime.load_balance or "least-loaded",
+                           affinity=runtime.affinity or "none", retry=runtime.retry or "before_first_output",
+                           capacity=capacity)
 
 
 class MultiStageEngineClient(EngineClient):
