@@ -199,15 +199,34 @@ class RawZmq:
 
 
 # --------------------------------------------------------------------------- stage helpers
-def stage_client(factory: str, shm_threshold: int | None = None, max_batch_size: int = 256):
+def stage_client(factory: str, shm_threshold: int | None = None, max_batch_size: int = 256,
+                 in_process: bool = False):
     from omni_engine.connectors.settings import ConnectorSettings
+    from omni_engine.stage_engine.in_process import InProcessStageClient
     from omni_engine.stage_engine.stage_core_client import StageEngineCoreClient
     from omni_engine.stage_engine.stage_spec import StageProcessSpec
 
     connectors = ConnectorSettings() if shm_threshold is None else ConnectorSettings(shm_threshold=shm_threshold)
     spec = StageProcessSpec("generation", {"model_factory": factory}, max_batch_size=max_batch_size,
                             connectors=connectors, log_level="WARNING")
+    if in_process:  # runtime.process: false: a thread of this process, over inproc://
+        return InProcessStageClient(0, spec)
     return StageEngineCoreClient(0, process=spec, transport="ipc")
+
+
+async def echo_latency(client, cfg: dict) -> list[int]:
+    """Round trips (ns) of one tiny request at a time, after a warm-up."""
+    clock = time.perf_counter_ns
+    times: list[int] = []
+    for i in range(cfg["lat_warmup"] + cfg["lat_n"]):
+        t0 = clock()
+        await client.submit_request(f"l{i}", "ping", None)
+        out = await client.get_output_async()
+        t1 = clock()
+        assert out.finished and out.multimodal_output["echo"] == "ping", out
+        if i >= cfg["lat_warmup"]:
+            times.append(t1 - t0)
+    return times
 
 
 async def started(client, what: str, log: dict) -> Any:
@@ -248,21 +267,18 @@ async def phase_echo(cfg: dict, res: dict) -> None:
     try:
         await started(client, "echo", res)
         # 1. latency, one request at a time.
-        clock = time.perf_counter_ns
-        times: list[int] = []
-        for i in range(cfg["lat_warmup"] + cfg["lat_n"]):
-            t0 = clock()
-            await client.submit_request(f"l{i}", "ping", None)
-            out = await client.get_output_async()
-            t1 = clock()
-            assert out.finished and out.multimodal_output["echo"] == "ping", out
-            if i >= cfg["lat_warmup"]:
-                times.append(t1 - t0)
-        res["latency"] = {"stage": lat_summary(times)}
+        res["latency"] = {"stage": lat_summary(await echo_latency(client, cfg))}
         # 2. outputs/s with many requests in flight.
         res["throughput"] = []
         for window in cfg["tput_windows"]:
             res["throughput"].append(await outputs_per_second(client, cfg["tput_n"], window))
+    finally:
+        await client.shutdown()
+    # The same stage in a thread of this process (runtime.process: false).
+    client = stage_client(ECHO_FACTORY, max_batch_size=cfg["max_batch_size"], in_process=True)
+    try:
+        await started(client, "echo_in_process", res)
+        res["latency"]["in_process"] = lat_summary(await echo_latency(client, cfg))
     finally:
         await client.shutdown()
     # The bound: bare ZMQ, same sizes, same socket pattern, second process.
@@ -412,11 +428,13 @@ def print_report(res: dict) -> None:
     print(f"{'path':<40}{'n':>7}{'p50 us':>10}{'p90 us':>10}{'p99 us':>10}{'x zmq p50':>11}")
     base = lat["zmq_blocking"]["p50_us"]
     for key, label in (("stage", "stage process (StageEngineCoreClient)"),
+                       ("in_process", "in-process stage (thread, inproc://)"),
                        ("zmq_asyncio", "bare ZMQ, asyncio client"),
                        ("zmq_blocking", "bare ZMQ, blocking client")):
         s = lat[key]
         print(f"{label:<40}{s['n']:>7}{s['p50_us']:>10.1f}{s['p90_us']:>10.1f}{s['p99_us']:>10.1f}"
               f"{s['p50_us'] / base:>11.2f}")
+    print(f"in-process / process p50: {lat['in_process']['p50_us'] / lat['stage']['p50_us']:.2f}")
 
     print("\n2. Outputs per second through one client (tiny outputs, one per request; "
           f"stage max_batch_size={cfg['max_batch_size']})")

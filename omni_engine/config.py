@@ -120,7 +120,8 @@ class PipelineRuntimeConfig(_Base):
 
 
 class StageRuntimeConfig(_Base):
-    # false (a stage in the client process) is refused until in-process stages exist.
+    # false: the stage runs in a thread of the client's process, over inproc://
+    # (generation stages, one replica, no restart, env or devices of its own).
     process: bool = True
     # Accelerator ids for the stage ("0,1", 0 or [0, 1]), given to its process
     # through the platform's device-control variable (README "Devices").
@@ -252,6 +253,13 @@ def parse_pipeline_config(data: Any, source: str = "<dict>") -> PipelineConfig:
         sources = {s.stage_id: list(s.engine_input_source) for _, s in converted}
         cv.check_runtime(shell.runtime, report, sources, all_ids, EXECUTION_MODES)
         cv.check_security(shell.runtime.security, report, _config_dir(source))
+        if shell.runtime.security.curve:
+            for i, stage in converted:
+                if not stage.runtime.process:
+                    errors.add(f"stage_args[{i}].runtime.process", "an in-process stage (process: false) is reached "
+                               "over inproc://, which nothing outside this process can reach: CURVE "
+                               "(runtime.security.curve) does not apply to it; run it as a process or turn "
+                               "CURVE off", f"stage {stage.stage_id}")
     if raw_stages and len(converted) == len(raw_stages) and len(first_index) == len(converted):
         cv.check_graph(converted, errors)
     if errors.errors or shell is None:

@@ -202,8 +202,7 @@ def check_stage(
         report(f"{path}.runtime.max_restarts", f"applies only with restart: on-failure (this stage has restart: "
                                                f"{stage.runtime.restart!r})")
     if not stage.runtime.process:
-        report(f"{path}.runtime.process", "in-process stages are not supported yet (runtime.process: false); "
-                                          "remove the field or set it to true")
+        _check_in_process(stage, f"{path}.runtime.process", report)
     if stage.runtime.devices is not None:
         _check_devices(stage.runtime.devices, f"{path}.runtime.devices", report)
     _check_replicas(stage, f"{path}.runtime", report)
@@ -253,6 +252,27 @@ def check_stage(
         else:
             check_dotted(stage.engine_args["model_factory"], "model_factory",
                          f"{path}.engine_args.model_factory", report)
+
+
+def _check_in_process(stage: StageConfig, field_path: str, report: Report) -> None:
+    """What a stage in a thread of the client cannot have (``runtime.process: false``)."""
+    runtime = stage.runtime
+    refused = []
+    if stage.stage_type != "generation":
+        refused.append(f"stage_type {stage.stage_type!r} (only generation stages run in-process; an llm stage's "
+                       "vLLM needs a process of its own)")
+    if runtime.num_replicas != 1:
+        refused.append(f"num_replicas: {runtime.num_replicas} (an in-process stage is one thread)")
+    if runtime.restart != "no":
+        refused.append(f"restart: {runtime.restart} (a thread cannot be killed and started again)")
+    if runtime.devices is not None:
+        refused.append("devices (they are given to a process through its environment)")
+    if stage.env:
+        refused.append("env (a thread shares the client's environment)")
+    if runtime.transport != "ipc" or runtime.host is not None:
+        refused.append("transport/host (an in-process stage is reached over inproc://)")
+    for what in refused:
+        report(field_path, f"process: false cannot be combined with {what}")
 
 
 def _check_replicas(stage: StageConfig, path: str, report: Report) -> None:

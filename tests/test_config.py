@@ -443,10 +443,26 @@ def test_multiple_errors_reported_together(tmp_path: Path) -> None:
                for e in errors)
 
 
-def test_in_process_stage_is_refused(tmp_path: Path) -> None:
+def test_in_process_stage_refuses_what_a_thread_cannot_have(tmp_path: Path) -> None:
     data = base()
-    data["stage_args"][1]["runtime"]["process"] = False
-    one_error(tmp_path, data, "stage 1", "stage_args[1].runtime.process", "in-process stages are not supported yet")
+    data["stage_args"][1]["runtime"] = {"process": False, "max_batch_size": 4}
+    load_pipeline_config(write(tmp_path, yaml.safe_dump(data)))  # a generation stage alone: fine
+    data["stage_args"][1]["runtime"].update(devices=[0], num_replicas=1, restart="on-failure")
+    data["stage_args"][1]["env"] = {"X": "1"}
+    errors = errors_of(tmp_path, data)
+    assert len(errors) == 3, errors
+    for needle in ("restart: on-failure", "devices", "env"):
+        assert any(f"stage 1: stage_args[1].runtime.process: process: false cannot be combined with {needle}" in e
+                   for e in errors), (needle, errors)
+    data = base()
+    data["stage_args"][0]["runtime"]["process"] = False
+    del data["stage_args"][0]["runtime"]["devices"], data["stage_args"][0]["env"]
+    one_error(tmp_path, data, "stage 0", "cannot be combined with stage_type 'llm'")
+    data = base()
+    data["stage_args"][1]["runtime"] = {"process": False}
+    data["runtime"]["security"] = {"curve": True}
+    one_error(tmp_path, data, "stage 1", "stage_args[1].runtime.process", "CURVE (runtime.security.curve) does "
+                                                                         "not apply to it")
 
 
 @pytest.mark.parametrize("devices, problem", [

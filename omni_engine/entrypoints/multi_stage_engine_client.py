@@ -28,6 +28,7 @@ from omni_engine.pipeline.stage_context import StageContext
 from omni_engine.pipeline.stage_specs import build_stage_specs, prepare_models
 from omni_engine.pipeline.stage_supervisor import StageClientMaker, StageSupervisor
 from omni_engine.stage_engine.base_client import BaseStageClient
+from omni_engine.stage_engine.in_process import InProcessStageClient
 from omni_engine.stage_engine.stage_core_client import StageEngineCoreClient
 from omni_engine.stage_engine.stage_spec import StageProcessSpec
 
@@ -111,6 +112,8 @@ class MultiStageEngineClient(EngineClient):
         curve = cfg.runtime.security.curve_keys()
 
         def zmq_client(stage: StageConfig, spec: StageProcessSpec) -> StageEngineCoreClient:
+            if not stage.runtime.process:
+                return InProcessStageClient(stage.stage_id, spec)
             return StageEngineCoreClient(stage.stage_id, process=spec, transport=stage.runtime.transport,
                                          host=stage.runtime.host,
                                          curve=curve.for_new_process() if curve is not None else None)

@@ -31,6 +31,9 @@ def check_legacy_config(config: PipelineConfig) -> None:
             field = "host" if stage.runtime.transport == "ipc" else "transport"
             errors.append(f"{source}: stage {stage.stage_id}: stage_args[{i}].runtime.{field} {_NOT_LEGACY} "
                           "runs every stage on this host over multiprocessing.Queue")
+        if not stage.runtime.process:
+            errors.append(f"{source}: stage {stage.stage_id}: stage_args[{i}].runtime.process: false {_NOT_LEGACY} "
+                          "runs every stage in a process of its own")
         if stage.runtime.num_replicas != 1:
             errors.append(f"{source}: stage {stage.stage_id}: stage_args[{i}].runtime.num_replicas {_NOT_LEGACY} "
                           "runs one process per stage")

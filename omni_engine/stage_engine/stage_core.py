@@ -15,6 +15,7 @@ import logging
 import os
 import signal
 import sys
+import threading
 from typing import Any, ClassVar, Protocol
 
 import uvloop
@@ -85,8 +86,9 @@ class StageEngineCore:
         self._shutdown = asyncio.Event()
         await self.engine.start()
         self._start_transport()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            self._loop.add_signal_handler(sig, self._on_signal, sig)
+        if threading.current_thread() is threading.main_thread():  # (an in-process stage is not)
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                self._loop.add_signal_handler(sig, self._on_signal, sig)
         logger.info("stage %d ready (pid %d)", self.stage_id, os.getpid())
         try:
             await self._shutdown.wait()

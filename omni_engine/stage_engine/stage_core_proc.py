@@ -83,7 +83,10 @@ class StageEngineCoreProc(StageEngineCore):
         shm_prefix: str | None = None,
         curve: StageCurveKeys | None = None,
         connectors: ConnectorSettings = DEFAULT_CONNECTORS,
+        ctx: zmq.Context | None = None,
     ) -> None:
+        """``ctx``: the client's context, for a stage in a thread of its process (``inproc://``
+        needs one context for both ends); it is the client's to terminate."""
         super().__init__(stage_id, engine, queue.SimpleQueue())
         self.curve = curve
         self.connectors = connectors
@@ -95,7 +98,8 @@ class StageEngineCoreProc(StageEngineCore):
         # Handles may name any segment of this pipeline (zero-copy forwarding
         # from another stage), and nothing else.
         self.attachments = ShmAttachments(owner_process_prefix(self.shm_prefix))
-        self.ctx = zmq.Context()
+        self._own_ctx = ctx is None
+        self.ctx = zmq.Context() if ctx is None else ctx
         self._wake_address = f"inproc://stage-input-wake-{id(self)}"
         self._wake: zmq.Socket | None = None
         self._threads: list[threading.Thread] = []
@@ -128,7 +132,8 @@ class StageEngineCoreProc(StageEngineCore):
         if self.pool is not None:
             call_quietly(self.pool.close, "unlinking shared memory")
         call_quietly(lambda: self.attachments.detach(), "detaching shared memory")
-        self.ctx.term()
+        if self._own_ctx:
+            self.ctx.term()
 
     def _on_request_done(self, request_id: str) -> None:
         if self.pool is not None:

@@ -77,6 +77,9 @@ def make_addresses(stage_id: int, transport: str, runtime_dir: Path,
         if ":" in host:  # IPv6 literal
             host = f"[{host}]"
         return f"tcp://{host}:*", f"tcp://{host}:*"
+    if transport == "inproc":  # a stage in a thread of this process (in_process.py)
+        name = f"omni-{runtime_dir.name}"
+        return f"inproc://{name}-in", f"inproc://{name}-out"
     raise ValueError(f"stage {stage_id}: unknown transport {transport!r}; use one of {list(TRANSPORTS)}")
 
 
