@@ -76,7 +76,7 @@ async def _speak(pipeline: MultiStageEngineClient, request_id: str) -> None:
 
 async def test_curve_stage_over_tcp_serves_and_binds_loopback(curve_pipeline):
     pipeline, _ = curve_pipeline
-    stage = pipeline.stage_contexts[0].client
+    stage = pipeline.stage_contexts[0].client.replicas[0]
     assert stage.curve is not None
     assert stage.input_address.startswith("tcp://127.0.0.1:") and stage.output_address.startswith("tcp://127.0.0.1:")
     await _speak(pipeline, "curve-1")
@@ -112,7 +112,7 @@ def _handshake_result(monitor: zmq.Socket, timeout: float = 5.0) -> int | None:
 
 async def test_peers_without_an_allowed_key_can_neither_inject_nor_read(curve_pipeline):
     pipeline, keys_dir = curve_pipeline
-    stage = pipeline.stage_contexts[0].client
+    stage = pipeline.stage_contexts[0].client.replicas[0]
     server_public, _ = zmq.auth.load_certificate(keys_dir / "server.key")
     allowed = KeyPair(*zmq.auth.load_certificate(keys_dir / "client.key_secret"))
     dead = [StageResponseType.DEAD.value, msgspec.msgpack.encode(StageDead("forged: stage is gone"))]

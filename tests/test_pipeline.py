@@ -1,7 +1,8 @@
 """The real speech pipeline (SmolLM2 on vLLM -> eSpeak NG), end to end, through
 ``MultiStageEngineClient`` and ``PipelineOrchestrator``, on both architectures:
-ZMQ stage processes (new) and ``multiprocessing.Queue`` ones (legacy). Same
-tests, same outputs, same errors; only shared-memory checks are new-only."""
+ZMQ stage processes (new) and ``multiprocessing.Queue`` ones (legacy), and with
+the speech stage in-process (a thread of the client). Same tests, same outputs,
+same errors; only shared-memory checks are new-only."""
 
 from __future__ import annotations
 
@@ -34,27 +35,31 @@ CONFIG = "stage_configs/smollm2_speech.yaml"
 STORY = "Tell me a short story about a cat."
 
 
-@pytest_asyncio.fixture(scope="module", loop_scope="session", params=["new", "legacy"])
+@pytest_asyncio.fixture(scope="module", loop_scope="session", params=["new", "legacy", "inprocess"])
 async def pipeline(request, smollm2_path):
+    """``new``: stage processes over ZMQ; ``legacy``: over multiprocessing.Queue; ``inprocess``:
+    the speech stage in a thread of the client (``runtime.process: false``), the LLM a process."""
     raw = load_pipeline_config(CONFIG)
     data = {
         "runtime": {"execution_mode": raw.runtime.execution_mode,
                     # Audio of a sentence is ~100-300 KB: through shared memory here, so the
                     # tests see leases taken and given back (the legacy architecture pickles).
-                    "connectors": {"shm_threshold": 4096} if request.param == "new" else {}},
+                    "connectors": {"shm_threshold": 4096} if request.param != "legacy" else {}},
         "stage_args": [
             dict(
                 stage_id=s.stage_id, stage_type=s.stage_type, engine_args=dict(s.engine_args),
                 engine_input_source=s.engine_input_source, custom_process_input_func=s.custom_process_input_func,
                 final_output=s.final_output, final_output_type=s.final_output_type,
-                default_sampling_params=s.default_sampling_params, runtime={"max_batch_size": s.runtime.max_batch_size},
+                default_sampling_params=s.default_sampling_params,
+                runtime={"max_batch_size": s.runtime.max_batch_size,
+                         **({"process": False} if request.param == "inprocess" and s.stage_type != "llm" else {})},
             )
             for s in raw.stage_args
         ],
     }
     data["stage_args"][0]["engine_args"]["model"] = str(smollm2_path)
     config = parse_pipeline_config(data, CONFIG)
-    if request.param == "new":
+    if request.param != "legacy":
         client = await MultiStageEngineClient.from_config(config)
     else:
         client = await start_legacy_pipeline(config)
@@ -63,13 +68,17 @@ async def pipeline(request, smollm2_path):
     await client.shutdown_async()
     for ctx in client.stage_contexts:
         for replica in ctx.client.replicas:
-            assert not replica.process.is_alive()
+            if replica.process is not None:
+                assert not replica.process.is_alive()
+            else:  # in-process: its thread has ended
+                assert not replica.thread.is_alive()
             if is_new(client):
                 assert not list_segments(replica.shm_prefix)
 
 
 def is_new(client) -> bool:
-    return client.architecture == "new"
+    """ZMQ stage clients (in-process or not), as opposed to the legacy queues."""
+    return client.architecture != "legacy"
 
 
 async def run(client, prompt, request_id, **kw):
@@ -302,8 +311,10 @@ async def test_health_and_protocol_surface(pipeline):
 
 # Last in this module: it kills the speech stage of the shared pipeline.
 async def test_killed_stage_ends_its_requests_with_an_error_naming_it(pipeline, chat_prompt):
+    if pipeline.architecture == "inprocess":
+        pytest.skip("a thread cannot be killed; test_in_process covers an in-process stage's death")
     params = SamplingParams(temperature=0.0, max_tokens=300, ignore_eos=True, output_kind=RequestOutputKind.DELTA)
-    tts = pipeline.stage_contexts[1].client
+    tts = pipeline.stage_contexts[1].client.replicas[0]
     gen = pipeline.generate(chat_prompt(STORY), params, "doomed")
     async with asyncio.timeout(120):
         async for out in gen:

@@ -88,8 +88,9 @@ def text_params(max_tokens: int) -> SamplingParams:
 
 def stage_pids(client: MultiStageEngineClient) -> dict[str, int]:
     """``stage<N>`` -> pid of every stage process of ``client``."""
-    return {f"stage{ctx.stage_id}": ctx.client.process.pid for ctx in client.stage_contexts
-            if ctx.client.process is not None}
+    return {f"stage{ctx.stage_id}" + (f"r{i}" if i else ""): replica.process.pid
+            for ctx in client.stage_contexts for i, replica in enumerate(ctx.client.replicas)
+            if replica.process is not None}
 
 
 def describe(client: MultiStageEngineClient) -> dict[str, Any]:
@@ -99,4 +100,4 @@ def describe(client: MultiStageEngineClient) -> dict[str, Any]:
 def is_legacy(client: MultiStageEngineClient) -> bool:
     from omni_engine.legacy import OmniStage
 
-    return any(isinstance(ctx.client, OmniStage) for ctx in client.stage_contexts)
+    return any(isinstance(replica, OmniStage) for ctx in client.stage_contexts for replica in ctx.client.replicas)
