@@ -57,6 +57,18 @@ def tts_spec(max_batch_size: int = 4) -> StageProcessSpec:
     )
 
 
+async def speak(client, text: str, request_id: str, timeout: float = 60.0):
+    """The whole audio of one speech request through a pipeline client (a numpy array)."""
+    import numpy as np
+
+    chunks = []
+    async with asyncio.timeout(timeout):
+        async for out in client.generate(text, None, request_id):
+            if out.multimodal_output:
+                chunks.append(out.multimodal_output["audio"])
+    return np.concatenate(chunks)
+
+
 async def collect(client, request_id: str, timeout: float = 120.0) -> list:
     """Every output of one request until it finishes (the client must serve only it)."""
     outputs = []

@@ -15,7 +15,7 @@ from omni_engine.config import parse_pipeline_config
 from omni_engine.connectors.shm import list_segments
 from omni_engine.entrypoints.multi_stage_engine_client import MultiStageEngineClient
 from omni_engine.errors import StageDeadError
-from tests.helpers import TTS_FACTORY, wait_group_gone
+from tests.helpers import TTS_FACTORY, speak, wait_group_gone
 from tests.stress.checks import after_shutdown, wait_clean
 
 pytestmark = [pytest.mark.asyncio(loop_scope="session")]
@@ -29,15 +29,6 @@ def speech_replicas_config(**runtime):
         "runtime": {"num_replicas": 2, "max_batch_size": 1, **runtime},
         "final_output": True, "final_output_type": "audio",
     }]}, "<replicas test>")
-
-
-async def speak(client, text: str, request_id: str) -> np.ndarray:
-    chunks = []
-    async with asyncio.timeout(60):
-        async for out in client.generate(text, None, request_id):
-            if out.multimodal_output:
-                chunks.append(out.multimodal_output["audio"])
-    return np.concatenate(chunks)
 
 
 def assert_same_speech(audio: np.ndarray, reference: np.ndarray) -> None:

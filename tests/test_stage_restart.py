@@ -8,14 +8,13 @@ import asyncio
 import os
 import signal
 
-import numpy as np
 import pytest
 
 from omni_engine.config import parse_pipeline_config
 from omni_engine.entrypoints.multi_stage_engine_client import MultiStageEngineClient
 from omni_engine.errors import StageDeadError
 from omni_engine.legacy import start_legacy_pipeline
-from tests.helpers import TTS_FACTORY, wait_group_gone
+from tests.helpers import TTS_FACTORY, speak, wait_group_gone
 
 pytestmark = [pytest.mark.asyncio(loop_scope="session"), pytest.mark.tts]
 
@@ -28,15 +27,6 @@ def speech_only_config(max_restarts: int):
         "runtime": {"restart": "on-failure", "max_restarts": max_restarts},
         "final_output": True, "final_output_type": "audio",
     }]}, "<restart test>")
-
-
-async def speak(client, text: str, request_id: str) -> np.ndarray:
-    chunks = []
-    async with asyncio.timeout(60):
-        async for out in client.generate(text, None, request_id):
-            if out.multimodal_output:
-                chunks.append(out.multimodal_output["audio"])
-    return np.concatenate(chunks)
 
 
 async def wait_healthy(client, timeout: float = 90.0) -> None:

@@ -23,7 +23,6 @@ import enum
 import functools
 import logging
 import time
-from collections import deque
 from collections.abc import Coroutine, Sequence
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -32,6 +31,7 @@ from omni_engine.errors import StageDeadError
 from omni_engine.loop_context import cancel_now
 from omni_engine.outputs import OmniRequestOutput
 from omni_engine.stage_engine.base_client import BaseStageClient, StageItem
+from omni_engine.stage_engine.output_queue import StageOutputQueue
 
 logger = logging.getLogger(__name__)
 
@@ -108,9 +108,7 @@ class StageReplicaSet:
         self._group_of: dict[str, str] = {}
         self._group_replica: dict[str, list[int]] = {}  # group -> [replica, requests of it here]
         self._next = 0  # where the rotation starts
-        self._batches: deque[list[StageItem]] = deque()
-        self._batch_ready = asyncio.Event()
-        self._pending_items: list[StageItem] = []
+        self._outputs = StageOutputQueue()  # every replica's batches, merged
         self._tasks: set[asyncio.Task] = set()
         self._bytes_gone = [0, 0]  # sent, received by replicas replaced since
         self._stopped = False
@@ -227,7 +225,7 @@ class StageReplicaSet:
         for replica in self.replicas:
             for key, value in replica.state_counts().items():
                 counts[key] += value
-        counts["queued"] += sum(len(batch) for batch in self._batches) + len(self._pending_items)
+        counts["queued"] += len(self._outputs)
         return counts
 
     def _check_alive(self) -> None:
@@ -342,35 +340,17 @@ class StageReplicaSet:
         self._put_batch(items)
 
     def _put_batch(self, items: list[StageItem]) -> None:
-        self._batches.append(items)
-        self._batch_ready.set()
+        self._outputs.put(items)
 
     async def get_outputs_async(self) -> list[StageItem]:
         """The next batch of any replica; raises ``StageDeadError`` once no replica lives."""
-        while not self._batches:
-            if self.dead_error is not None:
-                raise self.dead_error
-            self._batch_ready.clear()
-            await self._batch_ready.wait()
-        return self._batches.popleft()
+        return await self._outputs.get_batch(lambda: self.dead_error)
 
     async def get_output_async(self) -> OmniRequestOutput:
-        while not self._pending_items:
-            self._pending_items = await self.get_outputs_async()
-            self._pending_items.reverse()
-        item = self._pending_items.pop()
-        if isinstance(item, BaseException):
-            raise item
-        return item
+        return await self._outputs.get_one(lambda: self.dead_error)
 
     def _drop_queued(self, request_ids: set[str]) -> None:
-        kept = deque()
-        for batch in self._batches:
-            batch = [item for item in batch if item.request_id not in request_ids]
-            if batch:
-                kept.append(batch)
-        self._batches = kept
-        self._pending_items = [item for item in self._pending_items if item.request_id not in request_ids]
+        self._outputs.drop(request_ids)
 
     # ---------------------------------------------------------------- death
     def _on_replica_dead(self, index: int, error: StageDeadError) -> None:
@@ -438,7 +418,7 @@ class StageReplicaSet:
         for rid in list(self._owner):
             self._forget(rid)
         self._resubmitting.clear()
-        self._batch_ready.set()  # readers see dead_error once the queue is drained
+        self._outputs.wake()  # readers see dead_error once the queue is drained
 
     def _spawn(self, coro: Coroutine, name: str) -> asyncio.Task:
         task = asyncio.get_running_loop().create_task(coro, name=name)

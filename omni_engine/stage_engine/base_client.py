@@ -17,7 +17,6 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
@@ -36,6 +35,7 @@ from omni_engine.wire.protocol import (
     StageUtilityRequest,
 )
 from omni_engine.stage_engine.stage_process import StageProcess, StageProcessSpec
+from omni_engine.stage_engine.output_queue import StageOutputQueue
 from omni_engine.stage_engine.stage_startup import wait_ready
 
 logger = logging.getLogger(__name__)
@@ -87,12 +87,7 @@ class BaseStageClient:
         self.process: StageProcess | None = None
         self.ready: StageReady | None = None
         self.dead_error: StageDeadError | None = None
-        # Batches not yet taken by a reader. A deque (not an asyncio.Queue)
-        # so that an abort can drop what is queued for the aborted requests:
-        # their outputs may hold shared-memory slots.
-        self._batches: deque[list[StageItem]] = deque()
-        self._batch_ready = asyncio.Event()
-        self._pending_items: list[Any] = []
+        self._outputs = StageOutputQueue()
         self._requests: set[str] = set()
         # Requests whose resources stay held after the stage finishes them,
         # until end_request(): under an orchestrator a shared-memory handle
@@ -180,45 +175,25 @@ class BaseStageClient:
         ``in_flight``: submitted, not finished; ``held``: finished, shared
         memory kept until ``end_request``; ``queued``: outputs no reader took.
         """
-        queued = sum(len(batch) for batch in self._batches) + len(self._pending_items)
-        return {"in_flight": len(self._requests), "held": len(self._manual_end), "queued": queued}
+        return {"in_flight": len(self._requests), "held": len(self._manual_end), "queued": len(self._outputs)}
 
     async def get_output_async(self) -> OmniRequestOutput:
         """The next output of any request; raises ``StageRequestError`` for a failed
         request and ``StageDeadError`` once the stage is dead."""
-        while not self._pending_items:
-            self._pending_items = await self.get_outputs_async()
-            self._pending_items.reverse()
-        item = self._pending_items.pop()
-        if isinstance(item, BaseException):
-            raise item
-        return item
+        return await self._outputs.get_one(lambda: self.dead_error)
 
     async def get_outputs_async(self) -> list[StageItem]:
         """The next batch, outputs and per-request errors in stage order."""
-        while not self._batches:
-            if self.dead_error is not None:
-                raise self.dead_error
-            self._batch_ready.clear()
-            await self._batch_ready.wait()
-        return self._batches.popleft()
+        return await self._outputs.get_batch(lambda: self.dead_error)
 
     def _put_batch(self, items: list[StageItem]) -> None:
         if self.sink is not None:
             self.sink(items)
-            return
-        self._batches.append(items)
-        self._batch_ready.set()
+        else:
+            self._outputs.put(items)
 
     def _drop_queued(self, request_ids: set[str]) -> None:
-        """Forget queued outputs of ``request_ids`` (aborted: nobody will read them)."""
-        kept = deque()
-        for batch in self._batches:
-            batch = [item for item in batch if item.request_id not in request_ids]
-            if batch:
-                kept.append(batch)
-        self._batches = kept
-        self._pending_items = [item for item in self._pending_items if item.request_id not in request_ids]
+        self._outputs.drop(request_ids)
 
     # -------------------------------------------------------- health, utility
     async def check_health(self, timeout: float = 10.0) -> None:
@@ -426,7 +401,7 @@ class BaseStageClient:
                 future.set_exception(error)
         self._requests.clear()
         self._manual_end.clear()
-        self._batch_ready.set()  # waiters see dead_error once the queue is drained
+        self._outputs.wake()  # readers see dead_error once the queue is drained
         self.resources.close()
         if notify and self.on_dead is not None:
             self.on_dead(error)
