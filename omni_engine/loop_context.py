@@ -34,14 +34,15 @@ def loop_context(loop: asyncio.AbstractEventLoop | None) -> LoopContext:
     return LoopContext.ON_LOOP if running is loop else LoopContext.OTHER_THREAD
 
 
-def cancel_now(tasks: Iterable[asyncio.Future | None], loop: asyncio.AbstractEventLoop | None) -> None:
+def cancel_now(tasks: Iterable[asyncio.Future | None]) -> None:
     """Cancel ``tasks`` without waiting. Where their loop does not run, they can never finish:
     they are also kept from warning "Task was destroyed but it is pending!" when collected."""
-    idle = loop_context(loop) is LoopContext.NOT_RUNNING
-    closed = loop is not None and loop.is_closed()
     for task in tasks:
         if task is None or task.done():
             continue
+        loop = task.get_loop()
+        idle = loop_context(loop) is LoopContext.NOT_RUNNING
+        closed = loop.is_closed()
         if not closed:  # (a closed loop refuses the wake-up a cancel schedules)
             task.cancel()
         if idle:

@@ -45,9 +45,8 @@ def replica_set_for(stage: StageConfig, replicas: Sequence[BaseStageClient]) -> 
     """The replicas of ``stage`` as one stage client, balanced and failing over as configured."""
     runtime = stage.runtime
     capacity = runtime.max_batch_size or stage.engine_args.get("max_num_seqs") or 1
-    return StageReplicaSet(stage.stage_id, replicas, load_balance=runtime.load_balance or "least-loaded",
-                           affinity=runtime.affinity or "none", retry=runtime.retry or "before_first_output",
-                           capacity=capacity)
+    return StageReplicaSet(stage.stage_id, replicas, load_balance=runtime.load_balance, affinity=runtime.affinity,
+                           retry=runtime.retry, capacity=capacity)
 
 
 class MultiStageEngineClient(EngineClient):
@@ -282,7 +281,7 @@ class MultiStageEngineClient(EngineClient):
 
     def stage_restarts(self) -> dict[int, int]:
         """Per stage: how often it was restarted after dying (``runtime.restart``)."""
-        return dict(self.supervisor.restarts)
+        return self.supervisor.restarts
 
     def state_counts(self) -> dict[str, int]:
         """What the pipeline holds for requests, summed over the orchestrator and every
@@ -390,8 +389,7 @@ class MultiStageEngineClient(EngineClient):
     async def engine_metrics(self, timeout: float = 2.0) -> dict[tuple[int, int], list[Any]]:
         """vLLM's ``vllm:*`` metric families of each live LLM stage replica ((stage id, replica) ->
         snapshot, ``prometheus_snapshot`` format); one that does not answer within ``timeout`` is left out."""
-        chosen = [ctx for ctx in self.stage_contexts
-                  if ctx.stage_type in (None, "llm") and not ctx.client.is_dead]
+        chosen = [ctx for ctx in self._chosen_stages(None, llm_only=True) if not ctx.client.is_dead]
         per_stage = await asyncio.gather(
             *(ctx.client.call_each_replica_async("engine_metrics", call_timeout=timeout, return_exceptions=True)
               for ctx in chosen), return_exceptions=True)

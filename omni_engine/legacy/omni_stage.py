@@ -203,7 +203,7 @@ class LegacyOutputHandler:
                 del self._stages[fd]
                 self._readable.discard(fd)
         if not self._stages and self._task is not None:
-            cancel_now([self._task], loop)
+            cancel_now([self._task])
             self._task = None
 
     def _on_readable(self, fd: int) -> None:

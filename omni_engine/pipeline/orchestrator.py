@@ -113,8 +113,7 @@ class PipelineOrchestrator(RequestEndings):
     def stop_now(self) -> None:
         """``stop`` without awaiting (a synchronous shutdown). Off the loop the requests' callers
         are gone with it: their state is dropped, not ended."""
-        loop = self._loop_of_readers()
-        cancel_now(self._readers.values(), loop)
+        cancel_now(self._readers.values())
         self._readers.clear()
         for state in list(self._requests.values()):
             try:
@@ -124,11 +123,6 @@ class PipelineOrchestrator(RequestEndings):
                 state.ended = True
         for routes in self._routes.values():
             routes.clear()
-
-    def _loop_of_readers(self) -> asyncio.AbstractEventLoop | None:
-        for task in self._readers.values():
-            return task.get_loop()
-        return None
 
     @property
     def num_requests(self) -> int:

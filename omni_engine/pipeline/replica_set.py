@@ -82,17 +82,18 @@ class StageReplicaSet:
     """Submit, stream outputs, abort, health and utility calls over N replicas of one stage."""
 
     def __init__(self, stage_id: int, replicas: Sequence[BaseStageClient], *,
-                 load_balance: LoadBalance | str = LoadBalance.LEAST_LOADED,
-                 affinity: Affinity | str = Affinity.NONE,
-                 retry: RetryPolicy | str = RetryPolicy.BEFORE_FIRST_OUTPUT,
+                 load_balance: LoadBalance | str | None = None,
+                 affinity: Affinity | str | None = None,
+                 retry: RetryPolicy | str | None = None,
                  capacity: int = 1) -> None:
-        """``capacity``: a replica's batch size (load is requests in flight over it)."""
+        """``capacity``: a replica's batch size (load is requests in flight over it). A policy
+        left None is the default: least-loaded, no affinity, retry before the first output."""
         if not replicas:
             raise ValueError(f"stage {stage_id}: a replica set needs at least one replica")
         self.stage_id = stage_id
-        self.load_balance = LoadBalance(load_balance)
-        self.affinity = Affinity(affinity)
-        self.retry = RetryPolicy(retry)
+        self.load_balance = LoadBalance(load_balance or LoadBalance.LEAST_LOADED)
+        self.affinity = Affinity(affinity or Affinity.NONE)
+        self.retry = RetryPolicy(retry or RetryPolicy.BEFORE_FIRST_OUTPUT)
         self.capacity = max(1, capacity)
         self.replicas: list[BaseStageClient] = list(replicas)
         self.dead_error: StageDeadError | None = None
@@ -152,10 +153,6 @@ class StageReplicaSet:
         await asyncio.gather(*evictions, return_exceptions=True)
         self._set_dead(StageDeadError(self.stage_id, f"stage {self.stage_id} client is shut down"))
 
-    def shutdown_now(self, timeout: float = 10.0) -> None:
-        if self.ask_stop_now():
-            self.finish_shutdown_now(timeout)
-
     def ask_stop_now(self) -> bool:
         """Every replica is asked to exit (see ``BaseStageClient.ask_stop_now``)."""
         if self._stopped:
@@ -166,7 +163,7 @@ class StageReplicaSet:
         return True
 
     def finish_shutdown_now(self, timeout: float) -> None:
-        cancel_now(self._tasks, self._loop_of_tasks())
+        cancel_now(list(self._tasks))
         deadline = time.monotonic() + timeout  # one grace period for all: they were asked together
         # Every replica, evicted ones too (their eviction task was just cancelled): a replica not
         # asked gets no grace, and what its client holds is freed either way.
@@ -177,11 +174,6 @@ class StageReplicaSet:
             self._set_dead(error)
         except RuntimeError:  # the loop is closed: nobody waits any more
             self.dead_error = error
-
-    def _loop_of_tasks(self) -> asyncio.AbstractEventLoop | None:
-        for task in self._tasks:
-            return task.get_loop()
-        return None
 
     # -------------------------------------------------------------- status
     @property

@@ -38,7 +38,6 @@ class StageSupervisor:
     def __init__(self, stages: Sequence[StageContext], makers: dict[int, StageClientMaker]) -> None:
         self._stages = {ctx.stage_id: ctx for ctx in stages}
         self._makers = makers
-        self.restarts: dict[int, int] = {sid: 0 for sid in self._stages}  # per stage, all replicas
         self._replica_restarts: dict[tuple[int, int], int] = {}
         self._tasks: dict[tuple[int, int], asyncio.Task] = {}
         self._stopped = False
@@ -52,6 +51,14 @@ class StageSupervisor:
         if runtime is None:
             return "no", 0
         return runtime.restart, DEFAULT_MAX_RESTARTS if runtime.max_restarts is None else runtime.max_restarts
+
+    @property
+    def restarts(self) -> dict[int, int]:
+        """Per stage: restarts of all its replicas."""
+        counts = {sid: 0 for sid in self._stages}
+        for (sid, _), n in self._replica_restarts.items():
+            counts[sid] += n
+        return counts
 
     def restarting(self, stage_id: int) -> bool:
         return any(sid == stage_id and not task.done() for (sid, _), task in self._tasks.items())
@@ -77,7 +84,6 @@ class StageSupervisor:
         delay = _FIRST_DELAY_S
         while not self._stopped and self._replica_restarts.get(key, 0) < limit:
             self._replica_restarts[key] = self._replica_restarts.get(key, 0) + 1
-            self.restarts[sid] += 1
             logger.warning("stage %d replica %d died (%s); restarting it (restart %d of at most %d)",
                            sid, replica, str(error).splitlines()[0], self._replica_restarts[key], limit)
             # Reap what is left of the old one: process group, sockets, segments.
@@ -102,8 +108,7 @@ class StageSupervisor:
     def stop_now(self) -> None:
         """No more restarts; one under way is cancelled, not awaited (a synchronous shutdown)."""
         self._stopped = True
-        tasks = list(self._tasks.values())
-        cancel_now(tasks, tasks[0].get_loop() if tasks else None)
+        cancel_now(self._tasks.values())
 
     async def stop(self) -> None:
         """No more restarts; wait for one under way to give up."""

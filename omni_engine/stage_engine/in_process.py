@@ -29,7 +29,7 @@ from omni_engine.stage_engine.stage_core_proc import StageEngineCoreProc
 from omni_engine.stage_engine.stage_core_client import StageEngineCoreClient
 from omni_engine.stage_engine.stage_spec import StageProcessSpec
 from omni_engine.wire.protocol import REQUEST_STRUCTS, StageReady, StageRequestType, StageResponseType
-from omni_engine.wire.stage_serialization import StageMsgpackDecoder, StageMsgpackEncoder, WireFormatError
+from omni_engine.wire.stage_serialization import StageMsgpackDecoder, StageMsgpackEncoder
 
 logger = logging.getLogger(__name__)
 
@@ -157,10 +157,7 @@ class InProcessStageClient(StageEngineCoreClient):
                 frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 break
-            try:
-                self._handle_response(frames)
-            except WireFormatError as exc:
-                logger.warning("stage %d: malformed response dropped: %s", self.stage_id, exc)
+            self._take_response(frames)
         if self.dead_error is None:
             self._set_dead(StageDeadError(self.stage_id, f"stage {self.stage_id} (in-process thread) exited with "
                                                          f"code {self.exit_code}", self.exit_code))

@@ -237,7 +237,7 @@ class StageEngineCoreClient(BaseStageClient):
         self._release_now()
 
     def _release_now(self) -> None:
-        cancel_now((self._output_task, self._drain_task), self._loop)
+        cancel_now((self._output_task, self._drain_task))
         # (Through self.shm.close(): the stage's producer leaves the lease book, its segments are unlinked.)
         super()._release_now()
         if self._auth is not None:
@@ -297,16 +297,20 @@ class StageEngineCoreClient(BaseStageClient):
         """
         while True:
             try:
-                frames = await recv_frames(self._output, copy=False)
-                self.bytes_received += sum(len(f) for f in frames)
-                self._handle_response(frames)
-            except WireFormatError as exc:
-                logger.warning("stage %d: malformed response dropped: %s", self.stage_id, exc)
+                self._take_response(await recv_frames(self._output, copy=False))
             except Exception as exc:  # noqa: BLE001 - see above: fail loudly rather than hang
                 logger.exception("stage %d: output handler failed", self.stage_id)
                 self._set_dead(StageDeadError(self.stage_id, f"stage {self.stage_id}: output handler failed: "
                                                              f"{type(exc).__name__}: {exc}"))
                 return
+
+    def _take_response(self, frames: list[zmq.Frame]) -> None:
+        """One message from the stage: counted, decoded and handled; a malformed one is dropped."""
+        self.bytes_received += sum(len(f) for f in frames)
+        try:
+            self._handle_response(frames)
+        except WireFormatError as exc:
+            logger.warning("stage %d: malformed response dropped: %s", self.stage_id, exc)
 
     def _handle_response(self, frames: list[zmq.Frame]) -> None:
         self._on_response(*decode_frames(frames, RESPONSE_TYPES, self._decoders))

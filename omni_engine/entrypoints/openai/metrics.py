@@ -15,13 +15,14 @@ collector there. Two kinds of series:
   outputs, bytes), so nothing is counted twice.
 
 Every name starts with ``omni_engine_``; stages are labelled ``stage``, stage
-replicas ``stage`` and ``replica``, edges ``src`` and ``dst``. Sub-requests count as requests of their stage (an
-``async_chunk`` speech stage gets one per sentence).
+replicas ``stage`` and ``replica``, edges ``src`` and ``dst``. Sub-requests
+count as requests of their stage (an ``async_chunk`` speech stage gets one per
+sentence).
 
 Beside them, the ``vllm:*`` series of each LLM stage's own vLLM (requests
 running and waiting, KV-cache usage, TTFT, ITL, e2e, tokens ...), as vLLM
-names them, with ``stage`` and ``replica`` labels added: ``StageEngineMetrics`` fetches them
-from the stage processes when ``/metrics`` is scraped.
+names them, with ``stage`` and ``replica`` labels added: ``StageEngineMetrics``
+fetches them from the stage processes when ``/metrics`` is scraped.
 """
 
 from __future__ import annotations
@@ -195,7 +196,8 @@ class PipelineMetricsCollector(PipelineObserver, Collector):
         stage_ids = client.stage_ids()
         load = client.stage_load()
 
-        up = GaugeMetricFamily(PREFIX + "stage_up", "1 while the stage serves (one of its replicas is alive), 0 once none is",
+        up = GaugeMetricFamily(PREFIX + "stage_up",
+                               "1 while the stage serves (one of its replicas is alive), 0 once none is",
                                labels=["stage"])
         waiting = GaugeMetricFamily(PREFIX + "stage_requests_waiting",
                                     "Per stage: (sub-)requests submitted that have no output yet", labels=["stage"])
