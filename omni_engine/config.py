@@ -107,6 +107,20 @@ class SecurityConfig(_Base):
         return CurveKeys(pairs["server_key"], pairs["client_key"], fixed_client=self.client_key is not None)
 
 
+class PlacementConfig(_Base):
+    """Where stage processes run (README "Placement through Ray").
+
+    ``local``: on the client's host. ``ray``: each replica of a process stage
+    in a bundle of a Ray placement group (its stage's ``runtime.resources``),
+    started there by a small launcher actor; Ray is imported only then.
+    """
+
+    backend: str = "local"
+    # ray only: "auto" (RAY_ADDRESS, else the cluster `ray start` left on this
+    # machine, else a new local one: ray.init()'s own order) or a cluster address.
+    address: str | None = None
+
+
 class PipelineRuntimeConfig(_Base):
     execution_mode: str = "sequential"
     # Requests in the pipeline at once; more are refused (HTTP 503), not queued without bound.
@@ -117,6 +131,7 @@ class PipelineRuntimeConfig(_Base):
     connectors: ConnectorsConfig = msgspec.field(default_factory=ConnectorsConfig)
     edges: list[EdgeConfig] = msgspec.field(default_factory=list)
     security: SecurityConfig = msgspec.field(default_factory=SecurityConfig)
+    placement: PlacementConfig = msgspec.field(default_factory=PlacementConfig)
 
 
 class StageRuntimeConfig(_Base):
@@ -149,6 +164,11 @@ class StageRuntimeConfig(_Base):
     # When a replica dies, its requests that produced no output yet go to a live
     # replica ("before_first_output", the default) or fail with it ("never").
     retry: str | None = None
+    # placement backend ray only: what each replica reserves in Ray ({CPU: 1, GPU: 1},
+    # custom resources; default {CPU: 1}), and how the stage's replicas are laid out
+    # over nodes ("PACK", the default: as few as possible; "SPREAD": as many).
+    resources: dict[str, float] | None = None
+    strategy: str | None = None
 
     def device_ids(self) -> tuple[str, ...] | None:
         """``devices`` as a tuple of ids (None: not set); validation has checked their shape."""
@@ -233,9 +253,13 @@ def parse_pipeline_config(data: Any, source: str = "<dict>") -> PipelineConfig:
                if raw_stages in (None, []) else f"expected a list of stages, got {type(raw_stages).__name__}")
         raw_stages = []
     converted: list[tuple[int, StageConfig]] = []
+    placed = shell is not None and shell.runtime.placement.backend == "ray"
     for i, raw in enumerate(raw_stages):
         stage = cv.convert_struct(raw, StageConfig, f"stage_args[{i}]", errors.for_stage(cv.stage_label(i, raw)))
         if stage is not None:
+            if placed and stage.runtime.process and "transport" not in (raw.get("runtime") or {}):
+                # A stage placed through Ray is reached over the network: tcp is its default.
+                stage.runtime.transport = "tcp"
             converted.append((i, stage))
     # Ids of every stage, converted or not, so references are not misreported as missing.
     valid_ids = [r["stage_id"] for r in raw_stages if isinstance(r, dict) and type(r.get("stage_id")) is int]
@@ -253,6 +277,7 @@ def parse_pipeline_config(data: Any, source: str = "<dict>") -> PipelineConfig:
         sources = {s.stage_id: list(s.engine_input_source) for _, s in converted}
         cv.check_runtime(shell.runtime, report, sources, all_ids, EXECUTION_MODES)
         cv.check_security(shell.runtime.security, report, _config_dir(source))
+        cv.check_placement(shell, converted, errors)
         if shell.runtime.security.curve:
             for i, stage in converted:
                 if not stage.runtime.process:

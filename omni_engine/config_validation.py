@@ -16,17 +16,21 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
-from omni_engine.stage_engine.stage_sockets import check_host
+from omni_engine.stage_engine.stage_sockets import check_host, is_loopback
 from omni_engine.utils import resolve_dotted
 
 RESTART_POLICIES = ("no", "on-failure")
 LOAD_BALANCE_POLICIES = ("least-loaded", "round-robin")
 AFFINITIES = ("none", "request")
 RETRY_POLICIES = ("before_first_output", "never")
+PLACEMENT_BACKENDS = ("local", "ray")
+# Ray's placement-group strategies: how one stage's replicas are laid out over nodes.
+PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
 
 if TYPE_CHECKING:
     from omni_engine.config import (
         EdgeConfig,
+        PipelineConfig,
         PipelineRuntimeConfig,
         SecurityConfig,
         StageConfig,
@@ -390,6 +394,60 @@ def check_security(security: SecurityConfig, report: Report, base_dir: Path) -> 
             report(field_path, str(exc))
     if security.curve and not curve_available():
         report("runtime.security.curve", "this libzmq has no CURVE support (zmq.has('curve') is False)")
+
+
+def check_placement(config: PipelineConfig, stages: list[tuple[int, StageConfig]], errors: ErrorCollector) -> None:
+    """``runtime.placement`` and the per-stage fields that only Ray placement reads.
+
+    A stage placed through Ray is reached over tcp with CURVE from another
+    host, so what only makes sense on the client's host is refused with it.
+    """
+    placement, report = config.runtime.placement, errors.pipeline()
+    if placement.backend not in PLACEMENT_BACKENDS:
+        report("runtime.placement.backend",
+               f"unknown backend {placement.backend!r}; expected one of {list(PLACEMENT_BACKENDS)}")
+        return
+    ray = placement.backend == "ray"
+    if not ray and placement.address is not None:
+        report("runtime.placement.address", "applies only with backend: ray")
+    if ray and config.runtime.security.client_key is not None:
+        report("runtime.security.client_key", "a stage placed through Ray generates its keypair on its own node "
+                                              "(only its public key crosses Ray); a fixed client key does not apply")
+    for i, stage in stages:
+        _check_stage_placement(stage, f"stage_args[{i}].runtime", ray, errors.for_stage(f"stage {stage.stage_id}"))
+
+
+def _check_stage_placement(stage: StageConfig, path: str, ray: bool, report: Report) -> None:
+    runtime = stage.runtime
+    placed = ray and runtime.process
+    if not placed:
+        why = ("applies only with runtime.placement.backend: ray" if not ray
+               else "an in-process stage (process: false) runs in the client's process; Ray places processes")
+        for name in ("resources", "strategy"):
+            if getattr(runtime, name) is not None:
+                report(f"{path}.{name}", why)
+        return
+    if runtime.strategy is not None:
+        if runtime.strategy not in PLACEMENT_STRATEGIES:
+            report(f"{path}.strategy",
+                   f"unknown strategy {runtime.strategy!r}; expected one of {list(PLACEMENT_STRATEGIES)}")
+        elif runtime.num_replicas == 1:
+            report(f"{path}.strategy", "applies only with num_replicas > 1 (it lays out a stage's replicas)")
+    for name, amount in (runtime.resources or {}).items():
+        if not amount >= 0:
+            report(f"{path}.resources.{name}", f"{amount!r} is negative; expected an amount >= 0")
+    if runtime.resources is not None and not any(runtime.resources.values()):
+        report(f"{path}.resources", "reserves nothing; Ray would place the stage anywhere, any number of times "
+                                    "over: ask for at least one resource (e.g. {CPU: 1})")
+    if runtime.devices is not None:
+        report(f"{path}.devices", "Ray gives a placed stage its accelerators: ask for them in runtime.resources "
+                                  "(e.g. {GPU: 1})")
+    if runtime.transport != "tcp":
+        report(f"{path}.transport", f"a stage placed through Ray is reached over tcp (this stage asks for "
+                                    f"{runtime.transport!r}); leave transport out")
+    if runtime.host is not None and is_loopback(runtime.host):
+        report(f"{path}.host", f"{runtime.host!r} is a loopback address, which other nodes cannot reach; "
+                               "leave host out (the client binds this node's Ray address) or give a reachable one")
 
 
 def find_cycles(sources: dict[int, list[int]]) -> list[list[int]]:

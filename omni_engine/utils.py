@@ -5,7 +5,9 @@ from __future__ import annotations
 import ctypes
 import importlib
 import logging
+import os
 import signal
+import socket
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -36,6 +38,23 @@ def resolve_dotted(path: str, what: str = "object") -> Any:
     except AttributeError:
         raise ValueError(f"{what} {path!r}: module {module_name!r} has no attribute {attr!r}") from None
     return obj
+
+
+def machine_host_id() -> str:
+    """This process's shared-memory domain: the machine (its boot id) and the /dev/shm it sees.
+
+    Two processes can exchange shared-memory handles only if they agree on it;
+    a container with a /dev/shm of its own is another host in this sense.
+    """
+    try:
+        boot_id = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        boot_id = "unknown-boot"
+    try:
+        shm_dev = os.stat("/dev/shm").st_dev
+    except OSError:
+        shm_dev = 0
+    return f"{socket.gethostname()}/{boot_id}/{shm_dev}"
 
 
 def die_with_parent(sig: int = signal.SIGTERM) -> None:

@@ -554,3 +554,48 @@ def test_legacy_architecture_refuses_replicas(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match=r"stage 1: stage_args\[1\].runtime.num_replicas is not supported by the "
                                           "legacy architecture"):
         check_legacy_config(load_pipeline_config(path))
+
+
+def ray_placed(*stages: dict, **runtime) -> dict:
+    return {"runtime": {"placement": {"backend": "ray"}, **runtime}, "stage_args": list(stages)}
+
+
+def test_ray_placement_fields_are_checked(tmp_path: Path) -> None:
+    # Placed stages default to tcp; in-process stages stay as they are.
+    cfg = parse_pipeline_config(ray_placed(
+        final(llm(0, runtime={"resources": {"CPU": 1, "GPU": 1}, "num_replicas": 2, "strategy": "SPREAD"})),
+        {"stage_id": 1, "stage_type": "generation", "engine_args": {"model_factory": TTS_FACTORY},
+         "engine_input_source": [0], "runtime": {"process": False}, "final_output": True,
+         "final_output_type": "audio"}))
+    assert cfg.runtime.placement.backend == "ray" and cfg.runtime.placement.address is None
+    assert cfg.stage(0).runtime.transport == "tcp" and cfg.stage(1).runtime.transport == "ipc"
+    assert cfg.stage(0).runtime.resources == {"CPU": 1.0, "GPU": 1.0}
+    # Without Ray, its fields do nothing: refused.
+    data = chain(final(llm(0, runtime={"resources": {"CPU": 1}})))
+    one_error(tmp_path, data, "stage 0", "runtime.resources", "applies only with runtime.placement.backend: ray")
+    plain = chain(final(llm(0)))
+    one_error(tmp_path, {**plain, "runtime": {"placement": {"address": "auto"}}}, "runtime.placement.address",
+              "applies only with backend: ray")
+    one_error(tmp_path, {**plain, "runtime": {"placement": {"backend": "k8s"}}}, "runtime.placement.backend",
+              "unknown backend 'k8s'", "'ray'")
+    # With Ray: what only makes sense on the client's host, or does nothing, is refused.
+    for runtime, field, needle in (
+        ({"strategy": "PACK"}, "strategy", "applies only with num_replicas > 1"),
+        ({"num_replicas": 2, "strategy": "DENSE"}, "strategy", "unknown strategy 'DENSE'"),
+        ({"resources": {"CPU": -1}}, "resources.CPU", "negative"),
+        ({"resources": {"CPU": 0}}, "resources", "reserves nothing"),
+        ({"devices": "0"}, "devices", "ask for them in runtime.resources"),
+        ({"transport": "ipc"}, "transport", "reached over tcp"),
+        ({"host": "127.0.0.1"}, "host", "loopback"),
+    ):
+        one_error(tmp_path, ray_placed(final(llm(0, runtime=runtime))), "stage 0", f"runtime.{field}", needle)
+    errors = errors_of(tmp_path, ray_placed(final(llm(0)), security={"curve": True, "client_key": "k.key_secret"}))
+    assert any("runtime.security.client_key: a stage placed through Ray generates its keypair on its own node" in e
+               for e in errors), errors
+
+
+def test_legacy_architecture_refuses_ray_placement(tmp_path: Path) -> None:
+    from omni_engine.legacy.pipeline import check_legacy_config
+
+    with pytest.raises(ConfigError, match=r"runtime.placement is not supported by the legacy architecture"):
+        check_legacy_config(parse_pipeline_config(ray_placed(final(llm(0)))))

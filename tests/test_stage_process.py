@@ -143,3 +143,26 @@ async def test_stale_socket_dirs_of_dead_clients_are_removed_at_start(tmp_path):
     finally:
         await client.shutdown()
         mine.rmdir()
+
+
+async def test_a_stage_on_another_host_that_sends_a_shm_handle_is_stopped_loudly():
+    """A stage whose READY names another host (its ``host_id``) but sends a shared-memory handle
+    anyway: the client refuses the handle, and, since the stage broke what its handshake said,
+    the stage with it: the request fails at once, naming stage and cause, nothing hangs."""
+    from omni_engine.connectors.settings import ConnectorSettings
+    from omni_engine.errors import StageDeadError
+
+    spec = tts_spec().replace(host_id="another-host/boot/1")
+    client = StageEngineCoreClient(1, process=spec, connectors=ConnectorSettings(shm_threshold=0))
+    await client.start()
+    try:
+        assert client.ready.host_id == "another-host/boot/1" != client.host_id
+        await client.submit_request("foreign-1", "A sentence long enough to leave as a tensor.", {})
+        with pytest.raises(StageDeadError, match="stage 1: .*shared-memory segment .*another host "
+                                                 r"\(another-host/boot/1\)"):
+            async with asyncio.timeout(30):
+                await client.get_output_async()
+        assert client.num_unfinished_requests() == 0
+    finally:
+        await client.shutdown()
+    assert not process_exists(client.process.pid) and not list_segments(client.shm_prefix)

@@ -46,6 +46,7 @@ from omni_engine.wire.protocol import (
     RESPONSE_STRUCTS,
     StageAbortRequest,
     StageDead,
+    StageHeartbeat,
     StageError,
     StageGenerateRequest,
     StageHealth,
@@ -329,13 +330,14 @@ def _protocol_messages() -> list[msgspec.Struct]:
         StageUtilityRequest(4, "collective_rpc", ["m", torch.arange(5)], {"timeout": 1.0}),
         StageShutdown("bye"),
         StageReleaseRequest(["omni_1_ab_s0_0"]),
-        StageReady(0, 1234, "omni_1_ab_s0", {"kind": "llm", "max_model_len": 2048}),
+        StageReady(0, 1234, "omni_1_ab_s0", {"kind": "llm", "max_model_len": 2048}, "node-b/boot/42"),
         StageOutputs(outs, 99.0),
         StageError("boom", "r1", "ValueError"),
         StageHealth(3, True, 2, 1234),
         StageUtilityResult(4, {"ok": [1, 2]}),
         StageUtilityResult(5, error="nope"),
         StageDead("died"),
+        StageHeartbeat(1700000000.5),
     ]
 
 

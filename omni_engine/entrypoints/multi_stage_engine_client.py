@@ -13,7 +13,7 @@ import logging
 import time
 from collections.abc import AsyncGenerator, Callable, Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from vllm.engine.protocol import EngineClient
 
@@ -29,6 +29,7 @@ from omni_engine.pipeline.stage_specs import build_stage_specs, prepare_models
 from omni_engine.pipeline.stage_supervisor import StageClientMaker, StageSupervisor
 from omni_engine.stage_engine.base_client import BaseStageClient
 from omni_engine.stage_engine.in_process import InProcessStageClient
+from omni_engine.stage_engine.security import CurveKeys
 from omni_engine.stage_engine.stage_core_client import StageEngineCoreClient
 from omni_engine.stage_engine.stage_spec import StageProcessSpec
 
@@ -39,6 +40,12 @@ SHUTDOWN_TIMEOUT_S = 30.0
 
 Progress = Callable[[str], None]
 StageClientFactory = Callable[[StageConfig, StageProcessSpec], BaseStageClient]
+
+
+class Placement(Protocol):
+    """Where a pipeline's stages run beyond this host (``RayPlacement``): released after the stages."""
+
+    def close(self) -> None: ...
 
 
 def replica_set_for(stage: StageConfig, replicas: Sequence[BaseStageClient]) -> StageReplicaSet:
@@ -59,13 +66,16 @@ class MultiStageEngineClient(EngineClient):
         edges: Sequence[EdgeConfig] | None = None,
         config: PipelineConfig | None = None,
         stage_makers: dict[int, StageClientMaker] | None = None,
+        placement: Placement | None = None,
     ) -> None:
         """``edges``: per-edge overrides (default: the config's ``runtime.edges``).
         ``stage_makers`` make a new client (and process) for a replica of a
         stage (called with the replica's index); replicas of stages with
-        ``runtime.restart: on-failure`` are restarted with them."""
+        ``runtime.restart: on-failure`` are restarted with them. ``placement``
+        (Ray's) is closed after the stages stop."""
         self.stage_contexts = list(stages)
         self.config = config
+        self.placement = placement
         self.metrics = OrchestratorMetrics()
         limits = {}
         if config is not None:
@@ -109,17 +119,35 @@ class MultiStageEngineClient(EngineClient):
         # CURVE on: one server keypair per run; each stage process its own keypair
         # unless the config fixes one (None: CURVE off).
         curve = cfg.runtime.security.curve_keys()
+        placement = None
+        if cfg.runtime.placement.backend == "ray":
+            from omni_engine.placement.ray_placement import RayPlacement
 
-        def zmq_client(stage: StageConfig, spec: StageProcessSpec) -> StageEngineCoreClient:
+            say("joining the Ray cluster")
+            placement = RayPlacement(cfg.runtime.placement, cfg.stage_args)
+            # A placed stage is reached over the network: always with CURVE.
+            curve = curve or CurveKeys.generate()
+
+        def zmq_client(stage: StageConfig, replica: int) -> StageEngineCoreClient:
+            spec = specs[stage.stage_id][replica]
             if not stage.runtime.process:
                 return InProcessStageClient(stage.stage_id, spec)
+            if placement is not None:
+                from omni_engine.placement.ray_stage_client import RayStageClient
+
+                return RayStageClient(stage.stage_id, spec, placement=placement, replica=replica, curve=curve,
+                                      host=stage.runtime.host)
             return StageEngineCoreClient(stage.stage_id, process=spec, transport=stage.runtime.transport,
                                          host=stage.runtime.host,
                                          curve=curve.for_new_process() if curve is not None else None)
 
-        make_client = make_stage_client or zmq_client
-        stage_sets = {stage.stage_id: replica_set_for(stage, [make_client(stage, spec)
-                                                              for spec in specs[stage.stage_id]])
+        def make_client(stage: StageConfig, replica: int) -> BaseStageClient:
+            if make_stage_client is not None:
+                return make_stage_client(stage, specs[stage.stage_id][replica])
+            return zmq_client(stage, replica)
+
+        stage_sets = {stage.stage_id: replica_set_for(stage, [make_client(stage, r)
+                                                              for r in range(len(specs[stage.stage_id]))])
                       for stage in cfg.stage_args}
 
         async def start(stage_id: int) -> None:
@@ -135,6 +163,8 @@ class MultiStageEngineClient(EngineClient):
         errors = [r for r in results if isinstance(r, BaseException)]
         if errors:
             await asyncio.gather(*(c.shutdown() for c in stage_sets.values()), return_exceptions=True)
+            if placement is not None:
+                placement.close()
             raise errors[0]
         contexts = [
             StageContext(
@@ -146,9 +176,8 @@ class MultiStageEngineClient(EngineClient):
             )
             for stage in cfg.stage_args
         ]
-        makers = {stage.stage_id: (lambda replica, stage=stage: make_client(stage, specs[stage.stage_id][replica]))
-                  for stage in cfg.stage_args}
-        return cls(contexts, cfg.runtime.execution_mode, cfg.runtime.edges, cfg, makers)
+        makers = {stage.stage_id: (lambda replica, stage=stage: make_client(stage, replica)) for stage in cfg.stage_args}
+        return cls(contexts, cfg.runtime.execution_mode, cfg.runtime.edges, cfg, makers, placement)
 
     async def __aenter__(self) -> "MultiStageEngineClient":
         return self
@@ -440,7 +469,12 @@ class MultiStageEngineClient(EngineClient):
         await self.supervisor.stop()
         await self.orchestrator.stop()
         await asyncio.gather(*(ctx.client.shutdown() for ctx in self.stage_contexts), return_exceptions=True)
+        self._close_placement()
         self._closed = True
+
+    def _close_placement(self) -> None:
+        if self.placement is not None:
+            self.placement.close()
 
     def shutdown(self, timeout: float | None = None) -> None:
         """Stop every stage and free everything, synchronously (as vLLM's ``AsyncLLM.shutdown``).
@@ -479,6 +513,7 @@ class MultiStageEngineClient(EngineClient):
                 ctx.client.finish_shutdown_now(max(0.0, deadline - time.monotonic()))
             except Exception:  # noqa: BLE001 - the other stages are stopped regardless
                 logger.exception("stage %d: shutdown failed", ctx.stage_id)
+        self._close_placement()
         self._closed = True
 
 

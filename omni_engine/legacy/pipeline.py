@@ -24,6 +24,8 @@ def check_legacy_config(config: PipelineConfig) -> None:
     connectors = config.runtime.connectors
     if connectors.use_shm is not None or connectors.shm_threshold is not None:
         errors.append(f"{source}: runtime.connectors {_NOT_LEGACY} pickles every tensor")
+    if config.runtime.placement.backend != "local":
+        errors.append(f"{source}: runtime.placement {_NOT_LEGACY} starts every stage as a local process")
     if config.runtime.security.curve:
         errors.append(f"{source}: runtime.security.curve {_NOT_LEGACY} has no sockets to secure")
     for i, stage in enumerate(config.stage_args):

@@ -264,6 +264,8 @@ class BaseStageClient:
             # While we stop the stage (SIGTERM after a SHUTDOWN timed out) its DEAD is expected.
             self._set_dead(StageDeadError(self.stage_id, f"stage {self.stage_id} reported a fatal error: "
                                                          f"{msg.message}"), notify=not self._stopped)
+        elif rtype is StageResponseType.HEARTBEAT:
+            pass  # its arrival is what counts (StageEngineCoreClient._take_response)
         else:  # READY belongs on the request socket, once
             logger.warning("stage %d: unexpected %s on the output socket dropped", self.stage_id, rtype.name)
 
@@ -340,7 +342,7 @@ class BaseStageClient:
         if process is not None:
             process.stop(grace)
             if process.exitcode == 0:
-                process.log_path.unlink(missing_ok=True)
+                process.discard_log()
 
     def _send_nowait(self, req_type: StageRequestType, msg: Any) -> bool:
         """Send without the event loop (a synchronous shutdown); False if it could not be sent."""

@@ -79,7 +79,7 @@ class StageEngineCoreInProc(StageEngineCoreProc):
         self._out_sock.setsockopt(zmq.LINGER, 2000)
         self._out_sock.connect(self.output_address)
         self._encoder = StageMsgpackEncoder.from_settings(self.connectors, self.pool)
-        ready = StageReady(self.stage_id, os.getpid(), self.shm_prefix, self.engine.info())
+        ready = StageReady(self.stage_id, os.getpid(), self.shm_prefix, self.engine.info(), self.host_id)
         zmq.Socket.shadow(self._in_sock.underlying).send_multipart(
             [StageResponseType.READY.value, msgspec.msgpack.encode(ready)])
         self._input_task = loop.create_task(self._serve_input_on_loop(), name=f"stage{self.stage_id}-input")
@@ -120,7 +120,7 @@ class InProcessStageClient(StageEngineCoreClient):
         self.thread: threading.Thread | None = None
         self.exit_code: int | None = None
 
-    def _launch(self) -> None:
+    async def _launch(self) -> None:
         from omni_engine.engines import build_stage_engine
 
         spec, loop = self.process_spec.replace(stage_id=self.stage_id), self._loop

@@ -97,7 +97,8 @@ class CurveKeys:
     """One pipeline's CURVE keys: the server's keypair, the stages' keypair, and who may connect."""
 
     server: KeyPair
-    client: KeyPair
+    # None for a stage whose keypair was made where it runs (``admitting``): only its public key is known here.
+    client: KeyPair | None
     # Client public keys the ZAP check admits; by default only the stages' own.
     allowed_clients: frozenset[bytes] = frozenset()
     # The stages' keypair came from a file (runtime.security.client_key): every
@@ -105,7 +106,7 @@ class CurveKeys:
     fixed_client: bool = False
 
     def __post_init__(self) -> None:
-        if not self.allowed_clients:
+        if not self.allowed_clients and self.client is not None:
             object.__setattr__(self, "allowed_clients", frozenset({self.client.public}))
 
     @classmethod
@@ -114,7 +115,14 @@ class CurveKeys:
         return cls(KeyPair.generate(), KeyPair.generate())
 
     def for_stage(self) -> StageCurveKeys:
+        if self.client is None:
+            raise ValueError("these keys hold no stage keypair: the stage made its own")
         return StageCurveKeys(self.client, self.server.public)
+
+    def admitting(self, stage_public: bytes) -> CurveKeys:
+        """The keys for a stage that generated its keypair where it runs: the server's keypair,
+        and only that stage's public key admitted (its secret never left its host)."""
+        return CurveKeys(self.server, None, frozenset({stage_public}))
 
     def for_new_process(self) -> CurveKeys:
         """The keys for one more stage process: a fresh stage keypair unless it is fixed, so a

@@ -19,6 +19,7 @@ import weakref
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import zmq
 import zmq.asyncio
 
@@ -53,7 +54,9 @@ from omni_engine.stage_engine.stage_process import (
     default_log_dir,
 )
 from omni_engine.stage_engine.stage_spec import StageTransport
+from omni_engine.utils import machine_host_id
 from omni_engine.wire.stage_serialization import (
+    ForeignShmHandleError,
     StageMsgpackDecoder,
     StageMsgpackEncoder,
     WireFormatError,
@@ -158,6 +161,13 @@ class StageEngineCoreClient(BaseStageClient):
         self._output_task: asyncio.Task | None = None
         self._drain_task: asyncio.Task | None = None
         self._finalizer: weakref.finalize | None = None
+        # This end's shared-memory domain; a stage that reports another gets and sends frames only.
+        self.host_id = machine_host_id()
+        # A stage that says it is alive every so often (one on another host): silence for this
+        # long is its loss, or its node's (None: the process sentinel alone tells).
+        self.heartbeat_timeout: float | None = None
+        self._last_heard = 0.0
+        self._heartbeat_timer: asyncio.TimerHandle | None = None
 
     # ------------------------------------------------------------ lifecycle
     async def start(self) -> None:
@@ -185,37 +195,79 @@ class StageEngineCoreClient(BaseStageClient):
         atexit.register(self._finalizer)
         try:
             if self.process_spec is not None:
-                self._launch()
+                await self._launch()
             await self._wait_ready(" (with CURVE on, a stage whose keys the client refuses never gets through)"
                                    if self.curve is not None else "")
         except BaseException:
             await self.shutdown()
             raise
+        self._meet_host(self.ready.host_id)
         self.shm.producer_prefix = self.ready.shm_prefix
         self.shm.book.add_producer(self.ready.shm_prefix, self._send_release)
         self._output_task = asyncio.create_task(self._process_outputs(), name=f"stage{self.stage_id}-outputs")
         self._drain_task = asyncio.create_task(drain_after_ready(self._input, self.stage_id),
                                                name=f"stage{self.stage_id}-drain")
         self._watch_process()
+        self._watch_heartbeats()
 
-    def _launch(self) -> None:
-        log_path = default_log_dir() / f"{self.shm_prefix}.log"
-        spec = self.process_spec
-        spec = spec.replace(
-            env={"VLLM_RPC_BASE_PATH": str(self.runtime_dir), **spec.env},
-            connectors=self.connectors,
-            transport=StageTransport(input_address=self.input_address, output_address=self.output_address,
-                                     shm_prefix=self.shm_prefix),
-            curve=spec.curve if spec.curve is not None or self.curve is None else self.curve.for_stage(),
-        )
-        self.process = StageProcess(self.stage_id, spec, log_path)
-        self.process.start()
+    async def _launch(self) -> None:
+        self.process = await self._start_process(self._launch_spec())
         # The finalizer (GC, atexit) kills the stage if shutdown() never runs.
         self._finalizer.detach()
         self._finalizer = weakref.finalize(
             self, cleanup_stage, self.process, self.runtime_dir, self.shm_prefix, self._ctx
         )
         atexit.register(self._finalizer)
+
+    def _launch_spec(self) -> StageProcessSpec:
+        """The process spec with its launch fields: where to connect, keys, connectors."""
+        spec = self.process_spec
+        return spec.replace(
+            env={"VLLM_RPC_BASE_PATH": str(self.runtime_dir), **spec.env},
+            connectors=self.connectors,
+            transport=self._stage_transport(),
+            curve=spec.curve if spec.curve is not None or self.curve is None else self.curve.for_stage(),
+        )
+
+    def _stage_transport(self) -> StageTransport:
+        return StageTransport(input_address=self.input_address, output_address=self.output_address,
+                              shm_prefix=self.shm_prefix)
+
+    async def _start_process(self, spec: StageProcessSpec) -> StageProcess:
+        """Start the stage's process (here: a child of this one)."""
+        process = StageProcess(self.stage_id, spec, default_log_dir() / f"{self.shm_prefix}.log")
+        process.start()
+        return process
+
+    def _meet_host(self, host_id: str) -> None:
+        """After READY: a stage on another host can neither map our segments nor we its, so from
+        now on tensors to it go as frames and a handle from it is refused (``_take_response``)."""
+        if not host_id or host_id == self.host_id:
+            return
+        logger.info("stage %d runs on host %s (this client: %s): tensors travel as ZMQ frames",
+                    self.stage_id, host_id, self.host_id)
+        self.connectors = msgspec.structs.replace(self.connectors, use_shm=False)
+        self._encoder = StageMsgpackEncoder.from_settings(self.connectors)
+        for decoder in self._decoders.values():
+            decoder.foreign_host = host_id
+
+    def _watch_heartbeats(self) -> None:
+        if self.heartbeat_timeout is not None:
+            self._last_heard = self._loop.time()
+            self._heartbeat_timer = self._loop.call_later(self.heartbeat_timeout / 4, self._check_heartbeats)
+
+    def _check_heartbeats(self) -> None:
+        """Dead after ``heartbeat_timeout`` of silence. A message waiting unread is no silence:
+        it is this loop that was late, not the stage."""
+        if self.dead_error is not None or self._stopped:
+            return  # (a stage being stopped goes quiet on purpose)
+        quiet = self._loop.time() - self._last_heard
+        if quiet > self.heartbeat_timeout and not self._output.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+            self._set_dead(StageDeadError(
+                self.stage_id, f"stage {self.stage_id} (pid {self.ready.pid} on host {self.ready.host_id}) sent "
+                               f"nothing for {quiet:.1f} s, heartbeats included: its process or its node is lost"))
+            return
+        self._heartbeat_timer = self._loop.call_later(self.heartbeat_timeout / 4, self._check_heartbeats)
 
     async def _recv_ready(self) -> StageReady:
         check = functools.partial(check_ready, stage_id=self.stage_id, shm_prefix=self.shm_prefix,
@@ -238,6 +290,8 @@ class StageEngineCoreClient(BaseStageClient):
 
     def _release_now(self) -> None:
         cancel_now((self._output_task, self._drain_task))
+        if self._heartbeat_timer is not None:
+            self._heartbeat_timer.cancel()
         # (Through self.shm.close(): the stage's producer leaves the lease book, its segments are unlinked.)
         super()._release_now()
         if self._auth is not None:
@@ -307,8 +361,12 @@ class StageEngineCoreClient(BaseStageClient):
     def _take_response(self, frames: list[zmq.Frame]) -> None:
         """One message from the stage: counted, decoded and handled; a malformed one is dropped."""
         self.bytes_received += sum(len(f) for f in frames)
+        self._last_heard = self._loop.time()
         try:
             self._handle_response(frames)
+        except ForeignShmHandleError as exc:
+            # Not noise: a stage that breaks the handshake's promise cannot be trusted with more requests.
+            self._set_dead(StageDeadError(self.stage_id, f"stage {self.stage_id}: {exc}; it is stopped"))
         except WireFormatError as exc:
             logger.warning("stage %d: malformed response dropped: %s", self.stage_id, exc)
 

@@ -44,6 +44,7 @@ from omni_engine.wire.protocol import (
     MALFORMED_MESSAGE,
     REQUEST_STRUCTS,
     StageError,
+    StageHeartbeat,
     StageOutputs,
     StageReady,
     StageRequestType,
@@ -59,7 +60,7 @@ from omni_engine.wire.stage_serialization import (
     WireFormatError,
 )
 from omni_engine.stage_engine.stage_sockets import open_stage_socket
-from omni_engine.utils import call_quietly
+from omni_engine.utils import call_quietly, machine_host_id
 
 logger = logging.getLogger(__name__)
 
@@ -84,10 +85,16 @@ class StageEngineCoreProc(StageEngineCore):
         curve: StageCurveKeys | None = None,
         connectors: ConnectorSettings = DEFAULT_CONNECTORS,
         ctx: zmq.Context | None = None,
+        host_id: str | None = None,
+        heartbeat_interval: float | None = None,
     ) -> None:
         """``ctx``: the client's context, for a stage in a thread of its process (``inproc://``
-        needs one context for both ends); it is the client's to terminate."""
+        needs one context for both ends); it is the client's to terminate. ``host_id``: what
+        READY reports (default: this machine's); ``heartbeat_interval``: seconds of quiet
+        after which a HEARTBEAT goes out (None: never)."""
         super().__init__(stage_id, engine, queue.SimpleQueue())
+        self.host_id = host_id or machine_host_id()
+        self.heartbeat_interval = heartbeat_interval
         self.curve = curve
         self.connectors = connectors
         self.input_address = input_address
@@ -157,7 +164,7 @@ class StageEngineCoreProc(StageEngineCore):
             if monitor is not None:
                 # A key the client refuses fails here, clearly, not as a startup timeout.
                 security.wait_for_handshake(sock, monitor, wake, self.input_address)
-            ready = StageReady(self.stage_id, os.getpid(), self.shm_prefix, self.engine.info())
+            ready = StageReady(self.stage_id, os.getpid(), self.shm_prefix, self.engine.info(), self.host_id)
             sock.send_multipart([StageResponseType.READY.value, msgspec.msgpack.encode(ready)])
             self._serve_input(sock, wake)
         except zmq.ContextTerminated:
@@ -213,9 +220,14 @@ class StageEngineCoreProc(StageEngineCore):
         sock.connect(self.output_address)
         encoder = StageMsgpackEncoder.from_settings(self.connectors, self.pool)
         get, get_nowait = self._out_q.get, self._out_q.get_nowait
+        interval = self.heartbeat_interval
         try:
             while True:
-                items = [get()]
+                try:
+                    items = [get(timeout=interval)]
+                except queue.Empty:  # quiet for a whole interval: say we are still here
+                    self._send(sock, encoder, StageResponseType.HEARTBEAT, StageHeartbeat(time.time()))
+                    continue
                 try:
                     while True:
                         items.append(get_nowait())
@@ -287,6 +299,7 @@ def serve_zmq_stage(spec: StageProcessSpec) -> None:
     def make_core() -> StageEngineCoreProc:
         engine = build_stage_engine(spec)
         return StageEngineCoreProc(spec.stage_id, engine, transport.input_address, transport.output_address,
-                                   transport.shm_prefix, spec.curve, spec.connectors)
+                                   transport.shm_prefix, spec.curve, spec.connectors, host_id=spec.host_id,
+                                   heartbeat_interval=spec.heartbeat_interval)
 
     serve_stage(spec.stage_id, make_core)

@@ -177,6 +177,10 @@ class StageProcess:
     def log_tail(self, max_lines: int = 30) -> str:
         return tail_file(self.log_path, max_lines)
 
+    def discard_log(self) -> None:
+        """Remove the log (of a stage that exited cleanly: nothing in it to keep)."""
+        self.log_path.unlink(missing_ok=True)
+
     def join(self, timeout: float | None = None) -> None:
         self._launch.join(timeout)
 

@@ -64,6 +64,10 @@ class StageProcessSpec(msgspec.Struct):
     curve: StageCurveKeys | None = msgspec.field(default=None)
     log_path: str | None = None
     parent_pid: int | None = None
+    # Its shared-memory domain as whoever placed it knows it (a Ray node id); None: this machine's.
+    host_id: str | None = None
+    # Seconds of quiet after which the stage sends a HEARTBEAT (a stage on another host); None: never.
+    heartbeat_interval: float | None = None
 
     def __repr__(self) -> str:  # the CURVE secret must not end up in a log line
         return (f"StageProcessSpec(stage_id={self.stage_id}, stage_type={self.stage_type!r}, "

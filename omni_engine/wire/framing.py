@@ -31,7 +31,7 @@ def decode_frames(frames: list[Any], types: dict[bytes, T], decoders: dict[T, St
     try:
         return kind, decoders[kind].decode(frames[1:])
     except WireFormatError as exc:
-        raise WireFormatError(f"{kind.name} body (frame 1): {exc}") from None
+        raise type(exc)(f"{kind.name} body (frame 1): {exc}") from None
 
 
 def guess_request_id(frames: list[Any]) -> str | None:

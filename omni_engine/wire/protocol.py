@@ -31,6 +31,9 @@ class StageResponseType(bytes, enum.Enum):
     HEALTH = b"\x13"
     UTILITY_RESULT = b"\x14"
     DEAD = b"\x15"
+    # "Still here", sent by a stage told to (one on another host) whenever it has been
+    # quiet for its heartbeat interval: its client takes silence as the loss of its node.
+    HEARTBEAT = b"\x16"
 
 
 class StageGenerateRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
@@ -74,6 +77,9 @@ class StageReady(msgspec.Struct, array_like=True, gc=False):
     # it if the stage dies.
     shm_prefix: str
     engine_info: dict[str, Any]
+    # The shared-memory domain the stage runs in (utils.host_id: a machine, or a Ray
+    # node): a client on another host gets no shared-memory handle from it, and takes none.
+    host_id: str = ""
 
 
 class StageOutputs(msgspec.Struct, array_like=True, gc=False):
@@ -114,6 +120,10 @@ class StageDead(msgspec.Struct, array_like=True, gc=False):
     message: str
 
 
+class StageHeartbeat(msgspec.Struct, array_like=True, gc=False):
+    timestamp: float = 0.0
+
+
 REQUEST_STRUCTS: dict[StageRequestType, type[msgspec.Struct]] = {
     StageRequestType.GENERATE: StageGenerateRequest,
     StageRequestType.ABORT: StageAbortRequest,
@@ -130,4 +140,5 @@ RESPONSE_STRUCTS: dict[StageResponseType, type[msgspec.Struct]] = {
     StageResponseType.HEALTH: StageHealth,
     StageResponseType.UTILITY_RESULT: StageUtilityResult,
     StageResponseType.DEAD: StageDead,
+    StageResponseType.HEARTBEAT: StageHeartbeat,
 }

@@ -158,8 +158,12 @@ class StageMsgpackEncoder:
         inline_threshold: int = DEFAULT_INLINE_THRESHOLD,
         shm_threshold: int = DEFAULT_SHM_THRESHOLD,
         allow_pickle: bool = False,
+        share_memory: bool = True,
     ) -> None:
-        self.shm_pool = shm_pool
+        """``share_memory`` False: no tensor leaves as a shared-memory handle, not even one
+        already in a segment (a peer on another host could not map it)."""
+        self.shm_pool = shm_pool if share_memory else None
+        self.share_memory = share_memory
         self.inline_threshold = inline_threshold
         self.shm_threshold = shm_threshold
         self.allow_pickle = allow_pickle
@@ -175,8 +179,9 @@ class StageMsgpackEncoder:
     @classmethod
     def from_settings(cls, settings: ConnectorSettings, shm_pool: ShmPool | None = None) -> StageMsgpackEncoder:
         """An encoder with a pipeline's connector settings (its pool only with shared memory on)."""
-        return cls(shm_pool=shm_pool if settings.use_shm else None, inline_threshold=settings.inline_threshold,
-                   shm_threshold=settings.shm_threshold, allow_pickle=settings.allow_pickle)
+        return cls(shm_pool=shm_pool, inline_threshold=settings.inline_threshold,
+                   shm_threshold=settings.shm_threshold, allow_pickle=settings.allow_pickle,
+                   share_memory=settings.use_shm)
 
     def encode(self, obj: Any, owner: str | None = None) -> list[Any]:
         bufs: list[Any] = [b""]
@@ -309,7 +314,7 @@ class StageMsgpackEncoder:
         if nbytes < self.inline_threshold:
             header += [DataLocation.INLINE, data.tobytes()]
             return msgspec.msgpack.encode(header)
-        found = SEGMENT_INDEX.find(int(data.ctypes.data), nbytes)
+        found = SEGMENT_INDEX.find(int(data.ctypes.data), nbytes) if self.share_memory else None
         if found is None and self.shm_pool is not None and nbytes >= self.shm_threshold:
             segment = self.shm_pool.lease(nbytes, self._owner or "")
             if segment is not None:
@@ -327,6 +332,10 @@ class StageMsgpackEncoder:
 
 
 ShmViewCallback = Callable[[str, "str | None", np.ndarray], None]
+
+
+class ForeignShmHandleError(WireFormatError):
+    """A peer on another host sent a shared-memory handle: a protocol violation, not noise."""
 
 
 class StageMsgpackDecoder:
@@ -354,6 +363,8 @@ class StageMsgpackDecoder:
         self.shm = shm if shm is not None else ShmAttachments()
         self.on_shm_view = on_shm_view
         self.allow_pickle = allow_pickle
+        # The peer's host when it is not ours (set at its READY): every handle is then refused.
+        self.foreign_host: str | None = None
         self._decoder = msgspec.msgpack.Decoder(t, ext_hook=self._ext_hook)
         self._any = msgspec.msgpack.Decoder(ext_hook=self._ext_hook)
         self._typed: dict[type, msgspec.msgpack.Decoder] = {}
@@ -390,7 +401,7 @@ class StageMsgpackDecoder:
         except WireFormatError as exc:
             # Name the path to the failing ext, a few levels deep (nesting is attacker-chosen).
             inner = str(exc)
-            raise WireFormatError(inner if inner.count(" > ") >= 3 else f"{_ext_name(code)} > {inner}") from None
+            raise type(exc)(inner if inner.count(" > ") >= 3 else f"{_ext_name(code)} > {inner}") from None
         except msgspec.DecodeError as exc:
             raise WireFormatError(f"{_ext_name(code)}: {exc}") from None
         except RecursionError:
@@ -474,6 +485,10 @@ class StageMsgpackDecoder:
 
     def _shm_view(self, header: list[Any], what: str) -> np.ndarray:
         name, offset, nbytes, owner = check_shm_handle(header, what)
+        if self.foreign_host is not None:
+            raise ForeignShmHandleError(f"{what} arrived as a handle to shared-memory segment {name!r}, but the "
+                                        f"peer runs on another host ({self.foreign_host}): its segments cannot "
+                                        "be mapped here, so it must send ZMQ frames")
         try:
             mapped = self.shm.view(name, offset, nbytes)
         except (OSError, ValueError) as exc:

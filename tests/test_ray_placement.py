@@ -1,0 +1,172 @@
+"""Stages placed through Ray (``runtime.placement.backend: ray``) on a two-node cluster on this
+machine (``ray.cluster_utils.Cluster``: node B has a custom resource of its own). The placed
+stage is our ordinary stage process, started by a launcher actor on node B: it is reached over
+tcp with CURVE, gets and sends no shared-memory handle, and its death, its freezing and its
+node's loss are each found within 2 s, after which it comes back where resources allow.
+Run alone with ``pytest -m ray``."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import wave
+
+import pytest
+import pytest_asyncio
+
+from omni_engine.config import parse_pipeline_config
+from omni_engine.entrypoints.multi_stage_engine_client import MultiStageEngineClient
+from tests.helpers import TTS_FACTORY, speak
+from tests.stress.checks import after_shutdown
+from tests.test_replicas import assert_same_speech
+
+ray = pytest.importorskip("ray")
+
+pytestmark = [pytest.mark.ray, pytest.mark.tts, pytest.mark.asyncio(loop_scope="session")]
+
+TEXT = "Placement through Ray keeps the stage process our own, wherever it runs."
+DETECT_WITHIN_S = 2.0
+# Small object stores, no dashboard: these nodes carry control calls only.
+NODE_ARGS = dict(num_cpus=2, object_store_memory=80 << 20)
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    from ray.cluster_utils import Cluster
+
+    cluster = Cluster(initialize_head=True,
+                      head_node_args=dict(NODE_ARGS, resources={"node_a": 1}, include_dashboard=False))
+    cluster.node_b = cluster.add_node(**NODE_ARGS, resources={"node_b": 1})
+    yield cluster
+    if ray.is_initialized():
+        ray.shutdown()
+    cluster.shutdown()
+
+
+def speech_config(address: str | None, **connectors) -> dict:
+    """A speech stage on node B (by its resource), restarted when it dies; shared memory for
+    every tensor it could use (threshold 0), so a handle would show if one were sent."""
+    runtime = {"connectors": {"shm_threshold": 0, **connectors}}
+    stage_runtime = {"max_batch_size": 2}
+    if address is not None:
+        runtime["placement"] = {"backend": "ray", "address": address}
+        stage_runtime |= {"resources": {"node_b": 1}, "restart": "on-failure", "max_restarts": 5}
+    return {"runtime": runtime, "stage_args": [{
+        "stage_id": 0, "stage_type": "generation", "engine_args": {"model_factory": TTS_FACTORY},
+        "runtime": stage_runtime, "final_output": True, "final_output_type": "audio"}]}
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="session")
+async def placed(cluster):
+    client = await MultiStageEngineClient.from_config(parse_pipeline_config(speech_config(cluster.address)))
+    yield client
+    await client.shutdown_async()
+    assert not await after_shutdown(client)
+    # The placement group went with the pipeline: node B's resource is free again.
+    assert not ray.is_initialized()  # the pipeline joined the cluster, so it left it too
+
+
+def replica(client):
+    return client.stage_contexts[0].client.replicas[0]
+
+
+async def wait_alive(client, timeout: float = 60.0) -> None:
+    async with asyncio.timeout(timeout):
+        while not client.replica_alive(0, 0):
+            await asyncio.sleep(0.05)
+
+
+async def seconds_until_evicted(client) -> float:
+    loop = asyncio.get_running_loop()
+    start = loop.time()
+    async with asyncio.timeout(10):
+        while client.replica_alive(0, 0):
+            await asyncio.sleep(0.01)
+    return loop.time() - start
+
+
+async def test_placed_stage_runs_on_its_node_over_tcp_and_curve_without_shared_memory(placed, cluster):
+    await wait_alive(placed)
+    stage = replica(placed)
+    assert stage.ready.host_id == cluster.node_b.node_id != stage.host_id
+    node_ip = placed.placement.node_ip
+    for address in (stage.input_address, stage.output_address):
+        assert address.startswith(f"tcp://{node_ip}:") and not address.startswith("tcp://0.0.0.0")
+    # CURVE: only the stage's public key is admitted; its secret never came here.
+    assert stage.curve.client is None and len(stage.curve.allowed_clients) == 1
+    audio = await speak(placed, TEXT, "placed-0")
+    assert (await stage.call_utility_async("shm_stats"))["bytes"] == 0
+    assert all(d.foreign_host == cluster.node_b.node_id for d in stage._decoders.values())
+
+    local = await MultiStageEngineClient.from_config(parse_pipeline_config(speech_config(None)))
+    try:
+        reference = await speak(local, TEXT, "local-0")
+        # The same config on this host does use shared memory: the placed run's 0 bytes say something.
+        assert (await replica(local).call_utility_async("shm_stats"))["bytes"] > 0
+    finally:
+        await local.shutdown_async()
+    assert_same_speech(audio, reference)
+
+
+async def test_killed_remote_stage_is_found_at_once_and_restarted_on_its_node(placed, cluster):
+    await wait_alive(placed)
+    old = replica(placed)
+    os.kill(old.ready.pid, signal.SIGKILL)
+    assert await seconds_until_evicted(placed) < DETECT_WITHIN_S
+    await wait_alive(placed)
+    new = replica(placed)
+    assert new is not old and new.ready.host_id == cluster.node_b.node_id
+    assert len(await speak(placed, TEXT, "after-kill")) > 0
+
+
+async def test_frozen_remote_stage_is_found_by_missed_heartbeats(placed):
+    """SIGSTOP: the process lives but says nothing, as behind a partition; only heartbeats tell."""
+    await wait_alive(placed)
+    old = replica(placed)
+    os.kill(old.ready.pid, signal.SIGSTOP)
+    try:
+        assert await seconds_until_evicted(placed) < DETECT_WITHIN_S
+        assert "heartbeats" in str(old.dead_error)
+        await wait_alive(placed)
+    finally:
+        try:
+            os.kill(old.ready.pid, signal.SIGCONT)
+        except ProcessLookupError:
+            pass
+    assert len(await speak(placed, TEXT, "after-freeze")) > 0
+    assert not os.path.exists(f"/proc/{old.ready.pid}")  # the evicted replica was reaped, not left frozen
+
+
+async def test_node_loss_is_found_and_the_stage_comes_back_where_resources_allow(placed, cluster):
+    await wait_alive(placed)
+    cluster.remove_node(cluster.node_b)
+    assert await seconds_until_evicted(placed) < DETECT_WITHIN_S
+    # No node has node_b now; a new one that has it takes the stage.
+    cluster.node_b = cluster.add_node(**NODE_ARGS, resources={"node_b": 1})
+    await wait_alive(placed)
+    assert replica(placed).ready.host_id == cluster.node_b.node_id
+    assert len(await speak(placed, TEXT, "after-node-loss")) > 0
+
+
+async def test_generate_command_runs_unchanged_on_a_ray_config(cluster, tmp_path):
+    """``omni-engine generate`` on a Ray config: a process of its own joins the cluster (the stage
+    on node A this time: node B's resource is the module pipeline's)."""
+    import yaml
+
+    data = speech_config(cluster.address)
+    data["stage_args"][0]["runtime"]["resources"] = {"node_a": 1}
+    config = tmp_path / "ray_speech.yaml"
+    config.write_text(yaml.safe_dump(data))
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "omni_engine.entrypoints.cli.main", "generate", "--config", str(config),
+        "--prompt", TEXT, "--output-dir", str(tmp_path), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    async with asyncio.timeout(300):
+        _, stderr = await proc.communicate()
+    stderr = stderr.decode()
+    assert proc.returncode == 0, stderr[-3000:]
+    assert "joining the Ray cluster" in stderr and "stage 0: ready" in stderr
+    with wave.open(str(tmp_path / "answer.wav")) as w:
+        assert w.getframerate() == 22050 and w.getnframes() > 22050
