@@ -19,6 +19,7 @@ import pytest_asyncio
 
 from omni_engine.config import parse_pipeline_config
 from omni_engine.entrypoints.multi_stage_engine_client import MultiStageEngineClient
+from omni_engine.errors import StageStartupError
 from tests.helpers import TTS_FACTORY, speak
 from tests.stress.checks import after_shutdown
 from tests.test_replicas import assert_same_speech
@@ -92,6 +93,7 @@ async def test_placed_stage_runs_on_its_node_over_tcp_and_curve_without_shared_m
     await wait_alive(placed)
     stage = replica(placed)
     assert stage.ready.host_id == cluster.node_b.node_id != stage.host_id
+    assert placed.replica_status(0)[0].host_id == cluster.node_b.node_id
     node_ip = placed.placement.node_ip
     for address in (stage.input_address, stage.output_address):
         assert address.startswith(f"tcp://{node_ip}:") and not address.startswith("tcp://0.0.0.0")
@@ -170,3 +172,20 @@ async def test_generate_command_runs_unchanged_on_a_ray_config(cluster, tmp_path
     assert "joining the Ray cluster" in stderr and "stage 0: ready" in stderr
     with wave.open(str(tmp_path / "answer.wav")) as w:
         assert w.getframerate() == 22050 and w.getnframes() > 22050
+
+
+async def test_a_stage_ray_cannot_place_fails_its_start_saying_what_is_missing(cluster, monkeypatch):
+    """No node has ``node_c``: the start fails after the startup timeout, naming the stage, the
+    resources and what the cluster has free, and leaves no placement group behind."""
+    monkeypatch.setenv("OMNI_ENGINE_STAGE_STARTUP_TIMEOUT", "3")
+    data = speech_config(cluster.address)
+    data["stage_args"][0]["runtime"]["resources"] = {"node_c": 1}
+    with pytest.raises(StageStartupError, match=r"stage 0 replica 0 was not placed within 3 s: Ray has not placed "
+                                                r"replica bundles of \{'node_c': 1.0\} .*resources free in the "
+                                                r"cluster: \{.*'node_a': 1.0"):
+        await MultiStageEngineClient.from_config(parse_pipeline_config(data))
+    from ray.util.placement_group import placement_group_table
+
+    if ray.is_initialized():  # joined by the module's pipeline: the failed one's group is gone from it
+        assert not [g for g in placement_group_table().values() if g["state"] != "REMOVED"
+                    and g["bundles"] and "node_c" in g["bundles"][0]]

@@ -692,6 +692,26 @@ def test_re_encoding_a_decoded_shm_tensor_forwards_the_handle(run_prefix, shm_co
         forward_pool.close()
 
 
+def test_no_handle_goes_to_or_comes_from_a_peer_on_another_host(shm_codec):
+    """To a stage on another host (``share_memory=False``) even a tensor already in shared memory
+    travels as a frame; from one, a handle is refused as a ``ForeignShmHandleError``."""
+    from omni_engine.wire.stage_serialization import ForeignShmHandleError
+
+    pool, enc, dec, attachments, views = shm_codec
+    latent = torch.randn(64, 64)
+    bufs = enc.encode(OmniRequestOutput("req-far", multimodal_output={"latent": latent}))
+    got = dec.decode(bufs).multimodal_output["latent"]
+    to_far = StageMsgpackEncoder(inline_threshold=INLINE, shm_threshold=SHM, share_memory=False)
+    fwd = to_far.encode(StageGenerateRequest("req-far", {"latent": got}))
+    (header,) = data_headers(fwd[0])
+    assert header[2] == DataLocation.FRAME and len(fwd) == 2
+    assert torch.equal(StageMsgpackDecoder(StageGenerateRequest).decode(fwd).prompt["latent"], latent)
+    from_far = StageMsgpackDecoder(shm=attachments)
+    from_far.foreign_host = "node-b/boot/1"
+    with pytest.raises(ForeignShmHandleError, match=r"shared-memory segment .* another host \(node-b/boot/1\)"):
+        from_far.decode(enc.encode(OmniRequestOutput("req-far-2", multimodal_output={"latent": latent})))
+
+
 def test_tensor_written_into_a_leased_slot_is_sent_as_its_handle(shm_codec):
     pool, enc, dec, _, _ = shm_codec
     slot = pool.lease(4096 * 4, "req-direct")

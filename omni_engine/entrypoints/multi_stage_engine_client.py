@@ -288,7 +288,7 @@ class MultiStageEngineClient(EngineClient):
         return not self.orchestrator.stages[stage_id].client.is_dead
 
     def replica_status(self, stage_id: int) -> list[ReplicaStatus]:
-        """Per replica of the stage: alive, requests in flight, requests sent to it, pid."""
+        """Per replica of the stage: alive, requests in flight, requests sent to it, pid, host."""
         client = self.orchestrator.stages[stage_id].client
         if isinstance(client, StageReplicaSet):
             return client.status()

@@ -59,6 +59,7 @@ class ReplicaStatus:
     in_flight: int  # requests submitted and not finished
     submitted: int  # requests sent to it, resubmissions included
     pid: int | None
+    host_id: str | None = None  # where it runs (its READY's: a machine, or a Ray node)
 
 
 @dataclass(slots=True)
@@ -205,7 +206,8 @@ class StageReplicaSet:
 
     def status(self) -> list[ReplicaStatus]:
         return [ReplicaStatus(not r.is_dead, r.num_unfinished_requests(), self.submitted[i],
-                              r.ready.pid if r.ready is not None else None)
+                              r.ready.pid if r.ready is not None else None,
+                              r.ready.host_id if r.ready is not None else None)
                 for i, r in enumerate(self.replicas)]
 
     def num_unfinished_requests(self) -> int:

@@ -14,6 +14,8 @@ only, and only when a config asks for it.
 from __future__ import annotations
 
 import logging
+import os
+import secrets
 from typing import Any
 
 from omni_engine.config import PlacementConfig, StageConfig
@@ -52,7 +54,7 @@ def actor_options(resources: dict[str, float]) -> dict[str, Any]:
 class RayStageGroup:
     """One stage's placement group and the launchers of its replicas."""
 
-    def __init__(self, ray: Any, stage: StageConfig) -> None:
+    def __init__(self, ray: Any, stage: StageConfig, run_name: str) -> None:
         from ray.util.placement_group import placement_group
 
         self._ray = ray
@@ -61,7 +63,7 @@ class RayStageGroup:
         self.strategy = stage.runtime.strategy or DEFAULT_STRATEGY
         self.num_replicas = stage.runtime.num_replicas
         self.group = placement_group([dict(self.resources)] * self.num_replicas, strategy=self.strategy,
-                                     name=f"omni-stage{stage.stage_id}")
+                                     name=f"{run_name}-stage{stage.stage_id}")
         self._launcher_class = ray.remote(StageLauncher)
 
     def launcher(self, replica: int) -> Any:
@@ -78,8 +80,11 @@ class RayStageGroup:
         from ray.util.placement_group import placement_group_table
 
         state = placement_group_table(self.group).get("state", "?")
+        # Without Ray's bookkeeping entries (per-node and per-group pseudo-resources).
+        free = {name: amount for name, amount in self._ray.available_resources().items()
+                if not name.startswith(("node:", "bundle_group_"))}
         return (f"Ray has not placed replica bundles of {self.resources} (strategy {self.strategy}; placement group "
-                f"{state}); resources free in the cluster: {self._ray.available_resources()}")
+                f"{state}); resources free in the cluster: {free}")
 
     def remove(self) -> None:
         from ray.util.placement_group import remove_placement_group
@@ -99,10 +104,16 @@ class RayPlacement:
         self._owns_connection = not ray.is_initialized()
         if self._owns_connection:
             address = None if config.address in (None, "auto") else config.address
-            ray.init(address=address, log_to_driver=False, configure_logging=False)
+            try:
+                ray.init(address=address, log_to_driver=False, configure_logging=False)
+            except Exception as exc:  # noqa: BLE001 - re-raised naming the field
+                raise RuntimeError(f"runtime.placement: cannot join the Ray cluster at "
+                                   f"{config.address or 'auto'}: {exc}") from exc
         self.node_id: str = ray.get_runtime_context().get_node_id()
         self.node_ip: str = ray.util.get_node_ip_address()
-        self.groups = {stage.stage_id: RayStageGroup(ray, stage) for stage in stages if stage.runtime.process}
+        # Group names are unique per job: two pipelines in one process must not collide.
+        run_name = f"omni-{os.getpid()}-{secrets.token_hex(4)}"
+        self.groups = {stage.stage_id: RayStageGroup(ray, stage, run_name) for stage in stages if stage.runtime.process}
         logger.info("Ray placement: client on node %s (%s); stages %s placed through Ray", self.node_id,
                     self.node_ip, sorted(self.groups))
 
