@@ -70,6 +70,32 @@ async def placed(cluster):
     assert not ray.is_initialized()  # the pipeline joined the cluster, so it left it too
 
 
+@pytest.mark.llm
+def test_serve_runs_unchanged_with_the_llm_and_speech_stages_placed_through_ray(cluster, tmp_path, smollm2_path):
+    """``omni-engine serve`` on the speech pipeline with both stages placed through Ray (the LLM's
+    vLLM in a process a launcher started, speech on node B): vLLM's OpenAI server answers.
+    First in the module: its server runs while no pipeline of this process does."""
+    import yaml
+
+    from tests.serve_helpers import openai_client, running_server
+
+    data = yaml.safe_load(open("stage_configs/smollm2_speech.yaml"))
+    data["runtime"]["placement"] = {"backend": "ray", "address": cluster.address}
+    llm, speech = data["stage_args"]
+    del llm["runtime"]["devices"]
+    llm["runtime"]["resources"] = {"node_a": 1, "CPU": 1}
+    speech["runtime"]["resources"] = {"node_b": 1}
+    config = tmp_path / "ray_speech.yaml"
+    config.write_text(yaml.safe_dump(data))
+    with running_server(str(config), "smollm2-ray", tmp_path) as server:
+        answer = openai_client(server).chat.completions.create(
+            model="smollm2-ray", messages=[{"role": "user", "content": "What is the capital of France?"}],
+            max_tokens=24, temperature=0.0)
+        assert "Paris" in answer.choices[0].message.content
+        log = server["log"].read_text()
+        assert "joining the Ray cluster" in log and "stage 0: ready" in log and "stage 1: ready" in log
+
+
 def replica(client):
     return client.stage_contexts[0].client.replicas[0]
 
