@@ -9,7 +9,7 @@ only that key is admitted. A stage on another node says so in its READY
 (its Ray node id), so tensors travel as ZMQ frames both ways. It sends a
 heartbeat whenever it has been quiet for a quarter second; 1.5 s of silence
 is its loss, or its node's, even when nothing else would tell (a
-partitioned or frozen node): found within 1.75 s.
+partitioned or frozen node): found within 1.65 s.
 """
 
 from __future__ import annotations
