@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ctypes
+import functools
 import importlib
 import logging
 import os
@@ -40,6 +41,7 @@ def resolve_dotted(path: str, what: str = "object") -> Any:
     return obj
 
 
+@functools.cache
 def machine_host_id() -> str:
     """This process's shared-memory domain: the machine (its boot id) and the /dev/shm it sees.
 

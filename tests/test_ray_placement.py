@@ -66,7 +66,6 @@ async def placed(cluster):
     yield client
     await client.shutdown_async()
     assert not await after_shutdown(client)
-    # The placement group went with the pipeline: node B's resource is free again.
     assert not ray.is_initialized()  # the pipeline joined the cluster, so it left it too
 
 

@@ -61,8 +61,7 @@ class RayStageGroup:
         self.stage_id = stage.stage_id
         self.resources = stage_resources(stage)
         self.strategy = stage.runtime.strategy or DEFAULT_STRATEGY
-        self.num_replicas = stage.runtime.num_replicas
-        self.group = placement_group([dict(self.resources)] * self.num_replicas, strategy=self.strategy,
+        self.group = placement_group([dict(self.resources)] * stage.runtime.num_replicas, strategy=self.strategy,
                                      name=f"{run_name}-stage{stage.stage_id}")
         self._launcher_class = ray.remote(StageLauncher)
 
@@ -73,7 +72,7 @@ class RayStageGroup:
         strategy = PlacementGroupSchedulingStrategy(self.group, placement_group_bundle_index=replica)
         return self._launcher_class.options(
             max_concurrency=_LAUNCHER_CONCURRENCY, scheduling_strategy=strategy,
-            name=None, **actor_options(self.resources)).remote()
+            **actor_options(self.resources)).remote()
 
     def describe_wait(self) -> str:
         """Why a launcher may not have started: the group's state and what the cluster has free."""

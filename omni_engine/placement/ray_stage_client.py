@@ -173,12 +173,12 @@ class RayStageClient(StageEngineCoreClient):
         if cpus and "OMP_NUM_THREADS" not in env:
             # Ray sets OMP_NUM_THREADS in its workers; say explicitly what the stage gets: its CPUs.
             env["OMP_NUM_THREADS"] = str(max(1, int(cpus)))
-        transport = self._stage_transport()
-        transport = StageTransport(input_address=self._reachable(transport.input_address),
-                                   output_address=self._reachable(transport.output_address),
-                                   shm_prefix=transport.shm_prefix)
-        return spec.replace(stage_id=self.stage_id, env=env, connectors=self.connectors, transport=transport, curve=None,
-                            heartbeat_interval=HEARTBEAT_INTERVAL_S)
+        return spec.replace(stage_id=self.stage_id, env=env, connectors=self.connectors,
+                            transport=self._stage_transport(), curve=None, heartbeat_interval=HEARTBEAT_INTERVAL_S)
+
+    def _stage_transport(self) -> StageTransport:
+        return StageTransport(input_address=self._reachable(self.input_address),
+                              output_address=self._reachable(self.output_address), shm_prefix=self.shm_prefix)
 
     def _reachable(self, address: str) -> str:
         """A bound address as the stage must dial it: a wildcard bind becomes this node's address."""

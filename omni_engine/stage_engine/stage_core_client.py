@@ -254,7 +254,10 @@ class StageEngineCoreClient(BaseStageClient):
     def _watch_heartbeats(self) -> None:
         if self.heartbeat_timeout is not None:
             self._last_heard = self._loop.time()
-            self._heartbeat_timer = self._loop.call_later(self.heartbeat_timeout / 10, self._check_heartbeats)
+            self._schedule_heartbeat_check()
+
+    def _schedule_heartbeat_check(self) -> None:
+        self._heartbeat_timer = self._loop.call_later(self.heartbeat_timeout / 10, self._check_heartbeats)
 
     def _check_heartbeats(self) -> None:
         """Dead after ``heartbeat_timeout`` of silence, found within 1.1 times it (checked ten times
@@ -267,7 +270,7 @@ class StageEngineCoreClient(BaseStageClient):
                 self.stage_id, f"stage {self.stage_id} (pid {self.ready.pid} on host {self.ready.host_id}) sent "
                                f"nothing for {quiet:.1f} s, heartbeats included: its process or its node is lost"))
             return
-        self._heartbeat_timer = self._loop.call_later(self.heartbeat_timeout / 10, self._check_heartbeats)
+        self._schedule_heartbeat_check()
 
     async def _recv_ready(self) -> StageReady:
         check = functools.partial(check_ready, stage_id=self.stage_id, shm_prefix=self.shm_prefix,
