@@ -22,10 +22,10 @@ from typing import Any
 
 import msgspec
 import zmq
-import zmq.asyncio
 
 from omni_engine.errors import StageDeadError
 from omni_engine.stage_engine.stage_core_proc import StageEngineCoreProc
+from omni_engine.stage_engine.socket_reader import SocketReader
 from omni_engine.stage_engine.stage_core_client import StageEngineCoreClient
 from omni_engine.stage_engine.stage_spec import StageProcessSpec
 from omni_engine.wire.protocol import REQUEST_STRUCTS, StageReady, StageRequestType, StageResponseType
@@ -66,13 +66,13 @@ class StageEngineCoreInProc(StageEngineCoreProc):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._out_q = self._outbox = _LoopOutbox(self._send_collected)
-        self._in_sock: zmq.asyncio.Socket | None = None
+        self._in_sock: zmq.Socket | None = None
         self._out_sock: zmq.Socket | None = None
-        self._input_task: asyncio.Task | None = None
+        self._input_reader: SocketReader | None = None
 
     def _start_transport(self) -> None:
         loop = self._outbox.loop = asyncio.get_running_loop()
-        self._in_sock = zmq.asyncio.Context.shadow(self.ctx.underlying).socket(zmq.DEALER)
+        self._in_sock = self.ctx.socket(zmq.DEALER)
         self._in_sock.setsockopt(zmq.LINGER, 0)
         self._in_sock.connect(self.input_address)
         self._out_sock = self.ctx.socket(zmq.PUSH)
@@ -80,19 +80,16 @@ class StageEngineCoreInProc(StageEngineCoreProc):
         self._out_sock.connect(self.output_address)
         self._encoder = StageMsgpackEncoder.from_settings(self.connectors, self.pool)
         ready = StageReady(self.stage_id, os.getpid(), self.shm_prefix, self.engine.info(), self.host_id)
-        zmq.Socket.shadow(self._in_sock.underlying).send_multipart(
-            [StageResponseType.READY.value, msgspec.msgpack.encode(ready)])
-        self._input_task = loop.create_task(self._serve_input_on_loop(), name=f"stage{self.stage_id}-input")
-
-    async def _serve_input_on_loop(self) -> None:
+        self._in_sock.send_multipart([StageResponseType.READY.value, msgspec.msgpack.encode(ready)])
         decoders = {t: StageMsgpackDecoder(cls, shm=self.attachments, allow_pickle=self.connectors.allow_pickle)
                     for t, cls in REQUEST_STRUCTS.items()}
-        try:
-            while True:
-                self._handle_frames(await self._in_sock.recv_multipart(copy=False), decoders)
-        except Exception as exc:  # noqa: BLE001 - a stage that cannot read is dead: say so
-            logger.exception("stage %d: input failed", self.stage_id)
-            self._fatal(exc)
+        self._input_reader = SocketReader(loop, self._in_sock, lambda frames: self._handle_frames(frames, decoders),
+                                          self._on_input_failed)
+
+    def _on_input_failed(self, exc: BaseException) -> None:
+        """A stage that cannot read is dead: say so."""
+        logger.error("stage %d: input failed", self.stage_id, exc_info=exc)
+        self._fatal(exc)
 
     def _dispatch_threadsafe(self, req_type: StageRequestType, msg: Any) -> None:
         self._dispatch(req_type, msg)  # already on the loop
@@ -101,9 +98,8 @@ class StageEngineCoreInProc(StageEngineCoreProc):
         self._send_items(self._out_sock, self._encoder, items)
 
     async def _stop_transport(self) -> None:
-        if self._input_task is not None:
-            self._input_task.cancel()
-            await asyncio.gather(self._input_task, return_exceptions=True)
+        if self._input_reader is not None:
+            self._input_reader.close()
         self._outbox.flush()  # what is left (a DEAD above all)
         for sock in (self._in_sock, self._out_sock):
             if sock is not None:

@@ -53,6 +53,7 @@ from omni_engine.stage_engine.stage_process import (
     cleanup_stage,
     default_log_dir,
 )
+from omni_engine.stage_engine.socket_reader import SocketReader
 from omni_engine.stage_engine.stage_spec import StageTransport
 from omni_engine.utils import machine_host_id
 from omni_engine.wire.stage_serialization import (
@@ -65,7 +66,6 @@ from omni_engine.stage_engine.stage_sockets import (
     RUNTIME_DIR_PREFIX,
     bind_client_sockets,
     make_addresses,
-    recv_frames,
     remove_stale_runtime_dirs,
 )
 from omni_engine.stage_engine.stage_startup import (
@@ -158,7 +158,7 @@ class StageEngineCoreClient(BaseStageClient):
         self._identity: bytes | None = None
         self._encoder = StageMsgpackEncoder.from_settings(self.connectors)
         self._decoders: dict[StageResponseType, StageMsgpackDecoder] = {}
-        self._output_task: asyncio.Task | None = None
+        self._output_reader: SocketReader | None = None
         self._drain_task: asyncio.Task | None = None
         self._finalizer: weakref.finalize | None = None
         # This end's shared-memory domain; a stage that reports another gets and sends frames only.
@@ -204,7 +204,7 @@ class StageEngineCoreClient(BaseStageClient):
         self._meet_host(self.ready.host_id)
         self.shm.producer_prefix = self.ready.shm_prefix
         self.shm.book.add_producer(self.ready.shm_prefix, self._send_release)
-        self._output_task = asyncio.create_task(self._process_outputs(), name=f"stage{self.stage_id}-outputs")
+        self._output_reader = SocketReader(self._loop, self._output, self._take_response, self._on_reader_failed)
         self._drain_task = asyncio.create_task(drain_after_ready(self._input, self.stage_id),
                                                name=f"stage{self.stage_id}-drain")
         self._watch_process()
@@ -265,7 +265,9 @@ class StageEngineCoreClient(BaseStageClient):
         if self.dead_error is not None or self._stopped:
             return  # (a stage being stopped goes quiet on purpose)
         quiet = self._loop.time() - self._last_heard
-        if quiet >= self.heartbeat_timeout and not self._output.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+        waiting = self._output.getsockopt(zmq.EVENTS) & zmq.POLLIN
+        self._output_reader.check()  # (reading EVENTS may have taken the edge the reader waits for)
+        if quiet >= self.heartbeat_timeout and not waiting:
             self._set_dead(StageDeadError(
                 self.stage_id, f"stage {self.stage_id} (pid {self.ready.pid} on host {self.ready.host_id}) sent "
                                f"nothing for {quiet:.1f} s, heartbeats included: its process or its node is lost"))
@@ -285,14 +287,15 @@ class StageEngineCoreClient(BaseStageClient):
         self._stopped = True
         if self._input is not None:
             await self._stop_process(timeout)
-        tasks = [t for t in (self._output_task, self._drain_task) if t is not None]
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        if self._drain_task is not None:
+            self._drain_task.cancel()
+            await asyncio.gather(self._drain_task, return_exceptions=True)
         self._release_now()
 
     def _release_now(self) -> None:
-        cancel_now((self._output_task, self._drain_task))
+        if self._output_reader is not None:
+            self._output_reader.close()
+        cancel_now((self._drain_task,))
         if self._heartbeat_timer is not None:
             self._heartbeat_timer.cancel()
         # (Through self.shm.close(): the stage's producer leaves the lease book, its segments are unlinked.)
@@ -346,20 +349,12 @@ class StageEngineCoreClient(BaseStageClient):
             # A stage that went away meanwhile frees its pool itself.
             task.add_done_callback(lambda t: t.cancelled() or t.exception())
 
-    async def _process_outputs(self) -> None:
-        """Read the PULL socket until cancelled; one batch per message.
-
-        A message that does not decode is logged and dropped. Anything else
-        failing here would leave every waiter hanging: it marks the stage dead.
-        """
-        while True:
-            try:
-                self._take_response(await recv_frames(self._output, copy=False))
-            except Exception as exc:  # noqa: BLE001 - see above: fail loudly rather than hang
-                logger.exception("stage %d: output handler failed", self.stage_id)
-                self._set_dead(StageDeadError(self.stage_id, f"stage {self.stage_id}: output handler failed: "
-                                                             f"{type(exc).__name__}: {exc}"))
-                return
+    def _on_reader_failed(self, exc: BaseException) -> None:
+        """Reading outputs failed (a malformed message is dropped, not this): every waiter
+        would hang, so the stage is marked dead, loudly."""
+        logger.error("stage %d: output handler failed", self.stage_id, exc_info=exc)
+        self._set_dead(StageDeadError(self.stage_id, f"stage {self.stage_id}: output handler failed: "
+                                                     f"{type(exc).__name__}: {exc}"))
 
     def _take_response(self, frames: list[zmq.Frame]) -> None:
         """One message from the stage: counted, decoded and handled; a malformed one is dropped."""
