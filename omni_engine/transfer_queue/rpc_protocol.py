@@ -1,0 +1,89 @@
+"""The RPC wire format: ZMQ DEALER (client) <-> ROUTER (server), msgpack headers.
+
+Request ``[type, header, *payloads]``, response ``[type, header, *payloads]``:
+one ZMQ frame per trajectory, the trajectory's own msgpack bytes, so a batch
+is neither joined nor split and the server stores each frame as it came.
+Every call carries a ``call_id`` its reply repeats, so one socket carries many
+calls at once; a subscription's pushes carry the id of its SUBSCRIBE.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Any
+
+import msgspec
+
+
+class RpcType(bytes, enum.Enum):
+    BATCH_WRITE = b"\x01"  # CallHeader; payload frames: the trajectories
+    BATCH_READ = b"\x02"  # BatchReadRequest
+    GET_STATUS = b"\x03"  # CallHeader
+    SUBSCRIBE = b"\x04"  # SubscribeRequest; pushes GROUPS while it has credit
+    CREDIT = b"\x05"  # CreditGrant: the subscriber may receive n more groups
+    UNSUBSCRIBE = b"\x06"  # CallHeader (the SUBSCRIBE's id)
+    RESULT = b"\x81"  # RpcResult
+    GROUPS = b"\x82"  # GroupsHeader; payload frames: the groups' trajectories in order
+
+
+class RpcErrorType(str, enum.Enum):
+    BUFFER_FULL = "BufferFull"  # retry after retry_after_s
+    INVALID_TRAJECTORY = "InvalidTrajectory"
+    BAD_REQUEST = "BadRequest"
+    UNAVAILABLE = "ServiceUnavailable"  # the log failed, or the server is stopping
+
+
+class CallHeader(msgspec.Struct, array_like=True):
+    call_id: int
+
+
+class BatchReadRequest(msgspec.Struct, array_like=True):
+    call_id: int
+    max_groups: int | None = None
+    block: bool = False
+    timeout_ms: int | None = None  # with block: None waits until a group is ready
+
+
+class SubscribeRequest(msgspec.Struct, array_like=True):
+    call_id: int
+    prefetch_groups: int = 1
+
+
+class CreditGrant(msgspec.Struct, array_like=True):
+    call_id: int
+    groups: int
+
+
+class RpcResult(msgspec.Struct, array_like=True):
+    call_id: int
+    ok: bool
+    value: Any = None  # WriteResult / BufferStatus as a map
+    error: str | None = None
+    error_type: RpcErrorType | None = None
+    retry_after_s: float | None = None
+
+
+class GroupHeader(msgspec.Struct, array_like=True):
+    instance_id: str
+    group_size: int
+    is_complete: bool
+    num_trajectories: int
+
+
+class GroupsHeader(msgspec.Struct, array_like=True):
+    call_id: int
+    groups: list[GroupHeader]
+
+
+REQUEST_HEADERS: dict[RpcType, type[msgspec.Struct]] = {
+    RpcType.BATCH_WRITE: CallHeader,
+    RpcType.BATCH_READ: BatchReadRequest,
+    RpcType.GET_STATUS: CallHeader,
+    RpcType.SUBSCRIBE: SubscribeRequest,
+    RpcType.CREDIT: CreditGrant,
+    RpcType.UNSUBSCRIBE: CallHeader,
+}
+REQUEST_DECODERS = {t: msgspec.msgpack.Decoder(cls) for t, cls in REQUEST_HEADERS.items()}
+RESULT_DECODER = msgspec.msgpack.Decoder(RpcResult)
+GROUPS_DECODER = msgspec.msgpack.Decoder(GroupsHeader)
+encode = msgspec.msgpack.Encoder().encode
