@@ -35,7 +35,7 @@ SEED_WRITE = {
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    with ServerProcess("--group-size", "4", data_dir=tmp_path_factory.mktemp("tq")) as proc:
+    with ServerProcess("--group-size", "4", "--ack-timeout-seconds", "1", data_dir=tmp_path_factory.mktemp("tq")) as proc:
         yield proc
 
 
@@ -356,6 +356,10 @@ def test_restart_keeps_config_and_refuses_nothing_twice(tmp_path):
             assert len(client.read(max_groups=1).groups) == 1
     # Restarted without flags: the logged group size holds; the consumed group stays consumed.
     with ServerProcess(data_dir=data_dir) as proc:
+        # A second queue on the same directory would interleave its log with this one's: refused.
+        with pytest.raises(RuntimeError, match=f"data directory {data_dir} is in use by another transfer "
+                                               f"queue \\(pid {proc.proc.pid}\\)"):
+            ServerProcess(data_dir=data_dir)
         with TransferQueueClient(url=proc.url, rpc_address=proc.rpc) as client:
             status = client.status()
             assert (status.pending_groups, status.incomplete_groups, status.total_consumed) == (1, 1, 2)
@@ -364,3 +368,49 @@ def test_restart_keeps_config_and_refuses_nothing_twice(tmp_path):
             assert client.batch_write([trajectory("c0", "c0")]).duplicates == 1
             uid = str(uuid.uuid4())
             assert client.write(trajectory(uid, "fresh")).written == 1
+
+
+def test_example_generator_feeds_whole_groups(server, http):
+    """The example generator (slime's base_generator shape) posts out of order from 8 threads;
+    the reader gets each prompt's samples as one group, all of them, once."""
+    from omni_engine.transfer_queue.example_generator import run
+
+    http.post("/config", json={"group_size": 16})
+    assert run(server.url, instances=6, samples=16, workers=8) == 96
+    body = http.post("/get_rollout_data", json={}).json()
+    meta = body["data"]["meta_info"]
+    assert (meta["total_samples"], meta["num_groups"], meta["avg_group_size"]) == (96, 6, 16.0)
+    assert sorted(meta["finished_groups"]) == [f"math_{i}" for i in range(6)]
+    rewards = [t["reward"] for t in body["data"]["data"]]
+    assert set(rewards) <= {0.0, 1.0} and meta["avg_reward"] == sum(rewards) / 96
+
+
+def test_groups_a_reader_never_acknowledges_go_to_the_next(server, http):
+    """Two-phase RPC reads: a reader that takes groups and vanishes before its ACK loses nothing."""
+    import msgspec
+    import zmq
+
+    from omni_engine.transfer_queue.rpc_protocol import BatchReadRequest, RpcType
+
+    http.post("/config", json={"group_size": 2})
+    with TransferQueueClient(rpc_address=server.rpc) as client:
+        client.batch_write([trajectory(f"n{i}", f"nack{i // 2}") for i in range(4)])
+    ctx = zmq.Context()
+    try:
+        sock = ctx.socket(zmq.DEALER)
+        sock.connect(server.rpc)
+        sock.send_multipart([RpcType.BATCH_READ.value, msgspec.msgpack.encode(BatchReadRequest(7, 1))])
+        assert sock.poll(10_000)
+        frames = sock.recv_multipart()
+        header = msgspec.msgpack.decode(frames[1])
+        assert frames[0] == RpcType.GROUPS.value and header[0] == 7 and len(frames) == 4  # header + 2 payloads
+        assert http.get("/status").json()["pending_groups"] == 1  # handed out: not readable by others
+    finally:
+        ctx.destroy(linger=0)  # gone without an ACK
+    with TransferQueueClient(rpc_address=server.rpc) as client:
+        t0 = time.monotonic()
+        first = client.read(max_groups=1, block=True, timeout=10)
+        second = client.read(max_groups=1, block=True, timeout=10)
+    assert sorted(g.instance_id for g in first.groups + second.groups) == ["nack0", "nack1"]
+    assert time.monotonic() - t0 < 5
+    assert http.get("/status").json()["total_consumed"] == 4

@@ -20,6 +20,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
+from omni_engine.transfer_queue import records
 from omni_engine.transfer_queue.data_model import BufferConfig, PayloadFormat, parse_trajectory
 from omni_engine.transfer_queue.service import TransferQueueService
 
@@ -110,6 +111,28 @@ class TransferQueueMachine(RuleBasedStateMachine):
         for g in groups:  # the bytes come back as written
             assert all(msgspec.msgpack.decode(t.payload)["uid"] == t.uid for t in g.items)
 
+    @rule(max_groups=st.none() | st.integers(1, 3), then=st.sampled_from(["release", "crash", "snapshot+crash"]))
+    def read_never_acknowledged(self, max_groups, then) -> None:
+        """A reader takes groups and vanishes: they go back to the front of the queue, whether the
+        queue lives on (release) or crashes meanwhile (with a snapshot taken while they were out)."""
+        delivery = self.run(self.service.take(max_groups))
+        if delivery is None:
+            assert not self.model.ready
+            return
+        assert [(g.instance_id, [t.uid for t in g.items]) for g in delivery.groups] == \
+            self.model.ready[:len(delivery.groups)]
+        if then == "release":
+            self.service.release(delivery.delivery_id)
+            return
+        if then == "snapshot+crash":
+            snapshot = records.snapshot_record(self.service.buffer, self.service.undelivered())
+
+            async def rotate() -> None:
+                await self.service.wal.rotate(snapshot)
+
+            self.run(rotate())
+        self.crash_and_recover(torn=False)
+
     @rule(instance=INSTANCES)
     def delete(self, instance) -> None:
         assert self.run(self.service.delete_instance(instance)) == self.model.delete(instance)
@@ -134,6 +157,7 @@ class TransferQueueMachine(RuleBasedStateMachine):
             self.run(asyncio.gather(wal._flushing, return_exceptions=True))
         wal._executor.shutdown(wait=True)
         os.close(wal._fd)
+        os.close(wal._lock_fd)
         self.service.spill.close()
         if torn:
             segment = sorted(self.dir.glob("wal-*.log"))[-1]

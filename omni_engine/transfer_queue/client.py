@@ -17,6 +17,7 @@ import asyncio
 import contextlib
 import itertools
 import logging
+from collections import deque
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
@@ -35,6 +36,7 @@ from omni_engine.transfer_queue.data_model import (
 from omni_engine.transfer_queue.rpc_protocol import (
     GROUPS_DECODER,
     RESULT_DECODER,
+    AckRequest,
     BatchReadRequest,
     CallHeader,
     CreditGrant,
@@ -68,12 +70,13 @@ def _packed(trajectories: list[TrajectoryLike]) -> list[bytes]:
 
 
 def _read_frames(frames: list[bytes]) -> tuple[int, list[TrajectoryGroup]]:
+    """(delivery id to acknowledge, groups)."""
     header = GROUPS_DECODER.decode(frames[1])
     payloads = iter(frames[2:])
     groups = [TrajectoryGroup(instance_id=g.instance_id, group_size=g.group_size, is_complete=g.is_complete,
                               trajectories=[_trajectory_from_msgpack(next(payloads)) for _ in range(g.num_trajectories)])
               for g in header.groups]
-    return header.call_id, groups
+    return header.delivery_id, groups
 
 
 def _as_result(groups: list[TrajectoryGroup]) -> BatchReadResult:
@@ -227,7 +230,10 @@ class TransferQueueClient(_Endpoints):
         frames = self._call(RpcType.BATCH_READ, req, timeout=wait)
         if frames[0] == RpcType.RESULT.value:
             _check(frames, "BatchRead")
-        return _as_result(_read_frames(frames)[1])
+        delivery_id, groups = _read_frames(frames)
+        if groups:  # consumed only once acknowledged: a reader that dies before has them delivered again
+            _check(self._call(RpcType.ACK, AckRequest(self.next_id(), delivery_id)), "BatchRead (ack)")
+        return _as_result(groups)
 
     def status(self) -> BufferStatus:
         if self.rpc_address is None:
@@ -240,14 +246,32 @@ class TransferQueueClient(_Endpoints):
         if self.rpc_address is None:
             raise TransferQueueError("subscribe is an RPC call: this client has no rpc_address")
         sock, call_id = self._dealer(), self.next_id()
+        pushed: deque[list[bytes]] = deque()  # pushes that came while an ack was awaited
+
+        def recv() -> list[bytes]:
+            return pushed.popleft() if pushed else sock.recv_multipart()
+
+        def ack(delivery_id: int) -> None:
+            ack_id = self.next_id()
+            sock.send_multipart([RpcType.ACK.value, encode(AckRequest(ack_id, delivery_id))])
+            while True:
+                frames = sock.recv_multipart()
+                if frames[0] == RpcType.RESULT.value and msgspec.msgpack.decode(frames[1])[0] == ack_id:
+                    _check(frames, "Subscribe (ack)")
+                    return
+                pushed.append(frames)
+
         try:
             sock.send_multipart([RpcType.SUBSCRIBE.value, encode(SubscribeRequest(call_id, prefetch_groups))])
             while True:
-                frames = sock.recv_multipart()
+                frames = recv()
                 if frames[0] == RpcType.RESULT.value:
                     _check(frames, "Subscribe")
                     continue
-                for group in _read_frames(frames)[1]:
+                delivery_id, groups = _read_frames(frames)
+                if groups:
+                    ack(delivery_id)
+                for group in groups:
                     yield group
                     sock.send_multipart([RpcType.CREDIT.value, encode(CreditGrant(call_id, 1))])
         finally:
@@ -357,7 +381,10 @@ class AsyncTransferQueueClient(_Endpoints):
         frames = await self._call(RpcType.BATCH_READ, req, timeout=wait)
         if frames[0] == RpcType.RESULT.value:
             _check(frames, "BatchRead")
-        return _as_result(_read_frames(frames)[1])
+        delivery_id, groups = _read_frames(frames)
+        if groups:
+            _check(await self._call(RpcType.ACK, AckRequest(self.next_id(), delivery_id)), "BatchRead (ack)")
+        return _as_result(groups)
 
     async def status(self) -> BufferStatus:
         if self.rpc_address is None:
@@ -378,7 +405,10 @@ class AsyncTransferQueueClient(_Endpoints):
                 if frames[0] == RpcType.RESULT.value:
                     _check(frames, "Subscribe")
                     continue
-                for group in _read_frames(frames)[1]:
+                delivery_id, groups = _read_frames(frames)
+                if groups:
+                    _check(await self._call(RpcType.ACK, AckRequest(self.next_id(), delivery_id)), "Subscribe (ack)")
+                for group in groups:
                     yield group
                     await sock.send_multipart([RpcType.CREDIT.value, encode(CreditGrant(call_id, 1))])
         finally:

@@ -89,12 +89,17 @@ def group_state(buffer: TrajectoryBuffer, group: Group) -> GroupState:
                       group.complete, items)
 
 
-def snapshot_record(buffer: TrajectoryBuffer) -> bytes:
+def snapshot_record(buffer: TrajectoryBuffer, undelivered: list[Group] = ()) -> bytes:
+    """The buffer as the log knows it: ``undelivered`` (handed to readers, not acknowledged)
+    are still ready, at the front."""
     b = buffer
-    counters = [b.total_trajectories, b.total_consumed, b.duplicates_dropped, b.timed_out_delivered,
+    consumed = b.total_consumed - sum(len(g.items) for g in undelivered)
+    counters = [b.total_trajectories, consumed, b.duplicates_dropped, b.timed_out_delivered,
                 b.timed_out_dropped, b.writes_refused]
-    return encode(RecordType.SNAPSHOT, Snapshot(b.config, b.next_group_id, counters, list(b.seen_uids),
-                                                [group_state(b, g) for g in b.groups()]))
+    groups = [group_state(b, g) for g in undelivered] + [group_state(b, g) for g in b.groups()]
+    for state in groups[:len(undelivered)]:
+        state.ready = True
+    return encode(RecordType.SNAPSHOT, Snapshot(b.config, b.next_group_id, counters, list(b.seen_uids), groups))
 
 
 def _group(state: GroupState) -> Group:

@@ -5,6 +5,13 @@ one ZMQ frame per trajectory, the trajectory's own msgpack bytes, so a batch
 is neither joined nor split and the server stores each frame as it came.
 Every call carries a ``call_id`` its reply repeats, so one socket carries many
 calls at once; a subscription's pushes carry the id of its SUBSCRIBE.
+
+Reads are two-phase: GROUPS carry a ``delivery_id`` the reader ACKs once it has
+them, and only that consumes them (logged before the ACK is answered). A reader
+that dies before acknowledging loses nothing: its groups go back to the queue
+(at once when a reply to it fails, else after the ack timeout), and a server
+that dies before logging the ACK delivers them again after recovery; what an
+answered ACK consumed never comes back.
 """
 
 from __future__ import annotations
@@ -22,6 +29,7 @@ class RpcType(bytes, enum.Enum):
     SUBSCRIBE = b"\x04"  # SubscribeRequest; pushes GROUPS while it has credit
     CREDIT = b"\x05"  # CreditGrant: the subscriber may receive n more groups
     UNSUBSCRIBE = b"\x06"  # CallHeader (the SUBSCRIBE's id)
+    ACK = b"\x07"  # AckRequest: the reader has a delivery's groups; consume them (answered once logged)
     RESULT = b"\x81"  # RpcResult
     GROUPS = b"\x82"  # GroupsHeader; payload frames: the groups' trajectories in order
 
@@ -31,6 +39,7 @@ class RpcErrorType(str, enum.Enum):
     INVALID_TRAJECTORY = "InvalidTrajectory"
     BAD_REQUEST = "BadRequest"
     UNAVAILABLE = "ServiceUnavailable"  # the log failed, or the server is stopping
+    DELIVERY_EXPIRED = "DeliveryExpired"  # acknowledged too late: the groups went back to the queue
 
 
 class CallHeader(msgspec.Struct, array_like=True):
@@ -47,6 +56,11 @@ class BatchReadRequest(msgspec.Struct, array_like=True):
 class SubscribeRequest(msgspec.Struct, array_like=True):
     call_id: int
     prefetch_groups: int = 1
+
+
+class AckRequest(msgspec.Struct, array_like=True):
+    call_id: int
+    delivery_id: int
 
 
 class CreditGrant(msgspec.Struct, array_like=True):
@@ -72,6 +86,7 @@ class GroupHeader(msgspec.Struct, array_like=True):
 
 class GroupsHeader(msgspec.Struct, array_like=True):
     call_id: int
+    delivery_id: int  # to ACK; unacknowledged, the groups go back to the queue after the ack timeout
     groups: list[GroupHeader]
 
 
@@ -82,6 +97,7 @@ REQUEST_HEADERS: dict[RpcType, type[msgspec.Struct]] = {
     RpcType.SUBSCRIBE: SubscribeRequest,
     RpcType.CREDIT: CreditGrant,
     RpcType.UNSUBSCRIBE: CallHeader,
+    RpcType.ACK: AckRequest,
 }
 REQUEST_DECODERS = {t: msgspec.msgpack.Decoder(cls) for t, cls in REQUEST_HEADERS.items()}
 RESULT_DECODER = msgspec.msgpack.Decoder(RpcResult)

@@ -3,8 +3,8 @@
 Requests are read by a ``SocketReader`` (every waiting message per loop turn)
 and each becomes a task; replies are sent with ``NOBLOCK`` on the same socket.
 ``ROUTER_MANDATORY`` makes a reply to a client that has gone raise instead of
-vanishing: groups taken for such a reader are put back (``restore``) and go to
-the next one, so a vanished reader loses nothing it had not received.
+vanishing: groups handed to such a reader go back to the queue at once (they
+would after the ack timeout anyway: see ``rpc_protocol``).
 """
 
 from __future__ import annotations
@@ -17,7 +17,6 @@ import msgspec
 import zmq
 
 from omni_engine.stage_engine.socket_reader import SocketReader
-from omni_engine.transfer_queue.buffer import Group
 from omni_engine.transfer_queue.data_model import InvalidTrajectory, PayloadFormat, parse_trajectory, payload_as
 from omni_engine.transfer_queue.rpc_protocol import (
     REQUEST_DECODERS,
@@ -28,7 +27,7 @@ from omni_engine.transfer_queue.rpc_protocol import (
     RpcType,
     encode,
 )
-from omni_engine.transfer_queue.service import ServiceUnavailable, TransferQueueService
+from omni_engine.transfer_queue.service import Delivery, DeliveryExpired, ServiceUnavailable, TransferQueueService
 
 logger = logging.getLogger(__name__)
 
@@ -111,7 +110,9 @@ class TransferQueueRpcServer:
         if rtype is RpcType.GET_STATUS:
             self._reply(identity, RpcResult(header.call_id, True, self.service.status()))
             return
-        if rtype is RpcType.BATCH_WRITE:
+        if rtype is RpcType.ACK:
+            self._spawn(self._ack(identity, header))
+        elif rtype is RpcType.BATCH_WRITE:
             self._spawn(self._batch_write(identity, header.call_id, frames[3:]))
         elif rtype is RpcType.BATCH_READ:
             self._spawn(self._batch_read(identity, header))
@@ -150,22 +151,35 @@ class TransferQueueRpcServer:
         if req.block:
             timeout = float("inf") if req.timeout_ms is None else req.timeout_ms / 1e3
         try:
-            groups = await self.service.read(req.max_groups, timeout)
+            delivery = await self.service.take(req.max_groups, timeout)
         except ServiceUnavailable as exc:
             self._reply(identity, RpcResult(req.call_id, False, error=str(exc), error_type=RpcErrorType.UNAVAILABLE))
             return
-        await self._send_groups(identity, req.call_id, groups)
+        self._send_groups(identity, req.call_id, delivery)
+
+    async def _ack(self, identity: bytes, req: Any) -> None:
+        try:
+            await self.service.ack(req.delivery_id)
+        except DeliveryExpired as exc:
+            self._reply(identity, RpcResult(req.call_id, False, error=str(exc),
+                                            error_type=RpcErrorType.DELIVERY_EXPIRED))
+        except ServiceUnavailable as exc:
+            self._reply(identity, RpcResult(req.call_id, False, error=str(exc), error_type=RpcErrorType.UNAVAILABLE))
+        else:
+            self._reply(identity, RpcResult(req.call_id, True))
 
     async def _serve_subscription(self, sub: _Subscription) -> None:
         """Push ready groups while the subscriber has credit; end when it goes."""
         try:
             while True:
                 await sub.has_credit.wait()
-                groups = await self.service.read(sub.credit, float("inf"))
-                sub.credit -= len(groups)
+                delivery = await self.service.take(sub.credit, float("inf"))
+                if delivery is None:
+                    continue
+                sub.credit -= len(delivery.groups)
                 if sub.credit <= 0:
                     sub.has_credit.clear()
-                if not await self._send_groups(sub.identity, sub.call_id, groups):
+                if not self._send_groups(sub.identity, sub.call_id, delivery):
                     return
         except ServiceUnavailable:
             return
@@ -173,15 +187,20 @@ class TransferQueueRpcServer:
             self._subscriptions.pop((sub.identity, sub.call_id), None)
 
     # --------------------------------------------------------------- output
-    async def _send_groups(self, identity: bytes, call_id: int, groups: list[Group]) -> bool:
-        """Send; a reader that is gone gets its groups put back. False: it is gone."""
-        header = GroupsHeader(call_id, [GroupHeader(g.instance_id, g.size, g.complete, len(g.items)) for g in groups])
+    def _send_groups(self, identity: bytes, call_id: int, delivery: Delivery | None) -> bool:
+        """Send (nothing ready: an empty GROUPS); a reader that is gone gets nothing handed out.
+        False: it is gone."""
+        if delivery is None:
+            return self._send(identity, [RpcType.GROUPS.value, encode(GroupsHeader(call_id, 0, []))])
+        groups = delivery.groups
+        header = GroupsHeader(call_id, delivery.delivery_id,
+                              [GroupHeader(g.instance_id, g.size, g.complete, len(g.items)) for g in groups])
         payloads = [payload_as(t.payload, t.fmt, PayloadFormat.MSGPACK) for g in groups for t in g.items]
         if self._send(identity, [RpcType.GROUPS.value, encode(header), *payloads]):
             return True
         logger.warning("transfer queue rpc: reader %s is gone; its %d groups go back to the queue",
                        identity.hex(), len(groups))
-        await self.service.restore(groups)
+        self.service.release(delivery.delivery_id)
         return False
 
     def _reply(self, identity: bytes, result: RpcResult) -> None:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import enum
+import itertools
 import logging
 import os
 import time
@@ -31,6 +32,8 @@ from omni_engine.transfer_queue.wal import LogFailed, RecordType, WriteAheadLog
 
 logger = logging.getLogger(__name__)
 
+# Groups handed to an RPC reader go back to the queue if it does not acknowledge them in this time.
+ACK_TIMEOUT_S = 60.0
 # A log segment is compacted once it is this big and twice what a snapshot would hold.
 COMPACT_MIN_BYTES = 64 << 20
 
@@ -49,6 +52,21 @@ class WriteResult(msgspec.Struct, kw_only=True):
     retry_after_s: float | None = None
 
 
+class DeliveryExpired(Exception):
+    """An ``ack`` for groups that are no longer handed out (acknowledged too late)."""
+
+
+class Delivery:
+    """Groups handed to a reader and not yet acknowledged."""
+
+    def __init__(self, delivery_id: int, groups: list[Group]) -> None:
+        self.delivery_id = delivery_id
+        self.groups = groups
+        self.timer: asyncio.TimerHandle | None = None
+        self.deleted: set[str] = set()  # instances deleted meanwhile: not put back
+        self.reset = False  # the buffer was reset meanwhile: nothing is put back
+
+
 class ServiceUnavailable(Exception):
     """The log failed: nothing can be acknowledged until a restart recovers from it."""
 
@@ -56,13 +74,16 @@ class ServiceUnavailable(Exception):
 class TransferQueueService:
     def __init__(self, config: BufferConfig | dict[str, Any] | None = None,
                  data_dir: str | os.PathLike | None = None, durability: Durability = Durability.FSYNC,
-                 compact_min_bytes: int = COMPACT_MIN_BYTES) -> None:
+                 compact_min_bytes: int = COMPACT_MIN_BYTES, ack_timeout_s: float = ACK_TIMEOUT_S) -> None:
         """``config``: applied after recovery from ``data_dir``; a dict changes only the fields it
         names (what a restart with a few flags means), a ``BufferConfig`` replaces them all."""
         self.config_override = config
         self.data_dir = Path(data_dir) if data_dir is not None else None
         self.durability = Durability(durability) if data_dir is not None else Durability.OFF
         self.compact_min_bytes = compact_min_bytes
+        self.ack_timeout_s = ack_timeout_s
+        self._deliveries: dict[int, Delivery] = {}
+        self._delivery_ids = itertools.count(1)
         if self.data_dir is not None:
             self.data_dir.mkdir(parents=True, exist_ok=True)
         self.spill = SpillFile(self.data_dir)
@@ -108,6 +129,8 @@ class TransferQueueService:
         self._closed = True
         if self._expiry is not None:
             self._expiry.cancel()
+        for delivery in self._deliveries.values():
+            delivery.timer.cancel()
         for waiter in self._waiters:
             if not waiter.done():
                 waiter.set_exception(ServiceUnavailable("transfer queue is shutting down"))
@@ -146,24 +169,64 @@ class TransferQueueService:
         return result
 
     # ---------------------------------------------------------------- reads
-    async def read(self, max_groups: int | None = None, timeout: float | None = None) -> list[Group]:
-        """Consume up to ``max_groups`` ready groups (None: all). With ``timeout`` (seconds, or
-        ``float('inf')``) and none ready, wait for the write that completes one."""
+    async def take(self, max_groups: int | None = None, timeout: float | None = None) -> Delivery | None:
+        """Hand up to ``max_groups`` ready groups (None: all) to a reader, who must ``ack`` them:
+        only then are they consumed (logged). With ``timeout`` (seconds, or ``float('inf')``) and
+        none ready, wait for the write that completes one. None: nothing ready in time."""
         self._check_usable()
         groups = self.buffer.take_ready(max_groups)
         if not groups and timeout is not None and timeout > 0:
             groups = await self._wait_and_take(max_groups, timeout)
         if self.buffer.ready:
             self._wake_next()
-        if groups:
-            try:
-                await self._log(records.encode(RecordType.CONSUME, records.ConsumeRecord(
-                    [g.group_id for g in groups])))
-            except BaseException:
-                # Not consumed as far as the log knows: not as far as the buffer knows either.
-                self.buffer.restore(groups)
-                raise
+        if not groups:
+            return None
+        delivery = Delivery(next(self._delivery_ids), groups)
+        delivery.timer = self._loop.call_later(self.ack_timeout_s, self.release, delivery.delivery_id)
+        self._deliveries[delivery.delivery_id] = delivery
+        return delivery
+
+    async def ack(self, delivery_id: int) -> list[Group]:
+        """The reader has the groups: consume them; returns once that is on disk."""
+        delivery = self._deliveries.pop(delivery_id, None)
+        if delivery is None:
+            raise DeliveryExpired(f"delivery {delivery_id} is unknown or was not acknowledged within "
+                                  f"{self.ack_timeout_s} s (its groups went back to the queue)")
+        delivery.timer.cancel()
+        groups = delivery.groups
+        try:
+            await self._log(records.encode(RecordType.CONSUME, records.ConsumeRecord([g.group_id for g in groups])))
+        except BaseException:
+            # Not acknowledged after all (cancelled, or the log failed): back to the front, and a
+            # RESTORE after the CONSUME, which may still reach the log.
+            self._restore(delivery)
+            self._log_in_background(self._restore_record(groups))
+            raise
         return groups
+
+    def release(self, delivery_id: int) -> None:
+        """A delivery its reader will not acknowledge (gone, or too late): its groups go back to the
+        front of the queue. Nothing to log: they were never consumed."""
+        delivery = self._deliveries.pop(delivery_id, None)
+        if delivery is not None:
+            delivery.timer.cancel()
+            self._restore(delivery)
+
+    def _restore(self, delivery: Delivery) -> None:
+        groups = [g for g in delivery.groups if g.instance_id not in delivery.deleted and not delivery.reset]
+        if groups:
+            self.buffer.restore(groups)
+            self._wake_next()
+
+    def undelivered(self) -> list[Group]:
+        """Groups handed out and not yet acknowledged: still ready as far as the log knows."""
+        return [g for d in self._deliveries.values() if not d.reset for g in d.groups if g.instance_id not in d.deleted]
+
+    async def read(self, max_groups: int | None = None, timeout: float | None = None) -> list[Group]:
+        """``take`` and ``ack`` at once: for a reader that cannot acknowledge (HTTP), consumed
+        once logged, whether or not the response then reaches it."""
+        delivery = await self.take(max_groups, timeout)
+        return [] if delivery is None else await self.ack(delivery.delivery_id)
 
     async def _wait_and_take(self, max_groups: int | None, timeout: float) -> list[Group]:
         """Wait in line (first come, first served) until groups are ready or ``timeout`` passes."""
@@ -206,14 +269,9 @@ class TransferQueueService:
                 waiter.set_result(None)
                 return
 
-    async def restore(self, groups: list[Group]) -> None:
-        """Put back groups whose reader vanished before it got them."""
-        if not groups:
-            return
-        self.buffer.restore(groups)
-        self._wake_next()
-        await self._log(records.encode(RecordType.RESTORE, records.RestoreRecord(
-            [records.group_state(self.buffer, g) for g in groups])))
+    def _restore_record(self, groups: list[Group]) -> bytes:
+        return records.encode(RecordType.RESTORE, records.RestoreRecord(
+            [records.group_state(self.buffer, g) for g in groups]))
 
     @property
     def blocked_readers(self) -> int:
@@ -233,6 +291,8 @@ class TransferQueueService:
     async def delete_instance(self, instance_id: str) -> tuple[int, int]:
         self._check_usable()
         removed = self.buffer.delete_instance(instance_id)
+        for delivery in self._deliveries.values():
+            delivery.deleted.add(instance_id)
         self._schedule_expiry()
         await self._log(records.encode(RecordType.DELETE, records.DeleteRecord(instance_id)))
         return removed
@@ -240,6 +300,8 @@ class TransferQueueService:
     async def reset(self) -> None:
         self._check_usable()
         self.buffer.reset()
+        for delivery in self._deliveries.values():
+            delivery.reset = True
         self._schedule_expiry()
         await self._log(records.encode(RecordType.RESET))
 
@@ -311,7 +373,7 @@ class TransferQueueService:
         live = self.buffer.memory_bytes + self.spill.live_bytes + 48 * len(self.buffer.seen_uids)
         if wal.segment_bytes >= 2 * live:
             t0 = time.perf_counter()
-            snapshot = records.snapshot_record(self.buffer)
+            snapshot = records.snapshot_record(self.buffer, self.undelivered())
             wal.rotate(snapshot).add_done_callback(lambda f: f.cancelled() or f.exception())
             logger.info("transfer queue: log compacted to a %d-byte snapshot (encoded in %.1f ms)",
                         len(snapshot), (time.perf_counter() - t0) * 1e3)

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import enum
+import fcntl
 import logging
 import mmap
 import os
@@ -109,6 +110,7 @@ class WriteAheadLog:
         self.segment_bytes = 0  # bytes in the current segment (appended, maybe not yet written)
         self.failed: BaseException | None = None
         self._fd = -1
+        self._lock_fd = -1
         self._pending: list[bytes | _Rotate] = []
         self._waiters: list[asyncio.Future] = []
         self._flushing: asyncio.Task | None = None
@@ -118,6 +120,7 @@ class WriteAheadLog:
     def recover(self) -> Iterator[tuple[RecordType, memoryview]]:
         """The records to replay, snapshot first (nothing: a new directory). Afterwards the log
         is open for appending behind the last intact record; older segments are removed."""
+        self._lock()
         segments = _segments(self.directory)
         chosen = None
         for gen, path in reversed(segments):
@@ -156,6 +159,20 @@ class WriteAheadLog:
             os.truncate(path, end)
         self._fd = os.open(path, os.O_WRONLY | os.O_APPEND)
         self.segment_bytes = end
+
+    def _lock(self) -> None:
+        """One queue per directory: a second would interleave its records with ours."""
+        self._lock_fd = os.open(self.directory / "LOCK", os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(self._lock_fd, 32, 0).decode(errors="replace").strip() or "?"
+            os.close(self._lock_fd)
+            self._lock_fd = -1
+            raise LogFailed(f"data directory {self.directory} is in use by another transfer queue "
+                            f"(pid {holder})") from None
+        os.ftruncate(self._lock_fd, 0)
+        os.pwrite(self._lock_fd, str(os.getpid()).encode(), 0)
 
     @staticmethod
     def _first_record(path: Path) -> tuple[int, RecordType, memoryview] | None:
@@ -265,6 +282,9 @@ class WriteAheadLog:
                 os.fsync(self._fd)
             os.close(self._fd)
             self._fd = -1
+        if self._lock_fd >= 0:
+            os.close(self._lock_fd)  # (releases the lock)
+            self._lock_fd = -1
 
     def disk_bytes(self) -> int:
         return self.segment_bytes

@@ -25,6 +25,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     serve.add_argument("--durability", choices=["fsync", "write", "off"], default="fsync",
                        help="with --data-dir: ack after fsync (default), after write (survives kill -9, not "
                             "power loss), or no log")
+    serve.add_argument("--ack-timeout-seconds", type=float, default=60.0,
+                       help="RPC groups a reader has not acknowledged in this time go back to the queue (default 60)")
     serve.add_argument("--group-size", type=int, default=None, help="samples per group (default 16)")
     serve.add_argument("--task-type", default=None)
     serve.add_argument("--max-memory-bytes", type=int, default=None)
@@ -49,6 +51,6 @@ def run_serve(args: argparse.Namespace) -> int:
     if problems:
         print("transfer-queue serve: " + "; ".join(problems))
         return 2
-    service = TransferQueueService(updates, args.data_dir, args.durability)
+    service = TransferQueueService(updates, args.data_dir, args.durability, ack_timeout_s=args.ack_timeout_seconds)
     rpc = None if args.rpc_address.lower() == "none" else args.rpc_address
     return run(TransferQueueServer(service, args.host, args.port, rpc))
