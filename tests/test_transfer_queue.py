@@ -414,3 +414,14 @@ def test_groups_a_reader_never_acknowledges_go_to_the_next(server, http):
     assert sorted(g.instance_id for g in first.groups + second.groups) == ["nack0", "nack1"]
     assert time.monotonic() - t0 < 5
     assert http.get("/status").json()["total_consumed"] == 4
+
+
+def test_a_waiting_http_read_whose_client_hangs_up_takes_nothing(server, http):
+    http.post("/config", json={"group_size": 2})
+    http.post("/buffer/write", json=trajectory("hu0", "hangup"))
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{server.url}/get_rollout_data", json={"timeout_ms": 3000}, timeout=0.5)
+    http.post("/buffer/write", json=trajectory("hu1", "hangup"))  # completes the group after the hang-up
+    time.sleep(0.2)
+    body = http.post("/get_rollout_data", json={"timeout_ms": 2000}).json()
+    assert [t["uid"] for t in body["data"]["data"]] == ["hu0", "hu1"]

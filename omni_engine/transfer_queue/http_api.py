@@ -13,6 +13,7 @@ answers 503 with ``Retry-After``; bad input answers 400 naming the field.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import math
@@ -80,7 +81,7 @@ class TransferQueueHttpApp:
         headers = _JSON
         try:
             body = await _read_body(receive)
-            status, payload, headers = await self._dispatch(scope["method"], scope["path"], body)
+            status, payload, headers = await self._dispatch(scope["method"], scope["path"], body, receive)
         except HttpError as exc:
             status, payload, headers = exc.status, _error_body(str(exc)), _JSON + exc.headers
         except ServiceUnavailable as exc:
@@ -92,7 +93,9 @@ class TransferQueueHttpApp:
                     "headers": [*headers, (b"content-length", str(len(payload)).encode())]})
         await send({"type": "http.response.body", "body": payload})
 
-    async def _dispatch(self, method: str, path: str, body: bytes) -> tuple[int, bytes, list]:
+    async def _dispatch(self, method: str, path: str, body: bytes, receive: Any) -> tuple[int, bytes, list]:
+        if (method, path) == ("POST", "/get_rollout_data"):
+            return await self.get_rollout_data(body, receive)
         handler = self._routes.get((method, path))
         if handler is not None:
             return await handler(body)
@@ -129,7 +132,7 @@ class TransferQueueHttpApp:
                                  "data": {"data": [], "meta_info": "duplicate uid"}}), _JSON
         return 200, _WRITE_OK + b",".join(t.payload for t in items if t.payload is not None) + _WRITE_TAIL, _JSON
 
-    async def get_rollout_data(self, body: bytes) -> tuple[int, bytes, list]:
+    async def get_rollout_data(self, body: bytes, receive: Any = None) -> tuple[int, bytes, list]:
         args = _json_object(body, "/get_rollout_data")
         unknown = sorted(set(args) - _READ_FIELDS)
         if unknown:
@@ -140,10 +143,34 @@ class TransferQueueHttpApp:
         timeout_ms = args.get("timeout_ms")
         if timeout_ms is not None and (not isinstance(timeout_ms, (int, float)) or timeout_ms < 0):
             raise HttpError(400, f"/get_rollout_data: timeout_ms must be a number >= 0 (got {timeout_ms!r})")
-        groups = await self.service.read(max_groups, timeout_ms / 1e3 if timeout_ms else None)
+        if timeout_ms and receive is not None:
+            groups = await self._read_unless_disconnected(max_groups, timeout_ms / 1e3, receive)
+        else:
+            groups = await self.service.read(max_groups)
         if not groups:
             return 200, _NO_DATA, _JSON
         return 200, read_response(groups), _JSON
+
+    async def _read_unless_disconnected(self, max_groups: int | None, timeout: float, receive: Any) -> list:
+        """A waiting read whose client hangs up takes nothing (its groups would be lost with the
+        response: HTTP has no acknowledgement)."""
+        take = asyncio.ensure_future(self.service.take(max_groups, timeout))
+        hangup = asyncio.ensure_future(_disconnected(receive))
+        try:
+            await asyncio.wait([take, hangup], return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            hangup.cancel()
+        if not take.done():
+            take.cancel()
+            await asyncio.gather(take, return_exceptions=True)
+            return []
+        delivery = take.result()
+        if delivery is None:
+            return []
+        if hangup.done() and not hangup.cancelled():
+            self.service.release(delivery.delivery_id)
+            return []
+        return await self.service.ack(delivery.delivery_id)
 
     # ---------------------------------------------------------------- admin
     async def set_config(self, body: bytes) -> tuple[int, bytes, list]:
@@ -222,6 +249,11 @@ async def _read_body(receive: Any) -> bytes:
         chunks.append(chunk)
         if not message.get("more_body"):
             return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+
+
+async def _disconnected(receive: Any) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
 
 
 async def _lifespan(receive: Any, send: Any) -> None:
