@@ -5,6 +5,7 @@ A client of nothing in the engine, and the engine imports nothing of it.
 """
 
 from omni_engine.transfer_queue.client import (
+    AckUncertainError,
     AsyncTransferQueueClient,
     BufferFullError,
     TransferQueueClient,
@@ -22,6 +23,7 @@ from omni_engine.transfer_queue.data_model import (
 from omni_engine.transfer_queue.service import Durability, TransferQueueService, WriteResult
 
 __all__ = [
+    "AckUncertainError",
     "AsyncTransferQueueClient",
     "BatchReadResult",
     "BufferConfig",

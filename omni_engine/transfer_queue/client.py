@@ -57,6 +57,16 @@ class TransferQueueError(RuntimeError):
     """The server refused or failed a call; the message says which and why."""
 
 
+class AckUncertainError(TransferQueueError):
+    """A read's acknowledgement got no answer (the server died, or the connection did): ``groups``
+    may or may not be consumed. After a restart they are delivered again unless the server had
+    logged the acknowledgement; a consumer that must not see a group twice dedups by uid."""
+
+    def __init__(self, message: str, groups: list[TrajectoryGroup]) -> None:
+        super().__init__(message)
+        self.groups = groups
+
+
 class BufferFullError(TransferQueueError):
     def __init__(self, message: str, retry_after_s: float | None, result: WriteResult | None = None) -> None:
         super().__init__(message)
@@ -158,7 +168,8 @@ class TransferQueueClient(_Endpoints):
         super().__init__(url, rpc_address)
         self.timeout = timeout
         self._http = None
-        self._ctx: zmq.Context | None = None
+        # One context (one I/O thread) per process for every client, as pyzmq intends.
+        self._ctx = zmq.Context.instance()
         self._sock: zmq.Socket | None = None
 
     def __enter__(self) -> TransferQueueClient:
@@ -170,9 +181,9 @@ class TransferQueueClient(_Endpoints):
     def close(self) -> None:
         if self._http is not None:
             self._http.close()
-        if self._ctx is not None:
-            self._ctx.destroy(linger=0)
-            self._ctx = self._sock = None
+        if self._sock is not None:
+            self._sock.close(linger=0)
+            self._sock = None
 
     # transports
     def _post(self, path: str, json: Any = None, method: str = "POST") -> dict:
@@ -183,8 +194,6 @@ class TransferQueueClient(_Endpoints):
         return _http_check(self._http.request(method, path, json=json), path)
 
     def _dealer(self) -> zmq.Socket:
-        if self._ctx is None:
-            self._ctx = zmq.Context()
         sock = self._ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.connect(self.rpc_address)
@@ -232,7 +241,11 @@ class TransferQueueClient(_Endpoints):
             _check(frames, "BatchRead")
         delivery_id, groups = _read_frames(frames)
         if groups:  # consumed only once acknowledged: a reader that dies before has them delivered again
-            _check(self._call(RpcType.ACK, AckRequest(self.next_id(), delivery_id)), "BatchRead (ack)")
+            try:
+                frames = self._call(RpcType.ACK, AckRequest(self.next_id(), delivery_id))
+            except TransferQueueError as exc:
+                raise AckUncertainError(f"BatchRead: acknowledging failed: {exc}", groups) from None
+            _check(frames, "BatchRead (ack)")
         return _as_result(groups)
 
     def status(self) -> BufferStatus:
@@ -298,7 +311,7 @@ class AsyncTransferQueueClient(_Endpoints):
         super().__init__(url, rpc_address)
         self.timeout = timeout
         self._http = None
-        self._ctx: zmq.asyncio.Context | None = None
+        self._ctx = zmq.asyncio.Context.instance()
         self._sock: zmq.asyncio.Socket | None = None
         self._calls: dict[int, asyncio.Future] = {}
         self._subs: dict[int, asyncio.Queue] = {}
@@ -316,9 +329,9 @@ class AsyncTransferQueueClient(_Endpoints):
         if self._reader is not None:
             self._reader.cancel()
             await asyncio.gather(self._reader, return_exceptions=True)
-        if self._ctx is not None:
-            self._ctx.destroy(linger=0)
-            self._ctx = self._sock = None
+        if self._sock is not None:
+            self._sock.close(linger=0)
+            self._sock = None
 
     async def _post(self, path: str, json: Any = None, method: str = "POST") -> dict:
         import httpx
@@ -329,7 +342,6 @@ class AsyncTransferQueueClient(_Endpoints):
 
     def _socket(self) -> zmq.asyncio.Socket:
         if self._sock is None:
-            self._ctx = zmq.asyncio.Context()
             self._sock = self._ctx.socket(zmq.DEALER)
             self._sock.setsockopt(zmq.LINGER, 0)
             self._sock.connect(self.rpc_address)
@@ -383,7 +395,11 @@ class AsyncTransferQueueClient(_Endpoints):
             _check(frames, "BatchRead")
         delivery_id, groups = _read_frames(frames)
         if groups:
-            _check(await self._call(RpcType.ACK, AckRequest(self.next_id(), delivery_id)), "BatchRead (ack)")
+            try:
+                frames = await self._call(RpcType.ACK, AckRequest(self.next_id(), delivery_id))
+            except TransferQueueError as exc:
+                raise AckUncertainError(f"BatchRead: acknowledging failed: {exc}", groups) from None
+            _check(frames, "BatchRead (ack)")
         return _as_result(groups)
 
     async def status(self) -> BufferStatus:

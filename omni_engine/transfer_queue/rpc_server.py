@@ -113,7 +113,7 @@ class TransferQueueRpcServer:
         if rtype is RpcType.ACK:
             self._spawn(self._ack(identity, header))
         elif rtype is RpcType.BATCH_WRITE:
-            self._spawn(self._batch_write(identity, header.call_id, frames[3:]))
+            self._batch_write(identity, header.call_id, frames[3:])
         elif rtype is RpcType.BATCH_READ:
             self._spawn(self._batch_read(identity, header))
 
@@ -124,7 +124,8 @@ class TransferQueueRpcServer:
         return task
 
     # ------------------------------------------------------------ handlers
-    async def _batch_write(self, identity: bytes, call_id: int, payloads: list[zmq.Frame]) -> None:
+    def _batch_write(self, identity: bytes, call_id: int, payloads: list[zmq.Frame]) -> None:
+        """In the reader's callback, no task: the reply goes from the log's durability callback."""
         try:
             items = [parse_trajectory(f.bytes, PayloadFormat.MSGPACK) for f in payloads]
         except InvalidTrajectory as exc:
@@ -132,15 +133,28 @@ class TransferQueueRpcServer:
                                             error_type=RpcErrorType.INVALID_TRAJECTORY))
             return
         try:
-            result = await self.service.write(items)
+            result, durable = self.service.write_nowait(items)
         except ServiceUnavailable as exc:
             self._reply(identity, RpcResult(call_id, False, error=str(exc), error_type=RpcErrorType.UNAVAILABLE))
             return
         if result.refused:
-            self._reply(identity, RpcResult(call_id, False, result, error=f"BatchWrite: {result.error}",
-                                            error_type=RpcErrorType.BUFFER_FULL, retry_after_s=result.retry_after_s))
+            answer = RpcResult(call_id, False, result, error=f"BatchWrite: {result.error}",
+                               error_type=RpcErrorType.BUFFER_FULL, retry_after_s=result.retry_after_s)
         else:
-            self._reply(identity, RpcResult(call_id, True, result))
+            answer = RpcResult(call_id, True, result)
+        if durable is None:
+            self._reply(identity, answer)
+            return
+
+        def on_durable(future: asyncio.Future) -> None:
+            if future.cancelled() or future.exception() is not None:
+                error = "cancelled" if future.cancelled() else str(future.exception())
+                self._reply(identity, RpcResult(call_id, False, error=f"BatchWrite: not logged: {error}",
+                                                error_type=RpcErrorType.UNAVAILABLE))
+            else:
+                self._reply(identity, answer)
+
+        durable.add_done_callback(on_durable)
 
     async def _batch_read(self, identity: bytes, req: Any) -> None:
         if req.max_groups is not None and req.max_groups < 1:
@@ -211,7 +225,7 @@ class TransferQueueRpcServer:
             self._sock.send_multipart([identity, *frames], zmq.NOBLOCK, copy=False)
             return True
         except zmq.ZMQError as exc:
-            if exc.errno not in (zmq.EHOSTUNREACH, zmq.EAGAIN):
+            if exc.errno not in (zmq.EHOSTUNREACH, zmq.EAGAIN, zmq.ENOTSOCK, zmq.ETERM):  # (gone, or closing)
                 raise
             return False
         finally:

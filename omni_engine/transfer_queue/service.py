@@ -142,6 +142,17 @@ class TransferQueueService:
     async def write(self, items: list[StoredTrajectory]) -> WriteResult:
         """Take ``items`` in order; returns once the taken ones are durable. Stops at the first
         that does not fit (the rest are refused: retrying them keeps their order)."""
+        result, durable = self.write_nowait(items)
+        if durable is not None:
+            try:
+                await asyncio.shield(durable)
+            except LogFailed as exc:
+                raise ServiceUnavailable(str(exc)) from exc
+        return result
+
+    def write_nowait(self, items: list[StoredTrajectory]) -> tuple[WriteResult, asyncio.Future | None]:
+        """``write`` without the wait: the result, and a future that resolves once it is durable
+        (None: nothing to wait for). For callers that answer from a callback, not a task."""
         self._check_usable()
         result = WriteResult()
         accepted: list[StoredTrajectory] = []
@@ -160,13 +171,15 @@ class TransferQueueService:
             accepted.append(item)
             completed = completed or outcome is not None
         result.written = len(accepted)
+        durable = None
         if accepted:
             if self.buffer.config.group_timeout_seconds is not None and self._expiry is None:
                 self._schedule_expiry()
-            await self._log(records.write_record(now, accepted))
+            durable = self._append(records.write_record(now, accepted))
         if completed:
+            # Now, not once durable: a reader's CONSUME is logged after this WRITE either way.
             self._wake_next()
-        return result
+        return result, durable
 
     # ---------------------------------------------------------------- reads
     async def take(self, max_groups: int | None = None, timeout: float | None = None) -> Delivery | None:
@@ -345,15 +358,22 @@ class TransferQueueService:
                                      "from its data directory")
 
     async def _log(self, record: bytes) -> None:
+        future = self._append(record)
+        if future is not None:
+            try:
+                await asyncio.shield(future)
+            except LogFailed as exc:
+                raise ServiceUnavailable(str(exc)) from exc
+
+    def _append(self, record: bytes) -> asyncio.Future | None:
         if self.wal is None:
-            return
+            return None
         try:
             future = self.wal.append(record)
-            self._maybe_compact()
-            if future is not None:
-                await asyncio.shield(future)
         except LogFailed as exc:
             raise ServiceUnavailable(str(exc)) from exc
+        self._maybe_compact()
+        return future
 
     def _log_in_background(self, record: bytes) -> None:
         if self.wal is None:
