@@ -61,6 +61,7 @@ class TransferQueueHttpApp:
     def __init__(self, service: TransferQueueService) -> None:
         self.service = service
         self.registry = metrics_registry(service)
+        # Every handler takes (body, receive): a waiting read listens for the client hanging up.
         self._routes = {
             ("POST", "/buffer/write"): self.write,
             ("POST", "/get_rollout_data"): self.get_rollout_data,
@@ -94,11 +95,9 @@ class TransferQueueHttpApp:
         await send({"type": "http.response.body", "body": payload})
 
     async def _dispatch(self, method: str, path: str, body: bytes, receive: Any) -> tuple[int, bytes, list]:
-        if (method, path) == ("POST", "/get_rollout_data"):
-            return await self.get_rollout_data(body, receive)
         handler = self._routes.get((method, path))
         if handler is not None:
-            return await handler(body)
+            return await handler(body, receive)
         if path.startswith("/buffer/instance/") and len(path) > len("/buffer/instance/"):
             if method != "DELETE":
                 raise HttpError(405, f"{method} {path}: only DELETE is allowed here")
@@ -108,7 +107,7 @@ class TransferQueueHttpApp:
         raise HttpError(404, f"{method} {path}: no such route")
 
     # ----------------------------------------------------------------- data
-    async def write(self, body: bytes) -> tuple[int, bytes, list]:
+    async def write(self, body: bytes, _receive: Any) -> tuple[int, bytes, list]:
         """One trajectory (slime's ``send_data_to_buffer``), or a JSON array of them."""
         stripped = body.lstrip()
         if stripped[:1] == b"[":
@@ -132,7 +131,7 @@ class TransferQueueHttpApp:
                                  "data": {"data": [], "meta_info": "duplicate uid"}}), _JSON
         return 200, _WRITE_OK + b",".join(t.payload for t in items if t.payload is not None) + _WRITE_TAIL, _JSON
 
-    async def get_rollout_data(self, body: bytes, receive: Any = None) -> tuple[int, bytes, list]:
+    async def get_rollout_data(self, body: bytes, receive: Any) -> tuple[int, bytes, list]:
         args = _json_object(body, "/get_rollout_data")
         unknown = sorted(set(args) - _READ_FIELDS)
         if unknown:
@@ -143,7 +142,7 @@ class TransferQueueHttpApp:
         timeout_ms = args.get("timeout_ms")
         if timeout_ms is not None and (not isinstance(timeout_ms, (int, float)) or timeout_ms < 0):
             raise HttpError(400, f"/get_rollout_data: timeout_ms must be a number >= 0 (got {timeout_ms!r})")
-        if timeout_ms and receive is not None:
+        if timeout_ms:
             groups = await self._read_unless_disconnected(max_groups, timeout_ms / 1e3, receive)
         else:
             groups = await self.service.read(max_groups)
@@ -173,7 +172,7 @@ class TransferQueueHttpApp:
         return await self.service.ack(delivery.delivery_id)
 
     # ---------------------------------------------------------------- admin
-    async def set_config(self, body: bytes) -> tuple[int, bytes, list]:
+    async def set_config(self, body: bytes, _receive: Any) -> tuple[int, bytes, list]:
         """Change the fields given; the others keep their values."""
         args = _json_object(body, "/config")
         merged = {**msgspec.structs.asdict(self.service.buffer.config), **args}
@@ -187,7 +186,7 @@ class TransferQueueHttpApp:
             raise HttpError(400, f"/config: {exc}") from None
         return 200, _encode({"success": True, "message": "Configuration updated", "data": config}), _JSON
 
-    async def get_config(self, body: bytes) -> tuple[int, bytes, list]:
+    async def get_config(self, body: bytes, _receive: Any) -> tuple[int, bytes, list]:
         return 200, _encode({"success": True, "message": "", "data": self.service.buffer.config}), _JSON
 
     async def delete_instance(self, instance_id: str) -> tuple[int, bytes, list]:
@@ -196,19 +195,19 @@ class TransferQueueHttpApp:
                              "message": f"Deleted {groups} groups ({trajectories} trajectories) of {instance_id!r}",
                              "data": {"groups": groups, "trajectories": trajectories}}), _JSON
 
-    async def reset(self, body: bytes) -> tuple[int, bytes, list]:
+    async def reset(self, body: bytes, _receive: Any) -> tuple[int, bytes, list]:
         await self.service.reset()
         return 200, _encode({"success": True, "message": "Buffer reset"}), _JSON
 
-    async def status(self, body: bytes) -> tuple[int, bytes, list]:
+    async def status(self, body: bytes, _receive: Any) -> tuple[int, bytes, list]:
         return 200, _encode(self.service.status()), _JSON
 
-    async def health(self, body: bytes) -> tuple[int, bytes, list]:
+    async def health(self, body: bytes, _receive: Any) -> tuple[int, bytes, list]:
         if self.service.healthy:
             return 200, b'{"status":"ok"}', _JSON
         return 503, b'{"status":"unavailable"}', _JSON
 
-    async def metrics(self, body: bytes) -> tuple[int, bytes, list]:
+    async def metrics(self, body: bytes, _receive: Any) -> tuple[int, bytes, list]:
         return 200, render(self.registry), [(b"content-type", b"text/plain; version=0.0.4; charset=utf-8")]
 
 
