@@ -44,13 +44,13 @@ FINAL_OUTPUT_TYPES = ("text", "audio", "image", "latent", "tensor")
 class ConfigError(ValueError):
     """An invalid pipeline config; ``errors`` holds one line per problem found."""
 
-    def __init__(self, errors: list[str], source: str = "<dict>") -> None:
+    def __init__(self, errors: list[str], source: str = "<dict>", what: str = "pipeline config") -> None:
         self.errors = list(errors)
         self.source = source
         if len(self.errors) == 1:
             message = self.errors[0]
         else:
-            message = f"{len(self.errors)} errors in pipeline config {source}:\n" + "\n".join(
+            message = f"{len(self.errors)} errors in {what} {source}:\n" + "\n".join(
                 f"  - {e}" for e in self.errors
             )
         super().__init__(message)
@@ -298,15 +298,15 @@ def _config_dir(source: str) -> Path:
     return path.parent if path.is_file() else Path.cwd()
 
 
-def read_pipeline_yaml(path: str | Path) -> Any:
-    """The YAML of a pipeline config file, not yet validated (callers may adjust it first)."""
+def read_yaml(path: str | Path, what: str) -> Any:
+    """The YAML of a config file (``what``: "pipeline config", ...), not yet validated."""
     path = Path(path)
     try:
         text = path.read_text(encoding="utf-8")
     except FileNotFoundError:
-        raise ConfigError([f"{path}: pipeline config file not found"], str(path)) from None
+        raise ConfigError([f"{path}: {what} file not found"], str(path)) from None
     except (OSError, UnicodeDecodeError) as exc:
-        raise ConfigError([f"{path}: cannot read pipeline config: {exc}"], str(path)) from None
+        raise ConfigError([f"{path}: cannot read {what}: {exc}"], str(path)) from None
     try:
         return yaml.safe_load(text)
     except yaml.YAMLError as exc:
@@ -314,6 +314,11 @@ def read_pipeline_yaml(path: str | Path) -> Any:
         where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark is not None else ""
         problem = ", ".join(p for p in (getattr(exc, "context", None), getattr(exc, "problem", None)) if p)
         raise ConfigError([f"{path}: {where}YAML syntax error: {problem or exc}"], str(path)) from None
+
+
+def read_pipeline_yaml(path: str | Path) -> Any:
+    """The YAML of a pipeline config file, not yet validated (callers may adjust it first)."""
+    return read_yaml(path, "pipeline config")
 
 
 def load_pipeline_config(path: str | Path) -> PipelineConfig:
@@ -339,4 +344,5 @@ __all__ = [
     "load_pipeline_config",
     "parse_pipeline_config",
     "read_pipeline_yaml",
+    "read_yaml",
 ]

@@ -15,12 +15,13 @@ import sys
 from collections.abc import Sequence
 from types import ModuleType
 
-from omni_engine.entrypoints.cli import generate, prepare_model, serve, transfer_queue
+from omni_engine.entrypoints.cli import generate, prepare_model, sample, serve, transfer_queue
 
 SUBCOMMANDS: list[ModuleType] = [
     prepare_model,
     generate,
     serve,
+    sample,
     transfer_queue,
 ]
 

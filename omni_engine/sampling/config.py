@@ -1,0 +1,211 @@
+"""``sample.yaml``: what ``omni-engine sample`` runs, validated before anything starts.
+
+One file names the sampler (kind and parameters), the rounds (``sampling``),
+how answers are scored (``verifier``, ``formatters``), the input JSONL, the
+output directory and the shard size. Every problem is reported at once, each
+naming its field (``sampler.base_url: ...``), as pipeline configs do; fields
+that do nothing for the chosen sampler kind are refused, not ignored.
+
+Example::
+
+    sampler: {kind: openai, base_url: "http://127.0.0.1:8000/v1", model: smollm2,
+              concurrency: 64, temperature: 1.0, max_tokens: 1024, seed: 0}
+    sampling: {step_size: 4, max_rollouts: 16, max_steps: 4, early_stop: true}
+    verifier: boxed
+    formatters: [{name: min_correct, args: {k: 1}}]
+    input: {path: data/math.jsonl}
+    output: {dir: rollouts/math}
+    shard: {size: 1000}
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Any
+
+import msgspec
+
+from omni_engine import config_validation as cv
+from omni_engine.config import ConfigError, read_yaml
+
+SAMPLER_KINDS = ("openai", "engine", "ray")
+# The fields each kind uses beyond the common ones; any other kind's field is refused.
+KIND_FIELDS: dict[str, frozenset[str]] = {
+    "openai": frozenset({"base_url", "model", "api_key", "api_key_env", "timeout", "max_retries"}),
+    "engine": frozenset({"pipeline"}),
+    "ray": frozenset({"pipeline", "num_workers", "worker_resources", "ray_address"}),
+}
+_REQUIRED_BY_KIND = {"openai": ("base_url", "model"), "engine": ("pipeline",), "ray": ("pipeline",)}
+
+PositiveInt = Annotated[int, msgspec.Meta(ge=1)]
+
+
+class _Base(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    pass
+
+
+class SamplerConfig(_Base):
+    """How answers are produced. Sampling fields left out (``None``) keep the
+    server's or the stage's defaults (``default_sampling_params``)."""
+
+    kind: str
+    # openai
+    base_url: str | None = None
+    model: str | None = None
+    api_key: str | None = None
+    api_key_env: str | None = None
+    timeout: Annotated[float, msgspec.Meta(gt=0)] | None = None
+    max_retries: Annotated[int, msgspec.Meta(ge=0)] | None = None
+    # engine / ray: a pipeline stage config (YAML), relative to the sample config's directory
+    pipeline: str | None = None
+    # ray
+    num_workers: PositiveInt | None = None
+    worker_resources: dict[str, Annotated[float, msgspec.Meta(ge=0)]] | None = None
+    ray_address: str | None = None
+    # every kind: requests in flight (ray: per worker)
+    concurrency: PositiveInt = 32
+    temperature: Annotated[float, msgspec.Meta(ge=0)] | None = None
+    top_p: Annotated[float, msgspec.Meta(gt=0, le=1)] | None = None
+    max_tokens: PositiveInt | None = None
+    # Base of the per-item seeds (one per item and round); null: unseeded.
+    seed: int | None = 0
+    extra_params: dict[str, Any] = msgspec.field(default_factory=dict)
+
+    def sampling_params(self) -> dict[str, Any]:
+        """The sampling fields that were set (``extra_params`` last, as the seed passes them)."""
+        params = {name: getattr(self, name) for name in ("temperature", "top_p", "max_tokens")
+                  if getattr(self, name) is not None}
+        return {**params, **self.extra_params}
+
+
+class RoundsConfig(_Base):
+    """The seed's ``sampling`` section: rounds, answers per round, early stop."""
+
+    step_size: PositiveInt = 1
+    max_rollouts: PositiveInt = 8
+    max_steps: PositiveInt = 1
+    early_stop: bool = False
+
+
+class PluginConfig(_Base):
+    """A built-in verifier or formatter by name, or a user's by dotted path, with its arguments."""
+
+    name: str
+    args: dict[str, Any] = msgspec.field(default_factory=dict)
+
+
+class InputConfig(_Base):
+    path: str
+
+
+class OutputConfig(_Base):
+    dir: str
+
+
+class ShardConfig(_Base):
+    size: PositiveInt = 1000
+
+
+class SampleConfig(_Base):
+    sampler: SamplerConfig
+    input: InputConfig
+    output: OutputConfig
+    sampling: RoundsConfig = msgspec.field(default_factory=RoundsConfig)
+    verifier: PluginConfig = msgspec.field(default_factory=lambda: PluginConfig(name="boxed"))
+    formatters: list[PluginConfig] = msgspec.field(default_factory=list)
+    shard: ShardConfig = msgspec.field(default_factory=ShardConfig)
+    # Where relative paths point from (the file's directory); set by the loader.
+    base_dir: str = "."
+    _not_from_yaml = frozenset({"base_dir"})
+
+    def resolve(self, path: str) -> Path:
+        """``path`` from the config, relative to the config file's directory."""
+        p = Path(path).expanduser()
+        return p if p.is_absolute() else Path(self.base_dir) / p
+
+    def run_settings(self) -> dict[str, Any]:
+        """What decides the output's lines: a rerun into the same directory must match these."""
+        sampler = {k: v for k, v in msgspec.to_builtins(self.sampler).items()
+                   if k not in ("api_key", "api_key_env", "timeout", "max_retries", "concurrency", "num_workers",
+                                "worker_resources", "ray_address", "base_url")}
+        return {"sampler": sampler, "sampling": msgspec.to_builtins(self.sampling),
+                "verifier": msgspec.to_builtins(self.verifier),
+                "formatters": msgspec.to_builtins(self.formatters), "shard": msgspec.to_builtins(self.shard)}
+
+
+def sampler_problems(sampler: SamplerConfig) -> list[tuple[str, str]]:
+    """(field, problem) for a sampler config: unknown kind, another kind's fields, missing ones.
+
+    Run when a config is parsed and again by ``BaseSampler.initialize`` (a
+    ``SamplerConfig`` may be built in code)."""
+    if sampler.kind not in SAMPLER_KINDS:
+        return [("sampler.kind", f"unknown sampler kind {sampler.kind!r}; expected one of: {', '.join(SAMPLER_KINDS)}")]
+    problems = []
+    for kind, fields in KIND_FIELDS.items():
+        for name in sorted(fields - KIND_FIELDS[sampler.kind]):
+            if getattr(sampler, name) is not None:
+                problems.append((f"sampler.{name}", f"applies to sampler kind {kind!r} only, not {sampler.kind!r}"))
+    for name in _REQUIRED_BY_KIND[sampler.kind]:
+        if getattr(sampler, name) is None:
+            problems.append((f"sampler.{name}", f"required for sampler kind {sampler.kind!r}"))
+    if sampler.api_key is not None and sampler.api_key_env is not None:
+        problems.append(("sampler.api_key", "give api_key or api_key_env, not both"))
+    for key in ("n", "seed", "messages", "model"):
+        if key in sampler.extra_params:
+            problems.append((f"sampler.extra_params.{key}",
+                             "set by the sampler (n: sampling.step_size; seed: sampler.seed)"))
+    return problems
+
+
+def _check_rounds(config: SampleConfig, report: cv.Report) -> None:
+    rounds = config.sampling
+    if rounds.early_stop and not config.formatters:
+        report("sampling.early_stop", "early stop needs at least one formatter (formatters) to say when an item "
+                                      "is satisfied")
+    if config.formatters and not rounds.early_stop:
+        report("formatters", "formatters decide early stop only; set sampling.early_stop: true or remove them")
+    if config.sampler.temperature == 0 and rounds.step_size > 1:
+        report("sampling.step_size", "greedy sampling (sampler.temperature: 0) gives one answer per request; "
+                                     "step_size must be 1")
+    if rounds.step_size > rounds.max_rollouts:
+        report("sampling.step_size", f"{rounds.step_size} answers per round exceed sampling.max_rollouts "
+                                     f"({rounds.max_rollouts})")
+
+
+def _check_plugins(config: SampleConfig, report: cv.Report) -> None:
+    from omni_engine.sampling.verifiers import PluginError, load_formatter, load_verifier
+
+    for path, plugin, load in [("verifier", config.verifier, load_verifier),
+                               *((f"formatters[{i}]", f, load_formatter) for i, f in enumerate(config.formatters))]:
+        try:
+            load(plugin.name, plugin.args)
+        except PluginError as exc:
+            report(f"{path}.{exc.field}", str(exc))
+
+
+def parse_sample_config(data: Any, source: str = "<dict>", base_dir: str | Path = ".") -> SampleConfig:
+    """Validate a loaded ``sample.yaml`` mapping; one ConfigError lists every problem."""
+    errors = cv.ErrorCollector(source)
+    report = errors.pipeline()
+    if isinstance(data, dict) and isinstance(data.get("verifier"), str):
+        data = {**data, "verifier": {"name": data["verifier"]}}
+    config = cv.convert_struct(data, SampleConfig, "", report)
+    if config is not None:
+        config.base_dir = str(base_dir)
+        for field, problem in sampler_problems(config.sampler):
+            report(field, problem)
+        _check_rounds(config, report)
+        _check_plugins(config, report)
+        if not config.resolve(config.input.path).is_file():
+            report("input.path", f"no such file: {config.resolve(config.input.path)}")
+        if config.sampler.pipeline is not None and not config.resolve(config.sampler.pipeline).is_file():
+            report("sampler.pipeline", f"no such pipeline config: {config.resolve(config.sampler.pipeline)}")
+    if errors.errors or config is None:
+        raise ConfigError(errors.errors, source, "sample config")
+    return config
+
+
+def load_sample_config(path: str | Path) -> SampleConfig:
+    """Read and validate a ``sample.yaml``; relative paths in it are relative to its directory."""
+    path = Path(path)
+    return parse_sample_config(read_yaml(path, "sample config"), str(path), path.parent)

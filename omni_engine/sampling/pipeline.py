@@ -1,0 +1,225 @@
+"""``Pipeline``: the seed's rounds, verification, early stop and shards, over any sampler.
+
+Each item runs its own rounds: ``step_size`` answers per round (fewer in the
+last, never past ``max_rollouts``), truncated answers (finish reason
+``length``) dropped, the rest scored by the verifier; the item stops when every
+formatter ``is_satisfied`` (with ``early_stop``), at ``max_rollouts`` kept
+answers, or after ``max_steps`` rounds. An item's next round is queued as soon
+as its previous one is back, so no item waits for the slowest of a round.
+Seeds are per item and round: the lines do not depend on scheduling, on the
+sampler's worker count, or on a crash and resume in between.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+import msgspec
+
+from omni_engine.sampling.base import BaseSampler, WorkQueue
+from omni_engine.sampling.config import SampleConfig
+from omni_engine.sampling.items import ItemResult, SampleTask, item_seed, read_items
+from omni_engine.sampling.shards import OutputDir, ShardJournal
+from omni_engine.sampling.verifiers import Formatter, Verifier, load_formatter, load_verifier
+
+TRUNCATED = "length"
+
+
+@dataclass
+class ItemState:
+    """One item's progress through its rounds."""
+
+    item: dict[str, Any]
+    rollouts: list[dict[str, Any]] = field(default_factory=list)
+    rounds: int = 0
+    truncated: int = 0
+    errors: list[dict[str, Any]] = field(default_factory=list)
+
+
+class RunSummary(msgspec.Struct, kw_only=True):
+    items: int = 0
+    shards: int = 0
+    shards_skipped: int = 0
+    requests: int = 0
+    requests_replayed: int = 0
+    responses: int = 0
+    rollouts: int = 0
+    correct: int = 0
+    truncated: int = 0
+    failed_requests: int = 0
+    completion_tokens: int = 0
+    seconds: float = 0.0
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.completion_tokens / self.seconds if self.seconds > 0 else 0.0
+
+
+class ProgressSink(Protocol):
+    """What the Pipeline reports as it goes (the CLI's progress bar)."""
+
+    def start(self, total_items: int, done_items: int) -> None: ...
+    def update(self, summary: RunSummary, items_done: int, accepted: int) -> None: ...
+    def close(self) -> None: ...
+
+
+class Pipeline:
+    """Multi-round sampling of an input file into crash-safe shards (the seed's ``Pipeline``)."""
+
+    def __init__(self, config: SampleConfig, sampler: BaseSampler, *, verifier: Verifier | None = None,
+                 formatters: list[Formatter] | None = None, progress: ProgressSink | None = None,
+                 manage_sampler: bool = True) -> None:
+        """``manage_sampler``: ``run`` initializes the sampler and shuts it down (as the seed's
+        does); False for a sampler the caller keeps across runs."""
+        self.cfg = config
+        self.sampler = sampler
+        self.verifier = verifier or load_verifier(config.verifier.name, config.verifier.args)
+        self.formatters = formatters if formatters is not None else [
+            load_formatter(f.name, f.args) for f in config.formatters]
+        self.progress = progress
+        self.manage_sampler = manage_sampler
+        self.summary = RunSummary()
+        self._items_done = 0
+        self.accepted = 0  # rollouts scoring > 0 so far (the progress bar's)
+
+    # ----------------------------------------------------------------- run
+    async def run(self) -> RunSummary:
+        items = self.load_data()
+        out = OutputDir(self.cfg.resolve(self.cfg.output.dir), self.cfg.run_settings(),
+                        self.cfg.resolve(self.cfg.input.path), len(items))
+        out.open()
+        if self.manage_sampler:
+            await self.sampler.initialize()
+        started = time.monotonic()
+        self.summary = RunSummary(items=len(items))
+        try:
+            shards = list(self.shard_items(items))
+            done = [i for i in range(len(shards)) if out.shard_done(i)]
+            self._items_done = sum(len(shards[i]) for i in done)
+            if self.progress is not None:
+                self.progress.start(len(items), self._items_done)
+            for index, shard in enumerate(shards):
+                if index in done:
+                    self.summary.shards_skipped += 1
+                    continue
+                journal = out.journal(index)
+                try:
+                    lines = await self._rollout_shard(shard, journal)
+                    out.write_shard(index, lines, journal)
+                finally:
+                    journal.close()
+                self.summary.shards += 1
+            self.summary.seconds = time.monotonic() - started
+            out.finish(msgspec.to_builtins(self.summary))
+            return self.summary
+        finally:
+            self.summary.seconds = time.monotonic() - started
+            if self.progress is not None:
+                self.progress.close()
+            if self.manage_sampler:
+                await self.sampler.shutdown()
+
+    def load_data(self) -> list[dict[str, Any]]:
+        return read_items(self.cfg.resolve(self.cfg.input.path))
+
+    def shard_items(self, items: list[dict[str, Any]]) -> Iterator[list[dict[str, Any]]]:
+        size = self.cfg.shard.size
+        for i in range(0, len(items), size):
+            yield items[i:i + size]
+
+    # ------------------------------------------------------------- rounds
+    async def _rollout_shard(self, items: list[dict[str, Any]], journal: ShardJournal) -> list[dict[str, Any]]:
+        states = {item["id"]: ItemState(item) for item in items}
+        for result in journal.replay():
+            state = states.get(result.item_id)
+            if state is not None and result.round == state.rounds:
+                self._apply(state, result)
+                self.summary.requests_replayed += 1
+        work = WorkQueue()
+        pending = 0
+        for state in states.values():
+            if self._finished(state):
+                self._items_done += 1
+            else:
+                work.put(self._task(state))
+                pending += 1
+        if pending == 0:
+            work.close()
+        self._report()
+        async for result in self.sampler.stream(work):
+            journal.append(result)
+            state = states[result.item_id]
+            self._apply(state, result)
+            self._count(result)
+            pending -= 1
+            if self._finished(state):
+                self._items_done += 1
+                if pending == 0:
+                    work.close()
+            else:
+                work.put(self._task(state))
+                pending += 1
+            self._report()
+        return [self._line(state) for state in states.values()]
+
+    def _task(self, state: ItemState) -> SampleTask:
+        rounds = self.cfg.sampling
+        n = min(rounds.step_size, rounds.max_rollouts - len(state.rollouts))
+        seed = item_seed(self.cfg.sampler.seed, state.item["id"], state.rounds)
+        return SampleTask(state.item, n, state.rounds, seed)
+
+    def _apply(self, state: ItemState, result: ItemResult) -> None:
+        """Fold one round's result into the item (the same on first run and on replay)."""
+        if result.error is not None:
+            state.errors.append({"round": result.round, "error": result.error})
+        for response in result.responses:
+            if response.finish_reason == TRUNCATED:
+                state.truncated += 1
+                continue
+            score = float(self.verifier.verify(response.text, state.item["metadata"]))
+            state.rollouts.append({"response": response.text, "score": score,
+                                   "finish_reason": response.finish_reason, "round": result.round,
+                                   "prompt_tokens": response.prompt_tokens,
+                                   "completion_tokens": response.completion_tokens})
+            self.accepted += score > 0
+        state.rounds += 1
+
+    def _finished(self, state: ItemState) -> bool:
+        rounds = self.cfg.sampling
+        if state.rounds >= rounds.max_steps or len(state.rollouts) >= rounds.max_rollouts:
+            return True
+        return rounds.early_stop and all(f.is_satisfied(state.rollouts) for f in self.formatters)
+
+    def _count(self, result: ItemResult) -> None:
+        s = self.summary
+        s.requests += 1
+        s.failed_requests += result.error is not None
+        s.responses += len(result.responses)
+        for response in result.responses:
+            s.completion_tokens += response.completion_tokens or 0
+            s.truncated += response.finish_reason == TRUNCATED
+
+    def _line(self, state: ItemState) -> dict[str, Any]:
+        self.summary.rollouts += len(state.rollouts)
+        self.summary.correct += sum(1 for r in state.rollouts if r["score"] > 0)
+        line = {**state.item, "rollouts": state.rollouts, "rounds": state.rounds,
+                "truncated": state.truncated, "sampling": self.sampler.describe()}
+        if state.errors:
+            line["errors"] = state.errors
+        return line
+
+    def _report(self) -> None:
+        if self.progress is not None:
+            self.progress.update(self.summary, self._items_done, self.accepted)
+
+
+def output_lines(output_dir: str | Path) -> list[dict[str, Any]]:
+    """Every line of a run's shards, in shard order (for tests and tools)."""
+    lines = []
+    for path in sorted(Path(output_dir).glob("shard_*.jsonl")):
+        lines.extend(msgspec.json.decode(line) for line in path.read_bytes().splitlines() if line.strip())
+    return lines
