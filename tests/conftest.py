@@ -49,6 +49,18 @@ def chat_prompt(smollm2_path):
     return render
 
 
+@pytest.fixture(scope="session")
+def text_server(tmp_path_factory, smollm2_path):
+    """``omni-engine serve`` of the text pipeline as model ``smollm2-test``, for the modules that only
+    send it requests (one vLLM start instead of one per module). Dev mode: vLLM's RL routes
+    (/pause, /resume, /abort_requests) are on, as RL trainers use them."""
+    from tests.serve_helpers import running_server
+
+    with running_server("stage_configs/smollm2_text.yaml", "smollm2-test", tmp_path_factory.mktemp("serve"),
+                        env={"VLLM_SERVER_DEV_MODE": "1"}) as srv:
+        yield srv
+
+
 @pytest_asyncio.fixture(scope="session", loop_scope="session")
 async def llm_stage(smollm2_path):
     client = RawFrameClient(0, process=StageProcessSpec("llm", llm_engine_args(smollm2_path)))

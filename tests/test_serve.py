@@ -5,20 +5,17 @@ from __future__ import annotations
 import openai
 import pytest
 
-from tests.serve_helpers import openai_client, running_server
+from tests.serve_helpers import openai_client
 
 pytestmark = pytest.mark.llm
 
-MODEL = "smollm2-test"
+MODEL = "smollm2-test"  # the session's text_server serves this name
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory, smollm2_path):
-    # Dev mode: vLLM's RL routes (/pause, /resume, /abort_requests) are on, as RL trainers use them.
-    with running_server("stage_configs/smollm2_text.yaml", MODEL, tmp_path_factory.mktemp("serve"),
-                        env={"VLLM_SERVER_DEV_MODE": "1"}) as srv:
-        yield srv
+def server(text_server):
+    return text_server
 
 
 @pytest.fixture(scope="module")

@@ -92,11 +92,11 @@ class Pipeline:
         out = OutputDir(self.cfg.resolve(self.cfg.output.dir), self.cfg.run_settings(),
                         self.cfg.resolve(self.cfg.input.path), len(items))
         out.open()
-        if self.manage_sampler:
-            await self.sampler.initialize()
         started = time.monotonic()
         self.summary = RunSummary(items=len(items))
         try:
+            if self.manage_sampler:
+                await self.sampler.initialize()
             shards = list(self.shard_items(items))
             done = [i for i in range(len(shards)) if out.shard_done(i)]
             self._items_done = sum(len(shards[i]) for i in done)

@@ -30,9 +30,13 @@ class SamplingWorker:
     def __init__(self, config: SamplerConfig, base_dir: str, env: dict[str, str]) -> None:
         # Ray sets OMP_NUM_THREADS in its workers; the stage processes inherit what is set here.
         os.environ.update(env)
+        import msgspec
+
         from omni_engine.sampling.engine_sampler import EngineSampler
 
-        self.sampler = EngineSampler(config, base_dir=base_dir)
+        engine_config = msgspec.structs.replace(config, kind="engine", num_workers=None, worker_resources=None,
+                                                ray_address=None)
+        self.sampler = EngineSampler(engine_config, base_dir=base_dir)
 
     async def start(self) -> dict[str, Any]:
         import ray

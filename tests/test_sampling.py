@@ -1,0 +1,294 @@
+"""Rollout sampling (``omni_engine.sampling``) with the real SmolLM2.
+
+The three samplers give the same greedy answers for the same items (the OpenAI one
+against a real ``omni-engine serve``, the Ray one with two local workers, each its own
+vLLM); a multi-round run with early stop sends exactly the requests its rounds call for,
+counted by vLLM in the stage; a run killed with ``kill -9`` mid-shard and resumed ends with
+the lines of an uninterrupted run; bad configs, an unreachable endpoint and an unknown
+verifier fail before sampling starts, naming what is wrong.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+import pytest_asyncio
+import yaml
+
+from omni_engine.config import ConfigError
+from omni_engine.sampling import SamplerConfig, SamplerInitError, make_sampler, parse_sample_config
+from omni_engine.sampling.engine_sampler import EngineSampler
+from omni_engine.sampling.pipeline import Pipeline, output_lines
+from omni_engine.sampling.shards import ResumeMismatch
+from omni_engine.sampling.verifiers import load_verifier
+from tests.helpers import process_exists
+
+pytestmark = pytest.mark.llm
+
+REPO = Path(__file__).resolve().parent.parent
+TEXT_PIPELINE = str(REPO / "stage_configs" / "smollm2_text.yaml")
+CLI = [sys.executable, "-m", "omni_engine.entrypoints.cli.main"]
+SERVED = "smollm2-test"  # conftest's text_server
+MAX_TOKENS = 48
+QUESTIONS = [
+    ("What is 2+3?", "5"),
+    ("What is the capital of France?", "Paris"),
+    ("What is 10 minus 4?", "6"),
+    ("What is 3 times 3?", "9"),
+    ("Name a primary color.", "red"),
+    ("How many legs does a cat have?", "4"),
+]
+
+
+def items(count: int = len(QUESTIONS)) -> list[dict]:
+    return [{"id": f"q{i}", "messages": [{"role": "user", "content": QUESTIONS[i % len(QUESTIONS)][0]}],
+             "metadata": {"answer": QUESTIONS[i % len(QUESTIONS)][1]}} for i in range(count)]
+
+
+def write_items(path: Path, rows: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return path
+
+
+def greedy(kind: str, **fields) -> dict:
+    return {"kind": kind, "temperature": 0.0, "max_tokens": MAX_TOKENS, **fields}
+
+
+def sample_config(tmp: Path, sampler: dict, **sections) -> dict:
+    """A sample.yaml mapping over ``items()`` in ``tmp``."""
+    write_items(tmp / "items.jsonl", sections.pop("rows", None) or items())
+    return {"sampler": sampler, "input": {"path": "items.jsonl"}, "output": {"dir": "out"}, **sections}
+
+
+def answers(result) -> dict[str, tuple]:
+    return {item_id: tuple((r.text, r.finish_reason, r.completion_tokens) for r in responses)
+            for item_id, responses in result.items()}
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="session")
+async def engine_sampler(smollm2_path):
+    sampler = EngineSampler(SamplerConfig(**greedy("engine", pipeline=TEXT_PIPELINE, concurrency=8)))
+    await sampler.initialize()
+    yield sampler
+    await sampler.shutdown()
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="session")
+async def engine_answers(engine_sampler):
+    result = await engine_sampler.sample_batch(items(), 1)
+    assert not result.errors
+    return answers(result)
+
+
+def openai_fields(server: dict) -> dict:
+    return {"base_url": f"{server['url']}/v1", "model": SERVED, "max_retries": 2}
+
+
+async def engine_requests(client) -> int:
+    """Requests vLLM in the stage finished (its ``vllm:request_success_total``)."""
+    snapshots = await client.engine_metrics()
+    return int(sum(value for snapshot in snapshots.values() for _name, _type, _doc, samples in snapshot
+                   for sample, _labels, value in samples if sample == "vllm:request_success_total"))
+
+
+# ------------------------------------------------------------------ config and initialize
+
+
+def test_bad_configs_fail_naming_the_field(tmp_path):
+    base = sample_config(tmp_path, greedy("openai", base_url="http://127.0.0.1:1/v1", model="m"))
+    cases = [
+        ({"sampler": {**base["sampler"], "pipeline": TEXT_PIPELINE}},
+         "sampler.pipeline: applies to sampler kind 'engine' only, not 'openai'"),
+        ({"sampler": {"kind": "openai", "model": "m"}}, "sampler.base_url: required for sampler kind 'openai'"),
+        ({"sampler": {**base["sampler"], "kind": "vllm"}}, "sampler.kind: unknown sampler kind 'vllm'"),
+        ({"sampler": {**base["sampler"], "concurrency": 0}}, "sampler.concurrency"),
+        ({"sampling": {"step_size": 2}}, "sampling.step_size: greedy sampling"),
+        ({"sampling": {"early_stop": True}}, "sampling.early_stop: early stop needs at least one formatter"),
+        ({"verifier": {"name": "no_such_verifier"}}, "verifier.name: unknown verifier 'no_such_verifier'"),
+        ({"verifier": {"name": "tests.no_such_module:Verifier"}}, "verifier.name: verifier"),
+        ({"formatters": [{"name": "min_correct", "args": {"k": 0}}], "sampling": {"early_stop": True}},
+         "formatters[0].args: formatter 'min_correct'"),
+        ({"input": {"path": "missing.jsonl"}}, "input.path: no such file"),
+        ({"shard": {"size": 10, "count": 2}}, "shard.count: unknown field"),
+    ]
+    for change, expected in cases:
+        with pytest.raises(ConfigError) as info:
+            parse_sample_config({**base, **change}, "sample.yaml", tmp_path)
+        assert expected in str(info.value), (change, str(info.value))
+        assert "sample.yaml" in str(info.value)
+
+
+def test_cli_refuses_a_bad_config_before_starting_anything(tmp_path):
+    config = sample_config(tmp_path, greedy("engine", pipeline=TEXT_PIPELINE), verifier="no_such_verifier")
+    (tmp_path / "sample.yaml").write_text(yaml.safe_dump(config))
+    started = time.monotonic()
+    proc = subprocess.run([*CLI, "sample", "--config", str(tmp_path / "sample.yaml")], capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 2
+    assert "verifier.name: unknown verifier 'no_such_verifier'" in proc.stderr
+    assert not (tmp_path / "out").exists()
+    assert time.monotonic() - started < 60  # no model was loaded
+    # A malformed item names its line and field.
+    write_items(tmp_path / "items.jsonl", [*items(2), {"id": "q9", "messages": "hi"}])
+    config["verifier"] = "boxed"
+    (tmp_path / "sample.yaml").write_text(yaml.safe_dump(config))
+    proc = subprocess.run([*CLI, "sample", "--config", str(tmp_path / "sample.yaml"), "--dry-run"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "items.jsonl:3 (id q9): messages: expected a non-empty list" in proc.stderr
+
+
+async def test_initialize_fails_clearly(tmp_path, text_server):
+    unreachable = make_sampler(SamplerConfig(**greedy("openai", base_url="http://127.0.0.1:9/v1", model="m")))
+    with pytest.raises(SamplerInitError, match=r"sampler.base_url http://127.0.0.1:9/v1: not reachable"):
+        async with unreachable:
+            pass
+    wrong_model = make_sampler(SamplerConfig(**greedy("openai", **{**openai_fields(text_server), "model": "gpt"})))
+    with pytest.raises(SamplerInitError, match=rf"sampler.model: 'gpt' is not served .*it serves: {SERVED}"):
+        async with wrong_model:
+            pass
+    # A config built in code is checked too.
+    with pytest.raises(SamplerInitError, match="sampler.base_url: required for sampler kind 'openai'"):
+        await make_sampler(SamplerConfig(kind="openai", model="m")).initialize()
+    bad_pipeline = tmp_path / "pipeline.yaml"
+    bad_pipeline.write_text("stage_args: [{stage_id: 0, stage_type: llm, engine_args: {model: m}, typo: 1}]\n")
+    with pytest.raises(SamplerInitError, match=r"sampler.pipeline: .*stage_args\[0\].typo: unknown field"):
+        async with make_sampler(SamplerConfig(kind="engine", pipeline=str(bad_pipeline))):
+            pass
+
+
+# ------------------------------------------------------------------ the samplers agree
+
+
+async def test_engine_and_openai_samplers_give_the_same_greedy_answers(engine_answers, text_server):
+    assert all(texts[0][0] for texts in engine_answers.values())
+    assert "Paris" in engine_answers["q1"][0][0]
+    async with make_sampler(SamplerConfig(**greedy("openai", **openai_fields(text_server), concurrency=4))) as s:
+        result = await s.sample_batch(items(), 1)
+    assert not result.errors
+    assert answers(result) == engine_answers
+    assert result.texts() == {k: [t[0] for t in v] for k, v in engine_answers.items()}
+
+
+async def test_ray_sampler_two_workers_same_answers_and_killed_at_shutdown(engine_answers):
+    ray = pytest.importorskip("ray")
+    ray.init(num_cpus=2, object_store_memory=80 << 20, include_dashboard=False, log_to_driver=False)
+    try:
+        sampler = make_sampler(SamplerConfig(**greedy("ray", pipeline=TEXT_PIPELINE, concurrency=2)))
+        async with sampler:
+            assert len(sampler.workers) == 2  # from the cluster: two CPUs, one per worker
+            pids = [info["pid"] for info in sampler.worker_info]
+            stages = [p.pid for pid in pids for p in psutil.Process(pid).children(recursive=True)]
+            assert len(set(pids)) == 2 and stages
+            result = await sampler.sample_batch(items(), 1)
+            assert not result.errors
+            assert answers(result) == engine_answers
+            # A second round reuses the loaded workers (no new processes).
+            again = await sampler.sample_batch(items()[:2], 1)
+            assert answers(again) == {k: engine_answers[k] for k in ("q0", "q1")}
+            assert [info["pid"] for info in sampler.worker_info] == pids
+        deadline = time.monotonic() + 30
+        while any(process_exists(pid) for pid in pids + stages) and time.monotonic() < deadline:
+            await asyncio.sleep(0.2)
+        assert not [pid for pid in pids + stages if process_exists(pid)]
+    finally:
+        ray.shutdown()
+
+
+# ------------------------------------------------------------------ the Pipeline
+
+
+async def test_multi_round_early_stop_sends_exactly_the_expected_requests(tmp_path, engine_sampler, engine_answers):
+    max_steps = 3
+    verifier = load_verifier("boxed")
+    # Greedy answers repeat: an item right in round 0 stops after one request; one that is wrong
+    # (or truncated, so dropped) never satisfies min_correct and runs all max_steps rounds.
+    metadata = {item["id"]: item["metadata"] for item in items()}
+    right = {item_id for item_id, ((text, reason, _),) in engine_answers.items()
+             if reason != "length" and verifier.verify(text, metadata[item_id]) >= 1}
+    expected = sum(1 if item_id in right else max_steps for item_id in engine_answers)
+    assert 0 < len(right) < len(engine_answers), "the items must include right and wrong answers"
+    config = parse_sample_config(sample_config(
+        tmp_path, greedy("engine", pipeline=TEXT_PIPELINE, concurrency=8),
+        sampling={"step_size": 1, "max_rollouts": 10, "max_steps": max_steps, "early_stop": True},
+        verifier="boxed", formatters=[{"name": "min_correct", "args": {"k": 1}}], shard={"size": 4}),
+        "sample.yaml", tmp_path)
+    before = await engine_requests(engine_sampler.client)
+    summary = await Pipeline(config, engine_sampler, manage_sampler=False).run()
+    assert await engine_requests(engine_sampler.client) - before == expected == summary.requests
+    lines = {line["id"]: line for line in output_lines(tmp_path / "out")}
+    assert sorted(lines) == sorted(engine_answers)
+    for item_id, line in lines.items():
+        assert line["rounds"] == (1 if item_id in right else max_steps)
+        assert [r["round"] for r in line["rollouts"]] == list(range(len(line["rollouts"])))
+        assert all(r["score"] == (1.0 if item_id in right else 0.0) for r in line["rollouts"])
+        assert line["sampling"]["sampler"] == "engine" and line["sampling"]["params"]["temperature"] == 0.0
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["manifest.json", "shard_00000.jsonl",
+                                                                    "shard_00001.jsonl"]
+    manifest = json.loads((tmp_path / "out" / "manifest.json").read_text())
+    assert manifest["complete"] and manifest["shards"]["1"]["items"] == 2
+    # Run again: everything is done, nothing is sent.
+    before = await engine_requests(engine_sampler.client)
+    again = await Pipeline(config, engine_sampler, manage_sampler=False).run()
+    assert again.requests == 0 and again.shards_skipped == 2
+    assert await engine_requests(engine_sampler.client) == before
+    # Other settings into the same directory are refused, naming what changed.
+    other = parse_sample_config({**sample_config(tmp_path, greedy("engine", pipeline=TEXT_PIPELINE, max_tokens=8)),
+                                 "shard": {"size": 4}}, "sample.yaml", tmp_path)
+    with pytest.raises(ResumeMismatch, match=r"settings.sampler.max_tokens \(was 48, now 8\)"):
+        await Pipeline(other, engine_sampler, manage_sampler=False).run()
+
+
+async def test_a_failing_item_is_recorded_and_the_rest_complete(tmp_path, text_server):
+    too_long = {"id": "long", "messages": [{"role": "user", "content": "hello " * 3000}], "metadata": {"answer": "1"}}
+    config = parse_sample_config(sample_config(
+        tmp_path, greedy("openai", **openai_fields(text_server)), rows=[*items(2), too_long]), "sample.yaml", tmp_path)
+    summary = await Pipeline(config, make_sampler(config.sampler)).run()
+    lines = {line["id"]: line for line in output_lines(tmp_path / "out")}
+    assert summary.failed_requests == 1 and len(lines) == 3
+    assert lines["long"]["rollouts"] == [] and "BadRequestError" in lines["long"]["errors"][0]["error"]
+    assert all(lines[i]["rollouts"] and "errors" not in lines[i] for i in ("q0", "q1"))
+
+
+def run_cli(config_path: Path, log: Path) -> subprocess.Popen:
+    with open(log, "ab") as out:
+        return subprocess.Popen([*CLI, "sample", "--config", str(config_path), "--no-progress"], stdout=out,
+                                stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def test_kill9_mid_shard_then_resume_gives_the_lines_of_an_uninterrupted_run(tmp_path, text_server):
+    config = sample_config(tmp_path, greedy("openai", **openai_fields(text_server), concurrency=2),
+                           rows=items(12), sampling={"step_size": 1, "max_rollouts": 2, "max_steps": 2},
+                           shard={"size": 4})
+    for name in ("whole", "killed"):
+        (tmp_path / f"{name}.yaml").write_text(yaml.safe_dump({**config, "output": {"dir": name}}))
+    log = tmp_path / "cli.log"
+    assert run_cli(tmp_path / "whole.yaml", log).wait(300) == 0, log.read_text()[-3000:]
+    proc = run_cli(tmp_path / "killed.yaml", log)
+    killed = tmp_path / "killed"
+    deadline = time.monotonic() + 300
+    # Mid-shard: shard 0 published, shard 1 journaled in part.
+    while not ((killed / "shard_00000.jsonl").exists() and (killed / "shard_00001.journal").exists()
+               and (killed / "shard_00001.journal").stat().st_size > 0):
+        assert proc.poll() is None, f"the run ended before it could be killed mid-shard:\n{log.read_text()[-3000:]}"
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait(30)
+    assert not (killed / "shard_00001.jsonl").exists()
+    assert run_cli(tmp_path / "killed.yaml", log).wait(300) == 0, log.read_text()[-3000:]
+    summary = json.loads((killed / "manifest.json").read_text())["summary"]
+    assert summary["shards_skipped"] == 1 and summary["requests_replayed"] >= 1
+    whole = [json.dumps(line, sort_keys=True) for line in output_lines(tmp_path / "whole")]
+    resumed = [json.dumps(line, sort_keys=True) for line in output_lines(killed)]
+    assert len(whole) == 12 and len(set(whole)) == 12
+    assert sorted(resumed) == sorted(whole)
+    assert not list(killed.glob("*.journal")) and not list(killed.glob("*.tmp"))
