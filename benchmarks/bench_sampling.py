@@ -41,15 +41,24 @@ from typing import Any
 
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from benchmarks.bench_common import REPO, RESULTS, machine_info, new_figure, progress, save_figure, write_json  # noqa: E402
+from benchmarks.bench_common import (  # noqa: E402
+    REPO,
+    RESULTS,
+    machine_info,
+    new_figure,
+    progress,
+    save_figure,
+    write_json,
+)
 
 PIPELINE = REPO / "stage_configs" / "smollm2_text.yaml"
 CLI = [sys.executable, "-m", "omni_engine.entrypoints.cli.main"]
 MODEL = "smollm2"
 TARGETS = {"engine_vs_direct": 0.95, "serve_vs_vllm": 0.97}
-# Every request the server's engine was sent, however it ended. vLLM's own vllm:request_success_total
-# misses the requests the killed client's disconnect aborted: AsyncLLM.abort drops the request's state
-# before any finish is recorded, so no finished_reason="abort" sample appears for them (both are kept).
+# Requests counted at the server: SUBMITTED (the orchestrator's count of requests sent to the stage's
+# engine, however they end). vLLM's own SUCCESS misses those the killed client's disconnect aborted:
+# AsyncLLM.abort drops the request's state before any finish is recorded, so no finished_reason="abort"
+# sample appears (vllm 0.32; measured: "not_in_success" in the JSON). SUCCESS is recorded beside it.
 SUBMITTED = "omni_engine_stage_requests_total"
 SUCCESS = "vllm:request_success_total"
 FACTS = [("What is the capital of France?", "Paris"), ("What is the capital of Japan?", "Tokyo"),
@@ -71,7 +80,8 @@ def make_items(n: int) -> list[dict[str, Any]]:
         else:
             a, b, op = 3 + i % 17, 2 + (i * 7) % 13, ("plus", "times", "minus")[(i // 2) % 3]
             question, answer = f"What is {a} {op} {b}?", str({"plus": a + b, "times": a * b, "minus": a - b}[op])
-        items.append({"id": f"q{i}", "messages": [{"role": "user", "content": question}], "metadata": {"answer": answer}})
+        items.append({"id": f"q{i}", "messages": [{"role": "user", "content": question}],
+                      "metadata": {"answer": answer}})
     return items
 
 
@@ -89,18 +99,17 @@ async def alternate(sides: dict[str, Run], rounds: int) -> tuple[dict[str, list[
 
 
 def comparison(tps: dict[str, list[float]], texts: dict[str, dict[str, str]], target: float) -> dict[str, Any]:
+    """Ratio of median throughputs (robust to one disturbed round), and how many greedy texts agree."""
     (base, a), (ours, b) = tps.items()
     ratio = statistics.median(b) / statistics.median(a)
     same = sum(texts[base][k] == texts[ours].get(k) for k in texts[base])
-    return {"sides": [base, ours], "tokens_per_s": tps, "median": {base: statistics.median(a), ours: statistics.median(b)},
-            "ratio": ratio, "target": target, "met": ratio >= target, "same_texts": f"{same}/{len(texts[base])}"}
+    return {"sides": [base, ours], "tokens_per_s": tps,
+            "median": {base: statistics.median(a), ours: statistics.median(b)}, "ratio": ratio,
+            "target": target, "met": ratio >= target, "same_texts": f"{same}/{len(texts[base])}"}
 
 
 async def engine_part(args: argparse.Namespace, items: list[dict[str, Any]]) -> dict[str, Any]:
     """EngineSampler vs the bare client: the sampler's scheduling, rendering and bookkeeping cost."""
-    from vllm import SamplingParams
-    from vllm.sampling_params import RequestOutputKind
-
     from omni_engine.entrypoints.multi_stage_engine_client import MultiStageEngineClient
     from omni_engine.sampling import SamplerConfig
     from omni_engine.sampling.engine_sampler import EngineSampler
@@ -111,10 +120,8 @@ async def engine_part(args: argparse.Namespace, items: list[dict[str, Any]]) -> 
                                               max_tokens=args.max_tokens, concurrency=args.concurrency), client=client)
         await sampler.initialize()
         prompts = [await sampler.render(item["messages"]) for item in items]
-        # The sampler's params: the model's generation config (empty for SmolLM2), the stage's defaults
-        # (temperature 0, max_tokens 128), ours; n=1, FINAL_ONLY, the item's round-0 seed.
-        params = [SamplingParams(temperature=0.0, max_tokens=args.max_tokens, n=1, seed=item_seed(0, item["id"], 0),
-                                 output_kind=RequestOutputKind.FINAL_ONLY) for item in items]
+        # The params the sampler sends: n=1, FINAL_ONLY, the item's round-0 seed.
+        params = [sampler.sampling_params(1, item_seed(0, item["id"], 0)) for item in items]
         calls = iter(range(1 << 30))
 
         async def direct() -> tuple[int, dict[str, str]]:
@@ -132,19 +139,20 @@ async def engine_part(args: argparse.Namespace, items: list[dict[str, Any]]) -> 
             await asyncio.gather(*(worker() for _ in range(args.concurrency)))
             return tokens[0], texts
 
-        async def via_sampler() -> tuple[int, dict[str, str]]:
-            return batch_tokens(await sampler.sample_batch(items, 1))
-
         await sampler.sample_batch(items[:args.concurrency], 1)  # warm-up
-        tps, texts = await alternate({"client.generate": direct, "EngineSampler": via_sampler}, args.rounds)
+        tps, texts = await alternate({"client.generate": direct, "EngineSampler": lambda: sample(sampler, items)},
+                                     args.rounds)
         await sampler.shutdown()
     return comparison(tps, texts, TARGETS["engine_vs_direct"])
 
 
-def batch_tokens(result: Any) -> tuple[int, dict[str, str]]:
+async def sample(sampler: Any, items: list[dict[str, Any]]) -> tuple[int, dict[str, str]]:
+    """One ``sample_batch``: its completion tokens and texts."""
+    result = await sampler.sample_batch(items, 1)
     if result.errors:
         raise RuntimeError(f"sampling errors: {result.errors}")
-    return sum(r.completion_tokens or 0 for rs in result.values() for r in rs), {k: v[0].text for k, v in result.items()}
+    tokens = sum(r.completion_tokens or 0 for responses in result.values() for r in responses)
+    return tokens, {item_id: responses[0].text for item_id, responses in result.items()}
 
 
 def free_port() -> int:
@@ -163,10 +171,10 @@ def http_get(url: str, timeout: float = 2.0) -> str | None:
 
 def vllm_flags(engine_args: dict[str, Any]) -> list[str]:
     """The stage's engine args (model aside) as ``vllm serve`` flags."""
-    flags = []
+    flags: list[str] = []
     for key, value in engine_args.items():
-        flag = "--" + key.replace("_", "-")
-        flags += [flag] if value is True else [] if key == "model" or value is False else [flag, str(value)]
+        if key != "model" and value is not False:
+            flags += ["--" + key.replace("_", "-")] + ([] if value is True else [str(value)])
     return flags
 
 
@@ -220,16 +228,12 @@ async def serve_part(args: argparse.Namespace, items: list[dict[str, Any]], urls
         for sampler in samplers.values():
             await sampler.initialize()
             await sampler.sample_batch(items[:args.concurrency], 1)  # warm-up
-        sides = {name: (lambda s=s: sample_tokens(s, items)) for name, s in samplers.items()}
-        tps, texts = await alternate(sides, args.rounds)
+        tps, texts = await alternate({name: (lambda s=s: sample(s, items)) for name, s in samplers.items()},
+                                     args.rounds)
     finally:
         for sampler in samplers.values():
             await sampler.shutdown()
     return comparison(tps, texts, TARGETS["serve_vs_vllm"])
-
-
-async def sample_tokens(sampler: Any, items: list[dict[str, Any]]) -> tuple[int, dict[str, str]]:
-    return batch_tokens(await sampler.sample_batch(items, 1))
 
 
 def counters(url: str) -> dict[str, float]:
@@ -249,10 +253,12 @@ def counters(url: str) -> dict[str, float]:
 
 
 def delta(after: dict[str, float], before: dict[str, float]) -> dict[str, int]:
+    """What each counter rose by between two scrapes."""
     return {k: int(v - before.get(k, 0.0)) for k, v in after.items() if v != before.get(k, 0.0)}
 
 
 def run_cli(config: Path, log: Path) -> subprocess.Popen:
+    """``omni-engine sample`` in its own session, so a kill of its group takes everything it started."""
     with open(log, "ab") as out:
         return subprocess.Popen([*CLI, "sample", "--config", str(config), "--no-progress"], stdout=out,
                                 stderr=subprocess.STDOUT, start_new_session=True)
@@ -302,14 +308,16 @@ def resume_part(args: argparse.Namespace, items: list[dict[str, Any]], url: str,
     repeated = int(m3[SUBMITTED] - m1[SUBMITTED]) - 2 * probes - whole["requests"]
     same = (sorted(json.dumps(x, sort_keys=True) for x in output_lines(tmp / "whole"))
             == sorted(json.dumps(x, sort_keys=True) for x in output_lines(tmp / "killed")))
-    bound = args.concurrency * step
+    bound, both = args.concurrency * step, delta(m3, m1)
     return {"uninterrupted_requests": whole["requests"], "probe_requests_per_run": probes,
             "journal_lines_at_kill": journaled, "engine_killed": delta(m2, m1), "engine_resumed": delta(m3, m2),
+            "not_in_success": both.get(SUBMITTED, 0) - both.get(SUCCESS, 0),
             "resumed_summary": resumed, "repeated": repeated, "bound": bound, "met": 0 <= repeated <= bound,
             "same_lines": same}
 
 
 def plot(results: dict[str, Any], path: Path) -> None:
+    """Both sides of each comparison (median bars, rounds as dots), and the resume's request counts."""
     fig, axes = new_figure(3, width=4.6)
     for ax, key in zip(axes, ("engine", "serve")):
         r = results[key]
@@ -319,8 +327,8 @@ def plot(results: dict[str, Any], path: Path) -> None:
         ax.set_title(f"{r['ratio']:.3f}x (target {r['target']})")
         ax.set_ylabel("completion tokens/s (median; dots: rounds)")
     r = results["resume"]
-    axes[2].bar(["uninterrupted", "killed + resumed"],
-                [r["uninterrupted_requests"], r["uninterrupted_requests"] + r["repeated"]], color=["#8c8c8c", "#c44e52"])
+    axes[2].bar(["uninterrupted", "killed + resumed"], [r["uninterrupted_requests"],
+                r["uninterrupted_requests"] + r["repeated"]], color=["#8c8c8c", "#c44e52"])
     axes[2].set_title(f"{r['repeated']} requests repeated (bound {r['bound']})")
     axes[2].set_ylabel("requests at the engine")
     save_figure(fig, path)

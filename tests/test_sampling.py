@@ -130,13 +130,11 @@ def test_bad_configs_fail_naming_the_field(tmp_path):
 def test_cli_refuses_a_bad_config_before_starting_anything(tmp_path):
     config = sample_config(tmp_path, greedy("engine", pipeline=TEXT_PIPELINE), verifier="no_such_verifier")
     (tmp_path / "sample.yaml").write_text(yaml.safe_dump(config))
-    started = time.monotonic()
     proc = subprocess.run([*CLI, "sample", "--config", str(tmp_path / "sample.yaml")], capture_output=True,
                           text=True, timeout=120)
     assert proc.returncode == 2
     assert "verifier.name: unknown verifier 'no_such_verifier'" in proc.stderr
-    assert not (tmp_path / "out").exists()
-    assert time.monotonic() - started < 60  # no model was loaded
+    assert "sampling with" not in proc.stderr and not (tmp_path / "out").exists()  # nothing started
     # A malformed item names its line and field.
     write_items(tmp_path / "items.jsonl", [*items(2), {"id": "q9", "messages": "hi"}])
     config["verifier"] = "boxed"

@@ -11,10 +11,13 @@ prefill shared by the n sequences); each item and round has its own seed.
 from __future__ import annotations
 
 import asyncio
+import collections
 import itertools
 import os
 from pathlib import Path
 from typing import Any
+
+import msgspec
 
 from omni_engine.sampling.base import BaseSampler, SamplerInitError
 from omni_engine.sampling.config import SamplerConfig
@@ -37,6 +40,8 @@ class EngineSampler(BaseSampler):
         self._defaults: dict[str, Any] = {}
         self._text_stage_id = 0
         self._ids = itertools.count()
+        # Rendered prompts of recent items: an item's rounds follow each other closely.
+        self._prompts: collections.OrderedDict[bytes, list[int]] = collections.OrderedDict()
         self._run = f"sample-{os.getpid()}"
 
     def pipeline_path(self) -> Path:
@@ -83,32 +88,42 @@ class EngineSampler(BaseSampler):
         return request.build_chat_params(None, "auto"), request.build_tok_params(self.client.model_config)
 
     def _check_params(self) -> None:
-        from vllm import SamplingParams
-
         try:
-            SamplingParams(**self._params(1, 0))
+            self.sampling_params(1, 0)
         except Exception as exc:  # noqa: BLE001 - vLLM's validation errors are of several kinds
             raise SamplerInitError(f"sampler.extra_params / sampling fields: not valid vLLM SamplingParams: "
                                    f"{exc}") from None
 
-    def _params(self, n: int, seed: int | None) -> dict[str, Any]:
+    def sampling_params(self, n: int, seed: int | None) -> Any:
+        """The ``SamplingParams`` of one request: the model's generation config, the stage's
+        ``default_sampling_params``, the sampler's fields, then ``n`` and the seed."""
+        from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
 
         params = {**self._defaults, "n": n, "output_kind": RequestOutputKind.FINAL_ONLY}
         if seed is not None:
             params["seed"] = seed
-        return params
+        return SamplingParams(**params)
 
     async def render(self, messages: list[dict[str, Any]]) -> list[int]:
         """The prompt token ids vLLM's server would build for ``messages``."""
         _, prompts = await self._renderer.render_chat_async([messages], self._chat_params, self._tok_params)
         return list(prompts[0]["prompt_token_ids"])
 
-    async def sample(self, task: SampleTask, lane: Any) -> list[Response]:
-        from vllm import SamplingParams
+    async def _prompt_ids(self, messages: list[dict[str, Any]]) -> list[int]:
+        key = msgspec.json.encode(messages)
+        ids = self._prompts.get(key)
+        if ids is None:
+            ids = self._prompts[key] = await self.render(messages)
+            if len(self._prompts) > 4 * self.config.concurrency:
+                self._prompts.popitem(last=False)
+        else:
+            self._prompts.move_to_end(key)
+        return ids
 
-        prompt_ids = await self.render(task.item["messages"])
-        params = SamplingParams(**self._params(task.n, task.seed))
+    async def sample(self, task: SampleTask, lane: Any) -> list[Response]:
+        prompt_ids = await self._prompt_ids(task.item["messages"])
+        params = self.sampling_params(task.n, task.seed)
         request_id = f"{self._run}-{task.item_id}-r{task.round}-{next(self._ids)}"
         final = None
         async for output in self.client.generate({"prompt_token_ids": prompt_ids}, params, request_id,

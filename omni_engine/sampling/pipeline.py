@@ -8,6 +8,10 @@ answers, or after ``max_steps`` rounds. An item's next round is queued as soon
 as its previous one is back, so no item waits for the slowest of a round.
 Seeds are per item and round: the lines do not depend on scheduling, on the
 sampler's worker count, or on a crash and resume in between.
+
+Shards overlap: the next shard's items are queued once fewer tasks are pending
+than the sampler has lanes, so the tail of one shard does not leave lanes
+idle; a shard is written as soon as its last item finishes.
 """
 
 from __future__ import annotations
@@ -27,6 +31,16 @@ from omni_engine.sampling.shards import OutputDir, ShardJournal
 from omni_engine.sampling.verifiers import Formatter, Verifier, load_formatter, load_verifier
 
 TRUNCATED = "length"
+
+
+@dataclass
+class ShardRun:
+    """One shard in progress: its items' states, its journal, how many items are not finished."""
+
+    index: int
+    journal: ShardJournal
+    states: dict[str, ItemState]
+    unfinished: int = 0
 
 
 @dataclass
@@ -92,27 +106,19 @@ class Pipeline:
         out = OutputDir(self.cfg.resolve(self.cfg.output.dir), self.cfg.run_settings(),
                         self.cfg.resolve(self.cfg.input.path), len(items))
         out.open()
-        started = time.monotonic()
         self.summary = RunSummary(items=len(items))
+        started = time.monotonic()
         try:
             if self.manage_sampler:
                 await self.sampler.initialize()
+            started = time.monotonic()  # sampling time, not the sampler's start-up
             shards = list(self.shard_items(items))
-            done = [i for i in range(len(shards)) if out.shard_done(i)]
-            self._items_done = sum(len(shards[i]) for i in done)
+            todo = [i for i in range(len(shards)) if not out.shard_done(i)]
+            self.summary.shards_skipped = len(shards) - len(todo)
+            self._items_done = len(items) - sum(len(shards[i]) for i in todo)
             if self.progress is not None:
                 self.progress.start(len(items), self._items_done)
-            for index, shard in enumerate(shards):
-                if index in done:
-                    self.summary.shards_skipped += 1
-                    continue
-                journal = out.journal(index)
-                try:
-                    lines = await self._rollout_shard(shard, journal)
-                    out.write_shard(index, lines, journal)
-                finally:
-                    journal.close()
-                self.summary.shards += 1
+            await self._run_shards([(i, shards[i]) for i in todo], out)
             self.summary.seconds = time.monotonic() - started
             out.finish(msgspec.to_builtins(self.summary))
             return self.summary
@@ -132,39 +138,74 @@ class Pipeline:
             yield items[i:i + size]
 
     # ------------------------------------------------------------- rounds
-    async def _rollout_shard(self, items: list[dict[str, Any]], journal: ShardJournal) -> list[dict[str, Any]]:
-        states = {item["id"]: ItemState(item) for item in items}
-        for result in journal.replay():
-            state = states.get(result.item_id)
+    async def _run_shards(self, shards: list[tuple[int, list[dict[str, Any]]]], out: OutputDir) -> None:
+        """Every round of every item of ``shards`` through one WorkQueue (see the module docstring)."""
+        work = WorkQueue()
+        capacity = len(self.sampler.lanes())
+        waiting = iter(shards)
+        runs: dict[str, ShardRun] = {}  # item id -> its shard's run (ids are unique in the input)
+        pending = 0  # tasks queued or in flight
+
+        def open_shards() -> None:
+            nonlocal pending
+            while pending < capacity and (nxt := next(waiting, None)) is not None:
+                run = self._open_shard(*nxt, out)
+                runs.update(dict.fromkeys(run.states, run))
+                for state in run.states.values():
+                    if not self._finished(state):
+                        work.put(self._task(state))
+                        pending += 1
+                if run.unfinished == 0:
+                    close(run)
+
+        def close(run: ShardRun) -> None:
+            self._close_shard(run, out)
+            for item_id in run.states:  # a finished shard's lines are on disk; let them go
+                del runs[item_id]
+
+        try:
+            open_shards()
+            if pending == 0:
+                work.close()
+            self._report()
+            async for result in self.sampler.stream(work):
+                run = runs[result.item_id]
+                run.journal.append(result)
+                state = run.states[result.item_id]
+                self._apply(state, result)
+                self._count(result)
+                pending -= 1
+                if self._finished(state):
+                    self._items_done += 1
+                    run.unfinished -= 1
+                    if run.unfinished == 0:
+                        close(run)
+                else:
+                    work.put(self._task(state))
+                    pending += 1
+                open_shards()
+                if pending == 0:
+                    work.close()
+                self._report()
+        finally:
+            for run in set(runs.values()):
+                run.journal.close()
+
+    def _open_shard(self, index: int, items: list[dict[str, Any]], out: OutputDir) -> ShardRun:
+        """A shard's run, with what its journal recorded before a crash folded in."""
+        run = ShardRun(index, out.journal(index), {item["id"]: ItemState(item) for item in items})
+        for result in run.journal.replay():
+            state = run.states.get(result.item_id)
             if state is not None and result.round == state.rounds:
                 self._apply(state, result)
                 self.summary.requests_replayed += 1
-        work = WorkQueue()
-        pending = 0
-        for state in states.values():
-            if self._finished(state):
-                self._items_done += 1
-            else:
-                work.put(self._task(state))
-                pending += 1
-        if pending == 0:
-            work.close()
-        self._report()
-        async for result in self.sampler.stream(work):
-            journal.append(result)
-            state = states[result.item_id]
-            self._apply(state, result)
-            self._count(result)
-            pending -= 1
-            if self._finished(state):
-                self._items_done += 1
-                if pending == 0:
-                    work.close()
-            else:
-                work.put(self._task(state))
-                pending += 1
-            self._report()
-        return [self._line(state) for state in states.values()]
+        run.unfinished = sum(1 for state in run.states.values() if not self._finished(state))
+        self._items_done += len(items) - run.unfinished
+        return run
+
+    def _close_shard(self, run: ShardRun, out: OutputDir) -> None:
+        out.write_shard(run.index, [self._line(state) for state in run.states.values()], run.journal)
+        self.summary.shards += 1
 
     def _task(self, state: ItemState) -> SampleTask:
         rounds = self.cfg.sampling
