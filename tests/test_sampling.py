@@ -193,6 +193,11 @@ async def test_ray_sampler_two_workers_same_answers_and_killed_at_shutdown(engin
             again = await sampler.sample_batch(items()[:2], 1)
             assert answers(again) == {k: engine_answers[k] for k in ("q0", "q1")}
             assert [info["pid"] for info in sampler.worker_info] == pids
+            # A worker that dies hands its items to the other.
+            ray.kill(sampler.workers[1], no_restart=True)
+            result = await sampler.sample_batch(items(), 1)
+            assert not result.errors and answers(result) == engine_answers
+            assert sampler.dead_workers == {1}
         deadline = time.monotonic() + 30
         while any(process_exists(pid) for pid in pids + stages) and time.monotonic() < deadline:
             await asyncio.sleep(0.2)

@@ -172,3 +172,26 @@ async def test_pipeline_overlaps_shards_and_writes_each_when_its_last_item_finis
     lines = output_lines(tmp_path / "out")
     assert [line["id"] for line in lines] == [f"i{i}" for i in range(7)]
     assert all([r["response"] for r in line["rollouts"]] == [f"{line['id']}/0", f"{line['id']}/1"] for line in lines)
+
+
+def test_missing_metadata_and_a_failed_start_are_reported_without_locking_the_directory(tmp_path):
+    from omni_engine.sampling.config import InputConfig, OutputConfig, SampleConfig
+    from omni_engine.sampling.items import check_metadata
+    from omni_engine.sampling.shards import OutputDir
+
+    rows = [{"id": f"i{i}", "messages": [{"role": "user", "content": "x"}], "metadata": {}} for i in range(7)]
+    with pytest.raises(ItemError, match=r"items.jsonl: metadata.answer, which the verifier needs, is missing in "
+                                        r"items i0, i1, i2, i3, i4 and 2 more"):
+        check_metadata(rows, load_verifier("boxed").required_metadata, "items.jsonl")
+    (tmp_path / "items.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    config = SampleConfig(sampler=SamplerConfig(kind="engine", pipeline="-"), input=InputConfig("items.jsonl"),
+                          output=OutputConfig("out"), base_dir=str(tmp_path))
+    OutputDir(tmp_path / "out", config.run_settings(), tmp_path / "items.jsonl", 7).open()
+    # Nothing sampled yet: other settings take the directory over.
+    other = {**config.run_settings(), "shard": {"size": 3}}
+    OutputDir(tmp_path / "out", other, tmp_path / "items.jsonl", 7).open()
+    journal = ShardJournal(tmp_path / "out" / "shard_00000.journal")
+    journal.append(ItemResult("i0", 0, []))
+    journal.close()
+    with pytest.raises(ValueError, match=r"other settings or input: settings.shard.size \(was 3, now 1000\)"):
+        OutputDir(tmp_path / "out", config.run_settings(), tmp_path / "items.jsonl", 7).open()

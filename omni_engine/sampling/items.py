@@ -114,6 +114,15 @@ def read_items(path: str | Path) -> list[dict[str, Any]]:
     return items
 
 
+def check_metadata(items: list[dict[str, Any]], required: tuple[str, ...] | list[str], source: str) -> None:
+    """Every item's metadata has the ``required`` keys (a verifier's), or an ItemError naming the items."""
+    for key in required:
+        missing = [item["id"] for item in items if key not in item["metadata"]]
+        if missing:
+            shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
+            raise ItemError(f"{source}: metadata.{key}, which the verifier needs, is missing in items {shown}")
+
+
 def _lines(path: Path) -> Iterator[tuple[int, str]]:
     with path.open(encoding="utf-8") as f:
         for lineno, line in enumerate(f, 1):

@@ -26,7 +26,7 @@ import msgspec
 
 from omni_engine.sampling.base import BaseSampler, WorkQueue
 from omni_engine.sampling.config import SampleConfig
-from omni_engine.sampling.items import ItemResult, SampleTask, item_seed, read_items
+from omni_engine.sampling.items import ItemResult, SampleTask, check_metadata, item_seed, read_items
 from omni_engine.sampling.shards import OutputDir, ShardJournal
 from omni_engine.sampling.verifiers import Formatter, Verifier, load_formatter, load_verifier
 
@@ -81,6 +81,15 @@ class ProgressSink(Protocol):
     def close(self) -> None: ...
 
 
+def load_items(config: SampleConfig, verifier: Verifier | None = None) -> list[dict[str, Any]]:
+    """The input's items, checked: ids, messages, and what the verifier needs in their metadata."""
+    verifier = verifier or load_verifier(config.verifier.name, config.verifier.args)
+    path = config.resolve(config.input.path)
+    items = read_items(path)
+    check_metadata(items, getattr(verifier, "required_metadata", ()), str(path))
+    return items
+
+
 class Pipeline:
     """Multi-round sampling of an input file into crash-safe shards (the seed's ``Pipeline``)."""
 
@@ -130,7 +139,7 @@ class Pipeline:
                 await self.sampler.shutdown()
 
     def load_data(self) -> list[dict[str, Any]]:
-        return read_items(self.cfg.resolve(self.cfg.input.path))
+        return load_items(self.cfg, self.verifier)
 
     def shard_items(self, items: list[dict[str, Any]]) -> Iterator[list[dict[str, Any]]]:
         size = self.cfg.shard.size

@@ -72,7 +72,7 @@ class RaySampler(BaseSampler):
         self._owns_connection = False
         self.workers: list[Any] = []
         self.worker_info: list[dict[str, Any]] = []
-        self._dead: set[int] = set()
+        self.dead_workers: set[int] = set()
 
     async def initialize(self) -> None:
         import asyncio
@@ -129,19 +129,20 @@ class RaySampler(BaseSampler):
 
     def lanes(self) -> list[int]:
         # Interleaved, so the first tasks spread over every worker.
-        return [w for _ in range(self.config.concurrency) for w in range(len(self.workers)) if w not in self._dead]
+        live = [w for w in range(len(self.workers)) if w not in self.dead_workers]
+        return [w for _ in range(self.config.concurrency) for w in live]
 
     async def sample(self, task: SampleTask, lane: int) -> list[Response]:
         ray = self._ray
-        if lane in self._dead:
+        if lane in self.dead_workers:
             raise LaneLost(f"worker {lane} is dead")
         try:
             return await self.workers[lane].sample.remote(task)
         except ray.exceptions.RayActorError as exc:
-            if lane not in self._dead:
-                self._dead.add(lane)
+            if lane not in self.dead_workers:
+                self.dead_workers.add(lane)
                 logger.error("Ray sampler: worker %d died (%s); %d left", lane, exc,
-                             len(self.workers) - len(self._dead))
+                             len(self.workers) - len(self.dead_workers))
             raise LaneLost(f"worker {lane} died") from exc
         except ray.exceptions.RayTaskError as exc:
             cause = exc.cause if isinstance(getattr(exc, "cause", None), BaseException) else exc

@@ -125,6 +125,10 @@ class OutputDir:
             manifest = json.loads(manifest_path.read_text())
             changed = _differences({"settings": manifest.get("settings"), "input": manifest.get("input")},
                                    {"settings": self.settings, "input": self.input})
+            if changed and not self._has_progress():
+                # A run that failed before sampling anything (say, a wrong model name): nothing to protect.
+                manifest, changed = {}, []
+                self._write_manifest(complete=False)
             if changed:
                 raise ResumeMismatch(f"output.dir {self.path} holds a run with other settings or input: "
                                      f"{'; '.join(changed)}. Use a new output.dir, or remove this one to start over")
@@ -141,6 +145,10 @@ class OutputDir:
                 self.shards[index] = {"file": path.name, "items": len(lines),
                                       "rollouts": sum(len(line["rollouts"]) for line in lines)}
             self.journal(int(index)).remove()
+
+    def _has_progress(self) -> bool:
+        return any(self.path.glob("shard_*.jsonl")) or any(
+            p.stat().st_size > 0 for p in self.path.glob("shard_*.journal"))
 
     def shard_done(self, index: int) -> bool:
         return (self.path / shard_name(index)).exists()

@@ -21,6 +21,9 @@ from omni_engine.utils import resolve_dotted
 
 @runtime_checkable
 class Verifier(Protocol):
+    """``verify`` scores one answer. A verifier may also list ``required_metadata``: keys every
+    item's metadata must have (checked when the input is read, before anything is sampled)."""
+
     def verify(self, response: str, metadata: dict[str, Any]) -> float: ...
 
 
@@ -71,6 +74,7 @@ class BoxedAnswerVerifier:
 
     def __init__(self, answer_key: str = "answer") -> None:
         self.answer_key = answer_key
+        self.required_metadata = (answer_key,)
 
     def verify(self, response: str, metadata: dict[str, Any]) -> float:
         if self.answer_key not in metadata:

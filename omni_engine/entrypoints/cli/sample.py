@@ -26,11 +26,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     from omni_engine.config import ConfigError
     from omni_engine.sampling.config import load_sample_config
-    from omni_engine.sampling.items import ItemError, read_items
+    from omni_engine.sampling.items import ItemError
+    from omni_engine.sampling.pipeline import load_items
 
     try:
         config = load_sample_config(args.config)
-        items = read_items(config.resolve(config.input.path))
+        items = load_items(config)
     except (ConfigError, ItemError) as exc:
         say(str(exc))
         return 2
