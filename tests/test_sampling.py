@@ -142,6 +142,15 @@ def test_cli_refuses_a_bad_config_before_starting_anything(tmp_path):
     proc = subprocess.run([*CLI, "sample", "--config", str(tmp_path / "sample.yaml"), "--dry-run"],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "items.jsonl:3 (id q9): messages: expected a non-empty list" in proc.stderr
+    # --dry-run prints the plan and samples nothing.
+    write_items(tmp_path / "items.jsonl", items(5))
+    config["shard"] = {"size": 2}
+    (tmp_path / "sample.yaml").write_text(yaml.safe_dump(config))
+    proc = subprocess.run([*CLI, "sample", "--config", str(tmp_path / "sample.yaml"), "--dry-run"],
+                          capture_output=True, text=True, timeout=120)
+    plan = json.loads(proc.stdout)
+    assert proc.returncode == 0 and (plan["items"], plan["shards"], plan["shards_done"]) == (5, 3, 0)
+    assert plan["sampler"]["kind"] == "engine" and not (tmp_path / "out").exists()
 
 
 async def test_initialize_fails_clearly(tmp_path, text_server):
@@ -259,6 +268,87 @@ async def test_a_failing_item_is_recorded_and_the_rest_complete(tmp_path, text_s
     assert summary.failed_requests == 1 and len(lines) == 3
     assert lines["long"]["rollouts"] == [] and "BadRequestError" in lines["long"]["errors"][0]["error"]
     assert all(lines[i]["rollouts"] and "errors" not in lines[i] for i in ("q0", "q1"))
+
+
+class FlakyProxy:
+    """An HTTP proxy in front of the real server that answers some chat requests itself with a
+    status of its choosing (``fail(body) -> status | None``), as an overloaded gateway would."""
+
+    def __init__(self, upstream: str, fail) -> None:
+        import http.server
+        import threading
+        import urllib.error
+        import urllib.request
+
+        self.injected: list[int] = []
+        proxy = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def log_message(self, *args) -> None:
+                pass
+
+            def _forward(self, body: bytes | None) -> None:
+                request = urllib.request.Request(upstream + self.path, data=body, method=self.command,
+                                                 headers={"Content-Type": "application/json"})
+                try:
+                    with urllib.request.urlopen(request, timeout=120) as response:
+                        status, data = response.status, response.read()
+                except urllib.error.HTTPError as exc:
+                    status, data = exc.code, exc.read()
+                self._reply(status, data)
+
+            def _reply(self, status: int, data: bytes, headers: dict | None = None) -> None:
+                self.send_response(status)
+                for key, value in {"Content-Type": "application/json", "Content-Length": str(len(data)),
+                                   **(headers or {})}.items():
+                    self.send_header(key, value)
+                self.end_headers()
+                self.wfile.write(data)
+
+            def do_GET(self) -> None:
+                self._forward(None)
+
+            def do_POST(self) -> None:
+                body = self.rfile.read(int(self.headers["Content-Length"]))
+                status = fail(json.loads(body)) if self.path.endswith("/chat/completions") else None
+                if status is None:
+                    return self._forward(body)
+                proxy.injected.append(status)
+                self._reply(status, json.dumps({"error": {"message": "injected", "code": status}}).encode(),
+                            {"retry-after-ms": "10"})
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/v1"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+async def test_openai_sampler_retries_rate_limits_and_5xx_then_records_what_still_fails(text_server, engine_answers):
+    """429s and 5xx from a gateway in front of the real server: retried with backoff until the
+    answer comes; an item refused past max_retries is recorded with its error, the rest answer."""
+    seen: dict[str, int] = {}
+
+    def fail(body: dict) -> int | None:
+        question = body["messages"][0]["content"]
+        seen[question] = seen.get(question, 0) + 1
+        if question == QUESTIONS[5][0]:
+            return 503  # always
+        return {1: 429, 2: 502}.get(seen[question]) if question in (QUESTIONS[0][0], QUESTIONS[1][0]) else None
+
+    proxy = FlakyProxy(text_server["url"], fail)
+    try:
+        config = SamplerConfig(**greedy("openai", base_url=proxy.url, model=SERVED, max_retries=2, concurrency=3))
+        async with make_sampler(config) as sampler:
+            result = await sampler.sample_batch(items(), 1)
+    finally:
+        proxy.close()
+    assert set(result.errors) == {"q5"} and "InternalServerError" in result.errors["q5"]
+    assert result["q5"] == []
+    assert answers(result) == {**engine_answers, "q5": ()}
+    assert sorted(proxy.injected) == [429, 429, 502, 502, 503, 503, 503]  # q0, q1 twice each; q5 1 + 2 retries
 
 
 def run_cli(config_path: Path, log: Path) -> subprocess.Popen:
