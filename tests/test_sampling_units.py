@@ -195,3 +195,23 @@ def test_missing_metadata_and_a_failed_start_are_reported_without_locking_the_di
     journal.close()
     with pytest.raises(ValueError, match=r"other settings or input: settings.shard.size \(was 3, now 1000\)"):
         OutputDir(tmp_path / "out", config.run_settings(), tmp_path / "items.jsonl", 7).open()
+
+
+def test_progress_bar_shows_items_accepted_and_tokens_per_second():
+    import io
+
+    from omni_engine.sampling.pipeline import RunSummary
+    from omni_engine.sampling.progress import TerminalProgress, format_summary
+
+    stream = io.StringIO()
+    bar = TerminalProgress(stream, enabled=True)
+    bar.start(total_items=10, done_items=4)
+    bar._last = -1.0  # draw now, whatever the redraw interval
+    bar.update(RunSummary(requests=3, completion_tokens=500), items_done=6, accepted=2)
+    bar.close()
+    drawn = stream.getvalue()
+    assert "6/10" in drawn and "accepted=2" in drawn and "requests=3" in drawn and "tok_s=" in drawn
+    assert not TerminalProgress(io.StringIO()).enabled  # not a terminal: no bar
+    text = format_summary(RunSummary(items=10, shards=2, shards_skipped=1, requests=7, rollouts=5,
+                                     completion_tokens=300, seconds=3.0), "out")
+    assert "10 items in 3 shards (1 already done)" in text and "100.0 tokens/s" in text
