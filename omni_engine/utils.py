@@ -74,6 +74,34 @@ def die_with_parent(sig: int = signal.SIGTERM) -> None:
         logger.warning("cannot set the parent-death signal; orphaned stages are possible")
 
 
+def guard_process_group() -> int | None:
+    """Fork a watchdog that SIGKILLs this process's group when this process dies, however it dies.
+
+    PDEATHSIG ties a stage to its client, but nothing ties vLLM's children (its
+    EngineCore) to the stage: when the stage is SIGKILLed while its client is
+    gone too (Ray's raylet SIGKILLs a dead actor's direct children; the OOM
+    killer), the client cannot kill the stage's group and the engines would
+    live on as orphans. The watchdog is told of the stage's death by its own
+    parent-death signal and kills the group, itself included. Call it in a new
+    group leader, before any thread starts (it forks). Returns its pid (None
+    where there is no prctl).
+    """
+    if not sys.platform.startswith("linux"):
+        return None
+    parent, pgid = os.getpid(), os.getpgid(0)
+    pid = os.fork()
+    if pid:
+        return pid
+    try:  # the watchdog: nothing here may return into the caller's code
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGUSR1})
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, int(signal.SIGUSR1), 0, 0, 0)
+        if os.getppid() == parent:  # else it died before the prctl took effect
+            signal.sigwait({signal.SIGUSR1})
+        os.killpg(pgid, signal.SIGKILL)
+    finally:
+        os._exit(0)
+
+
 def tail_file(path: Path | None, max_lines: int = 40, max_bytes: int = 16384) -> str:
     """The last lines of a log file ('' if there is none)."""
     if path is None:

@@ -19,7 +19,7 @@ import sys
 from typing import Any, BinaryIO
 
 from omni_engine.stage_engine.stage_spec import StageProcessSpec
-from omni_engine.utils import die_with_parent, resolve_dotted
+from omni_engine.utils import die_with_parent, guard_process_group, resolve_dotted
 
 ZMQ_STAGE_MAIN = "omni_engine.stage_engine.stage_core_proc:serve_zmq_stage"
 
@@ -35,12 +35,14 @@ def enter_stage_process(spec: StageProcessSpec) -> None:
 
     Not daemonic (vLLM starts children of its own), so the process ties its
     life to the client with the parent-death signal and its own process group,
-    which the client kills as a whole if the stage dies.
+    which the client kills as a whole if the stage dies, and a watchdog kills
+    if the client cannot (``guard_process_group``).
     """
     die_with_parent()
     if spec.parent_pid is not None and os.getppid() != spec.parent_pid:
         sys.exit(1)  # the client died before we could watch it
     os.setpgid(0, 0)
+    guard_process_group()
     if spec.log_path:
         fd = os.open(spec.log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
         os.dup2(fd, 1)
