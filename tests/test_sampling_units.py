@@ -136,6 +136,9 @@ async def test_lanes_take_work_as_they_free_up_and_lost_tasks_go_to_others():
     with pytest.raises(SamplerUnavailable, match="no worker left"):
         async for _ in ScriptedSampler([0.0, 0.0], lost={0, 1}).stream(WorkQueue([task(0)], closed=True)):
             pass
+    with pytest.raises(SamplerUnavailable, match="no worker left"):  # none to begin with: no wait
+        async for _ in ScriptedSampler([]).stream(WorkQueue([task(0)], closed=True)):
+            pass
 
 
 async def test_follow_up_tasks_keep_the_lanes_busy_until_closed():

@@ -154,6 +154,8 @@ class BaseSampler(ABC):
         """
         results: asyncio.Queue[ItemResult | BaseException | None] = asyncio.Queue()
         lanes = list(self.lanes())
+        if not lanes:
+            raise SamplerUnavailable(f"{self.kind} sampler: no worker left to sample with")
         live = len(lanes)
 
         async def run_lane(lane: Any) -> None:

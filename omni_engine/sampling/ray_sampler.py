@@ -21,9 +21,6 @@ from omni_engine.sampling.items import Response, SampleTask
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_WORKER_RESOURCES = {"CPU": 1.0}
-
-
 class SamplingWorker:
     """A Ray actor holding one ``EngineSampler`` (async: its calls share the actor's event loop)."""
 
@@ -53,7 +50,10 @@ class SamplingWorker:
 
 
 def worker_resources(config: SamplerConfig) -> dict[str, float]:
-    return dict(config.worker_resources) if config.worker_resources is not None else dict(DEFAULT_WORKER_RESOURCES)
+    """What one worker reserves: ``sampler.worker_resources``, else what a placed stage does (one CPU)."""
+    from omni_engine.placement.ray_placement import DEFAULT_RESOURCES
+
+    return dict(config.worker_resources) if config.worker_resources is not None else dict(DEFAULT_RESOURCES)
 
 
 def workers_that_fit(total: dict[str, float], need: dict[str, float]) -> int:
@@ -113,13 +113,10 @@ class RaySampler(BaseSampler):
         logger.info("Ray sampler: %d workers ready (%s)", count, self.worker_info)
 
     def _actor_options(self, need: dict[str, float]) -> dict[str, Any]:
-        rest = dict(need)
+        from omni_engine.placement.ray_placement import actor_options
+
         # Each lane has one call in flight; a few more for start and stop.
-        options = dict(num_cpus=rest.pop("CPU", 0), num_gpus=rest.pop("GPU", 0),
-                       max_concurrency=self.config.concurrency + 4)
-        if "memory" in rest:
-            options["memory"] = rest.pop("memory")
-        return {**options, "resources": rest}
+        return {**actor_options(need), "max_concurrency": self.config.concurrency + 4}
 
     @staticmethod
     def _worker_env(need: dict[str, float]) -> dict[str, str]:
