@@ -59,19 +59,21 @@ def machine_host_id() -> str:
     return f"{socket.gethostname()}/{boot_id}/{shm_dev}"
 
 
-def die_with_parent(sig: int = signal.SIGTERM) -> None:
-    """Ask Linux to send ``sig`` to this process when its parent dies.
+def die_with_parent(sig: int = signal.SIGTERM) -> bool:
+    """Ask Linux to send ``sig`` to this process when its parent dies; False where it cannot.
 
     A stage process hosting vLLM cannot be daemonic (it has children), so this
     is what ties its life to the client's even after ``kill -9`` of the client.
     """
     if not sys.platform.startswith("linux"):
-        return
+        return False
     try:
         libc = ctypes.CDLL(None, use_errno=True)
         libc.prctl(_PR_SET_PDEATHSIG, int(sig), 0, 0, 0)
     except (OSError, AttributeError):  # pragma: no cover - non-glibc
         logger.warning("cannot set the parent-death signal; orphaned stages are possible")
+        return False
+    return True
 
 
 def guard_process_group() -> int | None:
@@ -94,7 +96,8 @@ def guard_process_group() -> int | None:
         return pid
     try:  # the watchdog: nothing here may return into the caller's code
         signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGUSR1})
-        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, int(signal.SIGUSR1), 0, 0, 0)
+        if not die_with_parent(signal.SIGUSR1):
+            os._exit(0)  # no signal would come: watch nothing rather than kill the group now
         if os.getppid() == parent:  # else it died before the prctl took effect
             signal.sigwait({signal.SIGUSR1})
         os.killpg(pgid, signal.SIGKILL)

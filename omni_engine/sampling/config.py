@@ -120,8 +120,7 @@ class SampleConfig(_Base):
 
     def resolve(self, path: str) -> Path:
         """``path`` from the config, relative to the config file's directory."""
-        p = Path(path).expanduser()
-        return p if p.is_absolute() else Path(self.base_dir) / p
+        return resolve_path(path, self.base_dir)
 
     def run_settings(self) -> dict[str, Any]:
         """What decides the output's lines: a rerun into the same directory must match these."""
@@ -131,6 +130,12 @@ class SampleConfig(_Base):
         return {"sampler": sampler, "sampling": msgspec.to_builtins(self.sampling),
                 "verifier": msgspec.to_builtins(self.verifier),
                 "formatters": msgspec.to_builtins(self.formatters), "shard": msgspec.to_builtins(self.shard)}
+
+
+def resolve_path(path: str, base_dir: str | Path) -> Path:
+    """``path`` from a sample config: ``~`` expanded, relative to the config file's directory."""
+    p = Path(path).expanduser()
+    return p if p.is_absolute() else Path(base_dir) / p
 
 
 def sampler_problems(sampler: SamplerConfig) -> list[tuple[str, str]]:

@@ -20,7 +20,7 @@ from typing import Any
 import msgspec
 
 from omni_engine.sampling.base import BaseSampler, SamplerInitError
-from omni_engine.sampling.config import SamplerConfig
+from omni_engine.sampling.config import SamplerConfig, resolve_path
 from omni_engine.sampling.items import Response, SampleTask
 
 
@@ -45,8 +45,7 @@ class EngineSampler(BaseSampler):
         self._run = f"sample-{os.getpid()}"
 
     def pipeline_path(self) -> Path:
-        path = Path(self.config.pipeline or "").expanduser()
-        return path if path.is_absolute() else self._base_dir / path
+        return resolve_path(self.config.pipeline or "", self._base_dir)
 
     async def initialize(self) -> None:
         from omni_engine.config import ConfigError

@@ -108,10 +108,12 @@ class Pipeline:
         self.summary = RunSummary()
         self._items_done = 0
         self.accepted = 0  # rollouts scoring > 0 so far (the progress bar's)
+        self._sampling_meta: dict[str, Any] = {}
 
     # ----------------------------------------------------------------- run
-    async def run(self) -> RunSummary:
-        items = self.load_data()
+    async def run(self, items: list[dict[str, Any]] | None = None) -> RunSummary:
+        """Sample every item of the input (``items``: already read by ``load_items``, else read here)."""
+        items = self.load_data() if items is None else items
         out = OutputDir(self.cfg.resolve(self.cfg.output.dir), self.cfg.run_settings(),
                         self.cfg.resolve(self.cfg.input.path), len(items))
         out.open()
@@ -121,6 +123,7 @@ class Pipeline:
             if self.manage_sampler:
                 await self.sampler.initialize()
             started = time.monotonic()  # sampling time, not the sampler's start-up
+            self._sampling_meta = self.sampler.describe()  # the same on every line of the run
             shards = list(self.shard_items(items))
             todo = [i for i in range(len(shards)) if not out.shard_done(i)]
             self.summary.shards_skipped = len(shards) - len(todo)
@@ -257,7 +260,7 @@ class Pipeline:
         self.summary.rollouts += len(state.rollouts)
         self.summary.correct += sum(1 for r in state.rollouts if r["score"] > 0)
         line = {**state.item, "rollouts": state.rollouts, "rounds": state.rounds,
-                "truncated": state.truncated, "sampling": self.sampler.describe()}
+                "truncated": state.truncated, "sampling": self._sampling_meta}
         if state.errors:
             line["errors"] = state.errors
         return line

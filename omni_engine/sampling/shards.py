@@ -67,6 +67,11 @@ def _differences(old: Any, new: Any, path: str = "") -> list[str]:
     return [] if old == new else [f"{path or 'settings'} (was {old!r}, now {new!r})"]
 
 
+def _shard_entry(path: Path, lines: list[dict[str, Any]]) -> dict[str, Any]:
+    """A done shard as the manifest lists it."""
+    return {"file": path.name, "items": len(lines), "rollouts": sum(len(line["rollouts"]) for line in lines)}
+
+
 class ShardJournal:
     """Append-only record of one shard's finished requests (JSON lines of ``ItemResult``)."""
 
@@ -142,8 +147,7 @@ class OutputDir:
             index = str(int(path.stem.removeprefix("shard_")))
             if index not in self.shards:
                 lines = [json.loads(line) for line in path.read_bytes().splitlines() if line.strip()]
-                self.shards[index] = {"file": path.name, "items": len(lines),
-                                      "rollouts": sum(len(line["rollouts"]) for line in lines)}
+                self.shards[index] = _shard_entry(path, lines)
             self.journal(int(index)).remove()
 
     def _has_progress(self) -> bool:
@@ -160,8 +164,7 @@ class OutputDir:
         """Publish a complete shard (atomically), record it in the manifest, drop its journal."""
         path = self.path / shard_name(index)
         write_atomic(path, b"".join(msgspec.json.encode(line) + b"\n" for line in lines))
-        self.shards[str(index)] = {"file": path.name, "items": len(lines),
-                                   "rollouts": sum(len(line["rollouts"]) for line in lines)}
+        self.shards[str(index)] = _shard_entry(path, lines)
         self._write_manifest(complete=False)
         journal.remove()
         return path

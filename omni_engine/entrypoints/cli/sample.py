@@ -28,10 +28,12 @@ def run(args: argparse.Namespace) -> int:
     from omni_engine.sampling.config import load_sample_config
     from omni_engine.sampling.items import ItemError
     from omni_engine.sampling.pipeline import load_items
+    from omni_engine.sampling.verifiers import load_verifier
 
     try:
         config = load_sample_config(args.config)
-        items = load_items(config)
+        verifier = load_verifier(config.verifier.name, config.verifier.args)
+        items = load_items(config, verifier)
     except (ConfigError, ItemError) as exc:
         say(str(exc))
         return 2
@@ -41,7 +43,7 @@ def run(args: argparse.Namespace) -> int:
     set_stage_env_defaults()
     import uvloop
 
-    return uvloop.run(_sample(config, args))
+    return uvloop.run(_sample(config, verifier, items, args))
 
 
 def plan(config, num_items: int) -> dict:
@@ -63,7 +65,7 @@ def plan(config, num_items: int) -> dict:
             "max_requests": num_items * rounds.max_steps}
 
 
-async def _sample(config, args: argparse.Namespace) -> int:
+async def _sample(config, verifier, items: list[dict], args: argparse.Namespace) -> int:
     from omni_engine.entrypoints.signals import cancel_on_signals
     from omni_engine.sampling import make_sampler
     from omni_engine.sampling.base import SamplerInitError, SamplerUnavailable
@@ -76,7 +78,7 @@ async def _sample(config, args: argparse.Namespace) -> int:
     progress = TerminalProgress(enabled=False if args.no_progress else None)
     say(f"sampling with the {config.sampler.kind} sampler into {config.resolve(config.output.dir)}")
     try:
-        summary = await Pipeline(config, sampler, progress=progress).run()
+        summary = await Pipeline(config, sampler, verifier=verifier, progress=progress).run(items)
     except (SamplerInitError, ResumeMismatch, SamplerUnavailable) as exc:
         say(str(exc))
         return 1
