@@ -130,6 +130,29 @@ def test_rpc_batch_write_read_status(server, http):
         assert body["data"]["data"][0]["messages"] == batch[4]["messages"]
 
 
+def test_rpc_bad_batch_is_refused_naming_the_trajectory(server, http):
+    """A BatchWrite with one bad trajectory takes none of the batch and says which one; the
+    connection goes on working."""
+    import msgspec
+
+    from omni_engine.transfer_queue.client import _check
+    from omni_engine.transfer_queue.rpc_protocol import CallHeader, RpcType
+
+    with TransferQueueClient(rpc_address=server.rpc) as client:
+        good = [trajectory(f"bad-batch-{i}", "bad-batch") for i in range(3)]
+        with pytest.raises(TransferQueueError, match=r"BatchWrite: invalid trajectory in the batch: .*\$\[1\]"):
+            client.batch_write([good[0], {"uid": "no-instance"}, good[2]])
+        with pytest.raises(TransferQueueError, match=r"\$\[2\]\.uid` is empty"):
+            client.batch_write([good[0], good[1], dict(good[2], uid="")])
+        assert http.get("/status").json()["total_trajectories"] == 0
+        # Not the protocol's shape: a frame per trajectory instead of one batch frame.
+        frames = client._call(RpcType.BATCH_WRITE, CallHeader(client.next_id()),
+                              [msgspec.msgpack.encode(t) for t in good])
+        with pytest.raises(TransferQueueError, match="expected one batch frame after the header, got 3"):
+            _check(frames, "BatchWrite")
+        assert client.batch_write(good).written == 3
+
+
 def test_blocking_read_is_woken_by_the_completing_write(server, http):
     for i in range(3):
         http.post("/buffer/write", json=trajectory(f"b{i}", "blk"))
@@ -155,6 +178,47 @@ def test_blocking_read_is_woken_by_the_completing_write(server, http):
     t0 = time.monotonic()
     body = http.post("/get_rollout_data", json={"timeout_ms": 300}).json()
     assert body["success"] is False and time.monotonic() - t0 >= 0.3
+
+
+async def test_async_client_many_calls_on_one_socket_timeouts_and_close():
+    """Replies reach their own calls whatever their order; a call nobody answers times out;
+    close() ends the calls still waiting instead of leaving them to their timeouts."""
+    import asyncio
+
+    import msgspec
+    import zmq
+
+    from omni_engine.transfer_queue.rpc_protocol import RpcResult, RpcType
+
+    ctx = zmq.Context()
+    peer = ctx.socket(zmq.ROUTER)  # a server that answers in reverse order, and not call 3
+    port = peer.bind_to_random_port("tcp://127.0.0.1")
+    try:
+        client = AsyncTransferQueueClient(rpc_address=f"tcp://127.0.0.1:{port}", timeout=0.5)
+        calls = [asyncio.ensure_future(client.status()) for _ in range(3)]
+        got = []
+        while len(got) < 3:
+            assert await asyncio.get_running_loop().run_in_executor(None, peer.poll, 5000)
+            got.append(peer.recv_multipart())
+        status = {"total_trajectories": 0, "total_consumed": 0, "pending_groups": 0, "incomplete_groups": 0,
+                  "memory_usage_bytes": 0, "disk_usage_bytes": 0}
+        for identity, _, header in reversed(got[:2]):
+            call_id = msgspec.msgpack.decode(header)[0]
+            value = dict(status, pending_groups=call_id)
+            peer.send_multipart([identity, RpcType.RESULT.value, msgspec.msgpack.encode(RpcResult(call_id, True, value))])
+        first, second = await calls[0], await calls[1]
+        assert (first.pending_groups, second.pending_groups) == (1, 2)
+        t0 = time.monotonic()
+        with pytest.raises(TransferQueueError, match="GET_STATUS: no reply from tcp://127.0.0.1"):
+            await calls[2]
+        assert 0.4 < time.monotonic() - t0 < 5
+        waiting = asyncio.ensure_future(client.status())
+        await asyncio.sleep(0.05)
+        await client.close()
+        with pytest.raises(TransferQueueError, match="the client was closed"):
+            await asyncio.wait_for(waiting, 5)
+    finally:
+        ctx.destroy(linger=0)
 
 
 async def test_subscribe_pushes_within_its_credit(server, http):
@@ -410,7 +474,8 @@ def test_groups_a_reader_never_acknowledges_go_to_the_next(server, http):
         assert sock.poll(10_000)
         frames = sock.recv_multipart()
         header = msgspec.msgpack.decode(frames[1])
-        assert frames[0] == RpcType.GROUPS.value and header[0] == 7 and len(frames) == 4  # header + 2 payloads
+        assert frames[0] == RpcType.GROUPS.value and header[0] == 7 and len(frames) == 3  # type, header, batch
+        assert [t["uid"] for t in msgspec.msgpack.decode(frames[2])] == ["n0", "n1"]
         assert http.get("/status").json()["pending_groups"] == 1  # handed out: not readable by others
     finally:
         ctx.destroy(linger=0)  # gone without an ACK

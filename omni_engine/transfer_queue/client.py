@@ -23,8 +23,8 @@ from typing import Any
 
 import msgspec
 import zmq
-import zmq.asyncio
 
+from omni_engine.stage_engine.socket_reader import SocketReader
 from omni_engine.transfer_queue.data_model import (
     BatchReadResult,
     BufferConfig,
@@ -50,7 +50,7 @@ from omni_engine.transfer_queue.service import WriteResult
 logger = logging.getLogger(__name__)
 
 TrajectoryLike = Trajectory | dict[str, Any]
-_trajectory_from_msgpack = msgspec.msgpack.Decoder(Trajectory).decode
+_trajectories_from_msgpack = msgspec.msgpack.Decoder(list[Trajectory]).decode
 
 
 class TransferQueueError(RuntimeError):
@@ -76,15 +76,18 @@ class BufferFullError(TransferQueueError):
 
 # ---------------------------------------------------------------- shared
 def _packed(trajectories: list[TrajectoryLike]) -> list[bytes]:
-    return [encode(t) for t in trajectories]
+    """The batch frame: one msgpack array of the trajectories (see ``rpc_protocol``)."""
+    return [encode(trajectories)]
 
 
 def _read_frames(frames: list[bytes]) -> tuple[int, list[TrajectoryGroup]]:
     """(delivery id to acknowledge, groups)."""
     header = GROUPS_DECODER.decode(frames[1])
-    payloads = iter(frames[2:])
+    if not header.groups:
+        return header.delivery_id, []
+    trajectories = iter(_trajectories_from_msgpack(frames[2]))
     groups = [TrajectoryGroup(instance_id=g.instance_id, group_size=g.group_size, is_complete=g.is_complete,
-                              trajectories=[_trajectory_from_msgpack(next(payloads)) for _ in range(g.num_trajectories)])
+                              trajectories=[next(trajectories) for _ in range(g.num_trajectories)])
               for g in header.groups]
     return header.delivery_id, groups
 
@@ -97,6 +100,11 @@ def _as_result(groups: list[TrajectoryGroup]) -> BatchReadResult:
                     avg_reward=sum(t.reward for g in groups for t in g.trajectories) / total,
                     finished_group_ids=[g.instance_id for g in groups])
     return BatchReadResult(success=True, message=f"Successfully read {total} items", groups=groups, meta_info=meta)
+
+
+def _expire(future: asyncio.Future, message: str) -> None:
+    if not future.done():
+        future.set_exception(TransferQueueError(message))
 
 
 def _check(frames: list[bytes], what: str) -> Any:
@@ -311,11 +319,14 @@ class AsyncTransferQueueClient(_Endpoints):
         super().__init__(url, rpc_address)
         self.timeout = timeout
         self._http = None
-        self._ctx = zmq.asyncio.Context.instance()
-        self._sock: zmq.asyncio.Socket | None = None
+        # Replies are read by a SocketReader (every waiting reply in one loop callback) and sends
+        # never wait (no send high-water mark: calls in flight are bounded by their callers), so
+        # the socket is a plain one, on the process's one shared context.
+        self._ctx = zmq.Context.instance()
+        self._sock: zmq.Socket | None = None
         self._calls: dict[int, asyncio.Future] = {}
         self._subs: dict[int, asyncio.Queue] = {}
-        self._reader: asyncio.Task | None = None
+        self._reader: SocketReader | None = None
 
     async def __aenter__(self) -> AsyncTransferQueueClient:
         return self
@@ -326,12 +337,20 @@ class AsyncTransferQueueClient(_Endpoints):
     async def close(self) -> None:
         if self._http is not None:
             await self._http.aclose()
+        self._close_socket(TransferQueueError("the client was closed"))
+
+    def _close_socket(self, error: TransferQueueError) -> None:
+        """Close the socket; calls still waiting fail with ``error``."""
         if self._reader is not None:
-            self._reader.cancel()
-            await asyncio.gather(self._reader, return_exceptions=True)
+            self._reader.close()
+            self._reader = None
         if self._sock is not None:
             self._sock.close(linger=0)
             self._sock = None
+        calls, self._calls = self._calls, {}
+        for future in calls.values():
+            if not future.done():
+                future.set_exception(error)
 
     async def _post(self, path: str, json: Any = None, method: str = "POST") -> dict:
         import httpx
@@ -340,36 +359,44 @@ class AsyncTransferQueueClient(_Endpoints):
             self._http = httpx.AsyncClient(base_url=self.need_url(path), timeout=self.timeout)
         return _http_check(await self._http.request(method, path, json=json), path)
 
-    def _socket(self) -> zmq.asyncio.Socket:
+    def _send(self, frames: list[bytes]) -> None:
         if self._sock is None:
-            self._sock = self._ctx.socket(zmq.DEALER)
-            self._sock.setsockopt(zmq.LINGER, 0)
-            self._sock.connect(self.rpc_address)
-            self._reader = asyncio.get_running_loop().create_task(self._read_replies())
-        return self._sock
+            sock = self._sock = self._ctx.socket(zmq.DEALER)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.SNDHWM, 0)
+            sock.connect(self.rpc_address)
+            self._reader = SocketReader(asyncio.get_running_loop(), sock, self._on_reply, self._on_reader_failed,
+                                        copy=True)
+        self._sock.send_multipart(frames, zmq.NOBLOCK, copy=False)
+        self._reader.check()  # the send may have taken the edge the reader waits for
 
-    async def _read_replies(self) -> None:
-        while True:
-            frames = await self._sock.recv_multipart()
-            call_id = msgspec.msgpack.decode(frames[1])[0]
-            if (queue := self._subs.get(call_id)) is not None:
-                queue.put_nowait(frames)
-            elif (future := self._calls.pop(call_id, None)) is not None and not future.done():
-                future.set_result(frames)
-            else:
-                logger.warning("transfer queue client: reply to call %d nobody waits for dropped", call_id)
+    def _on_reply(self, frames: list[bytes]) -> None:
+        call_id = msgspec.msgpack.decode(frames[1])[0]
+        if (queue := self._subs.get(call_id)) is not None:
+            queue.put_nowait(frames)
+        elif (future := self._calls.pop(call_id, None)) is not None and not future.done():
+            future.set_result(frames)
+        else:
+            logger.warning("transfer queue client: reply to call %d nobody waits for dropped", call_id)
+
+    def _on_reader_failed(self, exc: BaseException) -> None:
+        self._close_socket(TransferQueueError(f"reading replies from {self.rpc_address} failed: {exc}"))
+        for queue in self._subs.values():
+            queue.put_nowait(exc)
 
     async def _call(self, rtype: RpcType, header: Any, payloads: list[bytes] = (), timeout: float | None = None
                     ) -> list:
-        sock = self._socket()
-        future = asyncio.get_running_loop().create_future()
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
         self._calls[header.call_id] = future
+        # A timer on the future itself: cheaper than asyncio.wait_for's wrapper and its callbacks.
+        timer = loop.call_later(timeout if timeout is not None else self.timeout, _expire, future,
+                                f"{rtype.name}: no reply from {self.rpc_address} in time")
         try:
-            await sock.send_multipart([rtype.value, encode(header), *payloads], copy=False)
-            return await asyncio.wait_for(future, timeout if timeout is not None else self.timeout)
-        except asyncio.TimeoutError:
-            raise TransferQueueError(f"{rtype.name}: no reply from {self.rpc_address} in time") from None
+            self._send([rtype.value, encode(header), *payloads])
+            return await future
         finally:
+            timer.cancel()
             self._calls.pop(header.call_id, None)
 
     async def write(self, trajectory: TrajectoryLike) -> WriteResult:
@@ -411,13 +438,15 @@ class AsyncTransferQueueClient(_Endpoints):
     async def subscribe(self, prefetch_groups: int = 4) -> AsyncIterator[TrajectoryGroup]:
         if self.rpc_address is None:
             raise TransferQueueError("subscribe is an RPC call: this client has no rpc_address")
-        sock, call_id = self._socket(), self.next_id()
+        call_id = self.next_id()
         queue: asyncio.Queue = asyncio.Queue()
         self._subs[call_id] = queue
         try:
-            await sock.send_multipart([RpcType.SUBSCRIBE.value, encode(SubscribeRequest(call_id, prefetch_groups))])
+            self._send([RpcType.SUBSCRIBE.value, encode(SubscribeRequest(call_id, prefetch_groups))])
             while True:
                 frames = await queue.get()
+                if isinstance(frames, BaseException):  # the socket failed
+                    raise TransferQueueError(f"Subscribe: reading from {self.rpc_address} failed: {frames}")
                 if frames[0] == RpcType.RESULT.value:
                     _check(frames, "Subscribe")
                     continue
@@ -426,12 +455,12 @@ class AsyncTransferQueueClient(_Endpoints):
                     _check(await self._call(RpcType.ACK, AckRequest(self.next_id(), delivery_id)), "Subscribe (ack)")
                 for group in groups:
                     yield group
-                    await sock.send_multipart([RpcType.CREDIT.value, encode(CreditGrant(call_id, 1))])
+                    self._send([RpcType.CREDIT.value, encode(CreditGrant(call_id, 1))])
         finally:
             self._subs.pop(call_id, None)
             if self._sock is not None:
                 with contextlib.suppress(zmq.ZMQError):
-                    await self._sock.send_multipart([RpcType.UNSUBSCRIBE.value, encode(CallHeader(call_id))])
+                    self._send([RpcType.UNSUBSCRIBE.value, encode(CallHeader(call_id))])
 
     async def configure(self, **fields: Any) -> BufferConfig:
         return msgspec.convert((await self._post("/config", fields))["data"], BufferConfig)

@@ -130,6 +130,8 @@ class StoredTrajectory(msgspec.Struct, array_like=True, gc=False):
 
 _json_keys = msgspec.json.Decoder(TrajectoryKeys)
 _msgpack_keys = msgspec.msgpack.Decoder(TrajectoryKeys)
+_msgpack_batch_keys = msgspec.msgpack.Decoder(list[TrajectoryKeys])
+_msgpack_batch_raws = msgspec.msgpack.Decoder(list[msgspec.Raw])
 _json_any = msgspec.json.Decoder()
 _msgpack_any = msgspec.msgpack.Decoder()
 _json_encoder = msgspec.json.Encoder()
@@ -153,6 +155,28 @@ def parse_trajectory(payload: bytes, fmt: PayloadFormat) -> StoredTrajectory:
     if not keys.instance_id:
         raise InvalidTrajectory("invalid trajectory: `$.instance_id` is empty")
     return StoredTrajectory(keys.uid, keys.instance_id, keys.reward, fmt, payload, len(payload))
+
+
+def parse_msgpack_batch(batch: Any) -> list[StoredTrajectory]:
+    """The trajectories of a msgpack array of trajectories (an RPC batch frame), each stored
+    as its own bytes (its slice of the array): two decodes of the whole array, keys and
+    slices, rather than one per trajectory."""
+    try:
+        raws = _msgpack_batch_raws.decode(batch)
+        keys = _msgpack_batch_keys.decode(batch)
+    except msgspec.ValidationError as exc:  # msgspec's path names the element: `$[2]`
+        raise InvalidTrajectory(f"invalid trajectory in the batch: {exc}") from None
+    except msgspec.DecodeError as exc:
+        raise InvalidTrajectory(f"the batch is not a msgpack array of trajectories: {exc}") from None
+    msgpack = PayloadFormat.MSGPACK
+    items = []
+    for i, (k, raw) in enumerate(zip(keys, raws)):
+        if not k.uid or not k.instance_id:
+            raise InvalidTrajectory(f"invalid trajectory in the batch: `$[{i}].{'uid' if not k.uid else 'instance_id'}`"
+                                    " is empty")
+        payload = bytes(raw)
+        items.append(StoredTrajectory(k.uid, k.instance_id, k.reward, msgpack, payload, len(payload)))
+    return items
 
 
 def payload_as(payload: bytes, have: PayloadFormat, want: PayloadFormat) -> bytes:

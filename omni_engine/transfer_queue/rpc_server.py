@@ -17,15 +17,23 @@ import msgspec
 import zmq
 
 from omni_engine.stage_engine.socket_reader import SocketReader
-from omni_engine.transfer_queue.data_model import InvalidTrajectory, PayloadFormat, parse_trajectory, payload_as
+from omni_engine.transfer_queue.data_model import (
+    InvalidTrajectory,
+    PayloadFormat,
+    StoredTrajectory,
+    parse_msgpack_batch,
+    payload_as,
+)
 from omni_engine.transfer_queue.rpc_protocol import (
     REQUEST_DECODERS,
+    RPC_TYPES,
     GroupHeader,
     GroupsHeader,
     RpcErrorType,
     RpcResult,
     RpcType,
     encode,
+    pack_batch,
 )
 from omni_engine.transfer_queue.service import Delivery, DeliveryExpired, ServiceUnavailable, TransferQueueService
 
@@ -83,7 +91,7 @@ class TransferQueueRpcServer:
     def _on_frames(self, frames: list[zmq.Frame]) -> None:
         identity = frames[0].bytes
         try:
-            rtype = RpcType(frames[1].bytes)
+            rtype = RPC_TYPES[frames[1].bytes]
             header = REQUEST_DECODERS[rtype].decode(frames[2].buffer)
         except (ValueError, KeyError, IndexError, msgspec.DecodeError) as exc:
             logger.warning("transfer queue rpc: malformed request from %s dropped: %s", identity.hex(), exc)
@@ -124,10 +132,10 @@ class TransferQueueRpcServer:
         return task
 
     # ------------------------------------------------------------ handlers
-    def _batch_write(self, identity: bytes, call_id: int, payloads: list[zmq.Frame]) -> None:
+    def _batch_write(self, identity: bytes, call_id: int, batch: list[zmq.Frame]) -> None:
         """In the reader's callback, no task: the reply goes from the log's durability callback."""
         try:
-            items = [parse_trajectory(f.bytes, PayloadFormat.MSGPACK) for f in payloads]
+            items = _parse_batch(batch)
         except InvalidTrajectory as exc:
             self._reply(identity, RpcResult(call_id, False, error=f"BatchWrite: {exc}",
                                             error_type=RpcErrorType.INVALID_TRAJECTORY))
@@ -209,8 +217,8 @@ class TransferQueueRpcServer:
         groups = delivery.groups
         header = GroupsHeader(call_id, delivery.delivery_id,
                               [GroupHeader(g.instance_id, g.size, g.complete, len(g.items)) for g in groups])
-        payloads = [payload_as(t.payload, t.fmt, PayloadFormat.MSGPACK) for g in groups for t in g.items]
-        if self._send(identity, [RpcType.GROUPS.value, encode(header), *payloads]):
+        batch = pack_batch([payload_as(t.payload, t.fmt, PayloadFormat.MSGPACK) for g in groups for t in g.items])
+        if self._send(identity, [RpcType.GROUPS.value, encode(header), batch]):
             return True
         logger.warning("transfer queue rpc: reader %s is gone; its %d groups go back to the queue",
                        identity.hex(), len(groups))
@@ -231,6 +239,13 @@ class TransferQueueRpcServer:
         finally:
             if self._reader is not None:
                 self._reader.check()  # the send may have taken the edge the reader waits for
+
+
+def _parse_batch(batch: list[zmq.Frame]) -> list[StoredTrajectory]:
+    """The trajectories of a BatchWrite's batch frame."""
+    if len(batch) != 1:
+        raise InvalidTrajectory(f"expected one batch frame after the header, got {len(batch)} frames")
+    return parse_msgpack_batch(batch[0].buffer)
 
 
 def _guess_call_id(frames: list[zmq.Frame]) -> int | None:

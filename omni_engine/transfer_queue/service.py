@@ -175,7 +175,8 @@ class TransferQueueService:
         if accepted:
             if self.buffer.config.group_timeout_seconds is not None and self._expiry is None:
                 self._schedule_expiry()
-            durable = self._append(records.write_record(now, accepted))
+            if self.wal is not None:  # (no log: no record to build)
+                durable = self._append(records.write_record(now, accepted))
         if completed:
             # Now, not once durable: a reader's CONSUME is logged after this WRITE either way.
             self._wake_next()
@@ -213,7 +214,8 @@ class TransferQueueService:
             # Not acknowledged after all (cancelled, or the log failed): back to the front, and a
             # RESTORE after the CONSUME, which may still reach the log.
             self._restore(delivery)
-            self._log_in_background(self._restore_record(groups))
+            if self.wal is not None:
+                self._log_in_background(self._restore_record(groups))
             raise
         return groups
 
