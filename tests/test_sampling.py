@@ -19,6 +19,7 @@ import sys
 import time
 from pathlib import Path
 
+import msgspec
 import psutil
 import pytest
 import pytest_asyncio
@@ -28,9 +29,12 @@ from omni_engine.config import ConfigError
 from omni_engine.sampling import SamplerConfig, SamplerInitError, make_sampler, parse_sample_config
 from omni_engine.sampling.engine_sampler import EngineSampler
 from omni_engine.sampling.pipeline import Pipeline, output_lines
+from omni_engine.sampling.publish import PublishError
 from omni_engine.sampling.shards import ResumeMismatch
 from omni_engine.sampling.verifiers import load_verifier
+from omni_engine.transfer_queue import TransferQueueClient
 from tests.helpers import process_exists
+from tests.tq_helpers import ServerProcess
 
 pytestmark = pytest.mark.llm
 
@@ -119,6 +123,8 @@ def test_bad_configs_fail_naming_the_field(tmp_path):
          "formatters[0].args: formatter 'min_correct'"),
         ({"input": {"path": "missing.jsonl"}}, "input.path: no such file"),
         ({"shard": {"size": 10, "count": 2}}, "shard.count: unknown field"),
+        ({"transfer_queue": {}}, "transfer_queue: give url (HTTP) and/or rpc_address (ZMQ RPC)"),
+        ({"transfer_queue": {"rpc_address": "tcp://127.0.0.1:1", "timeout": 0}}, "transfer_queue.timeout"),
     ]
     for change, expected in cases:
         with pytest.raises(ConfigError) as info:
@@ -165,6 +171,13 @@ async def test_initialize_fails_clearly(tmp_path, text_server):
     # A config built in code is checked too.
     with pytest.raises(SamplerInitError, match="sampler.base_url: required for sampler kind 'openai'"):
         await make_sampler(SamplerConfig(kind="openai", model="m")).initialize()
+    # A transfer queue that does not answer fails the run before the sampler is started.
+    config = parse_sample_config({**sample_config(tmp_path, greedy("openai", base_url="http://127.0.0.1:9/v1",
+                                                                   model="m")),
+                                  "transfer_queue": {"url": "http://127.0.0.1:9"}}, "sample.yaml", tmp_path)
+    with pytest.raises(PublishError, match=r"transfer_queue.url http://127.0.0.1:9: the transfer queue does not "
+                                           r"answer"):
+        await Pipeline(config, make_sampler(config.sampler)).run()
     bad_pipeline = tmp_path / "pipeline.yaml"
     bad_pipeline.write_text("stage_args: [{stage_id: 0, stage_type: llm, engine_args: {model: m}, typo: 1}]\n")
     with pytest.raises(SamplerInitError, match=r"sampler.pipeline: .*stage_args\[0\].typo: unknown field"):
@@ -358,9 +371,19 @@ def run_cli(config_path: Path, log: Path) -> subprocess.Popen:
 
 
 def test_kill9_mid_shard_then_resume_gives_the_lines_of_an_uninterrupted_run(tmp_path, text_server):
+    """... and every kept answer reaches the transfer queue both runs write to exactly once."""
+    queue = ServerProcess("--group-size", "2", "--group-timeout-seconds", "0.5", "--group-timeout-policy",
+                          "deliver_partial", data_dir=tmp_path / "queue")
+    try:
+        _kill9_then_resume(tmp_path, text_server, queue)
+    finally:
+        queue.stop()
+
+
+def _kill9_then_resume(tmp_path: Path, text_server: dict, queue: ServerProcess) -> None:
     config = sample_config(tmp_path, greedy("openai", **openai_fields(text_server), concurrency=2),
                            rows=items(12), sampling={"step_size": 1, "max_rollouts": 2, "max_steps": 2},
-                           shard={"size": 4})
+                           shard={"size": 4}, transfer_queue={"rpc_address": queue.rpc})
     for name in ("whole", "killed"):
         (tmp_path / f"{name}.yaml").write_text(yaml.safe_dump({**config, "output": {"dir": name}}))
     log = tmp_path / "cli.log"
@@ -385,3 +408,24 @@ def test_kill9_mid_shard_then_resume_gives_the_lines_of_an_uninterrupted_run(tmp
     assert len(whole) == 12 and len(set(whole)) == 12
     assert sorted(resumed) == sorted(whole)
     assert not list(killed.glob("*.journal")) and not list(killed.glob("*.tmp"))
+    # The queue: each run's kept answers once (the killed run wrote some again after the resume:
+    # the same uids, dropped), in slime's shape, an item's answers as its group.
+    time.sleep(1.0)  # groups of items that kept one answer are delivered partial after 0.5 s
+    with TransferQueueClient(rpc_address=queue.rpc) as tq:
+        groups = tq.read().groups
+    assert sum(len(g.trajectories) for g in groups) == queue_status(queue)["total_trajectories"]
+    for name in ("whole", "killed"):
+        run_id = json.loads((tmp_path / name / "manifest.json").read_text())["run_id"]
+        mine = [t for g in groups for t in g.trajectories if t.extra_info["run_id"] == run_id]
+        assert len({t.uid for t in mine}) == len(mine)
+        expected = sorted((line["id"], r["response"], r["score"], r["round"]) for line in output_lines(tmp_path / name)
+                          for r in line["rollouts"])
+        got = sorted((t.instance_id, t.messages[-1]["content"], t.reward, t.extra_info["round"]) for t in mine)
+        assert got == expected and len(expected) >= 12
+        assert all(t.messages[:-1] == [{"role": "user", "content": QUESTIONS[int(t.instance_id[1:]) % 6][0]}]
+                   for t in mine)
+
+
+def queue_status(queue: ServerProcess) -> dict:
+    with TransferQueueClient(url=queue.url) as tq:
+        return msgspec.to_builtins(tq.status())

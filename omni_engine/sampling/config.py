@@ -16,6 +16,7 @@ Example::
     input: {path: data/math.jsonl}
     output: {dir: rollouts/math}
     shard: {size: 1000}
+    transfer_queue: {rpc_address: "tcp://127.0.0.1:8890"}   # optional: rollouts also to a trainer
 """
 
 from __future__ import annotations
@@ -106,6 +107,16 @@ class ShardConfig(_Base):
     size: PositiveInt = 1000
 
 
+class TransferQueueOutput(_Base):
+    """A TransferQueue that every finished item's rollouts are also written to (one
+    ``BatchWrite`` per item), for a trainer to read as groups. Not part of the run's settings:
+    the shards are the same with or without it."""
+
+    url: str | None = None  # HTTP (slime's /buffer/write)
+    rpc_address: str | None = None  # ZMQ RPC (BatchWrite); used when given
+    timeout: Annotated[float, msgspec.Meta(gt=0)] = 60.0  # seconds per call
+
+
 class SampleConfig(_Base):
     sampler: SamplerConfig
     input: InputConfig
@@ -114,6 +125,7 @@ class SampleConfig(_Base):
     verifier: PluginConfig = msgspec.field(default_factory=lambda: PluginConfig(name="boxed"))
     formatters: list[PluginConfig] = msgspec.field(default_factory=list)
     shard: ShardConfig = msgspec.field(default_factory=ShardConfig)
+    transfer_queue: TransferQueueOutput | None = None
     # Where relative paths point from (the file's directory); set by the loader.
     base_dir: str = "."
     _not_from_yaml = frozenset({"base_dir"})
@@ -201,6 +213,9 @@ def parse_sample_config(data: Any, source: str = "<dict>", base_dir: str | Path 
             report(field, problem)
         _check_rounds(config, report)
         _check_plugins(config, report)
+        queue = config.transfer_queue
+        if queue is not None and queue.url is None and queue.rpc_address is None:
+            report("transfer_queue", "give url (HTTP) and/or rpc_address (ZMQ RPC) of the queue to write to")
         if not config.resolve(config.input.path).is_file():
             report("input.path", f"no such file: {config.resolve(config.input.path)}")
         if config.sampler.pipeline is not None and not config.resolve(config.sampler.pipeline).is_file():

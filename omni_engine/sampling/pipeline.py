@@ -11,7 +11,9 @@ sampler's worker count, or on a crash and resume in between.
 
 Shards overlap: the next shard's items are queued once fewer tasks are pending
 than the sampler has lanes, so the tail of one shard does not leave lanes
-idle; a shard is written as soon as its last item finishes.
+idle; a shard is written as soon as its last item finishes. With a transfer
+queue configured, an item's rollouts are written there when it finishes, before
+its shard can be written, so a finished shard is in the queue too.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import msgspec
 from omni_engine.sampling.base import BaseSampler, WorkQueue
 from omni_engine.sampling.config import SampleConfig
 from omni_engine.sampling.items import ItemResult, SampleTask, check_metadata, item_seed, read_items
+from omni_engine.sampling.publish import RolloutPublisher
 from omni_engine.sampling.shards import OutputDir, ShardJournal
 from omni_engine.sampling.verifiers import Formatter, Verifier, load_formatter, load_verifier
 
@@ -66,6 +69,7 @@ class RunSummary(msgspec.Struct, kw_only=True):
     truncated: int = 0
     failed_requests: int = 0
     completion_tokens: int = 0
+    published: int = 0  # trajectories new to the transfer queue (transfer_queue set)
     seconds: float = 0.0
 
     @property
@@ -97,7 +101,8 @@ class Pipeline:
                  formatters: list[Formatter] | None = None, progress: ProgressSink | None = None,
                  manage_sampler: bool = True) -> None:
         """``manage_sampler``: ``run`` initializes the sampler and shuts it down (as the seed's
-        does); False for a sampler the caller keeps across runs."""
+        does); False for a sampler the caller keeps across runs. With ``transfer_queue`` in the
+        config, every finished item's rollouts are also written there (``publish.py``)."""
         self.cfg = config
         self.sampler = sampler
         self.verifier = verifier or load_verifier(config.verifier.name, config.verifier.args)
@@ -109,6 +114,8 @@ class Pipeline:
         self._items_done = 0
         self.accepted = 0  # rollouts scoring > 0 so far (the progress bar's)
         self._sampling_meta: dict[str, Any] = {}
+        self.publisher = RolloutPublisher(config.transfer_queue) if config.transfer_queue is not None else None
+        self._run_id = ""
 
     # ----------------------------------------------------------------- run
     async def run(self, items: list[dict[str, Any]] | None = None) -> RunSummary:
@@ -117,9 +124,12 @@ class Pipeline:
         out = OutputDir(self.cfg.resolve(self.cfg.output.dir), self.cfg.run_settings(),
                         self.cfg.resolve(self.cfg.input.path), len(items))
         out.open()
+        self._run_id = out.run_id
         self.summary = RunSummary(items=len(items))
         started = time.monotonic()
         try:
+            if self.publisher is not None:  # first: a wrong address fails in seconds, before any model loads
+                await self.publisher.start()
             if self.manage_sampler:
                 await self.sampler.initialize()
             started = time.monotonic()  # sampling time, not the sampler's start-up
@@ -138,6 +148,8 @@ class Pipeline:
             self.summary.seconds = time.monotonic() - started
             if self.progress is not None:
                 self.progress.close()
+            if self.publisher is not None:
+                await self.publisher.close()
             if self.manage_sampler:
                 await self.sampler.shutdown()
 
@@ -158,13 +170,15 @@ class Pipeline:
         runs: dict[str, ShardRun] = {}  # item id -> its shard's run (ids are unique in the input)
         pending = 0  # tasks queued or in flight
 
-        def open_shards() -> None:
+        async def open_shards() -> None:
             nonlocal pending
             while pending < capacity and (nxt := next(waiting, None)) is not None:
                 run = self._open_shard(*nxt, out)
                 runs.update(dict.fromkeys(run.states, run))
                 for state in run.states.values():
-                    if not self._finished(state):
+                    if self._finished(state):
+                        await self._publish(state)  # finished before a crash: maybe not in the queue yet
+                    else:
                         work.put(self._task(state))
                         pending += 1
                 if run.unfinished == 0:
@@ -176,7 +190,7 @@ class Pipeline:
                 del runs[item_id]
 
         try:
-            open_shards()
+            await open_shards()
             if pending == 0:
                 work.close()
             self._report()
@@ -188,6 +202,7 @@ class Pipeline:
                 self._count(result)
                 pending -= 1
                 if self._finished(state):
+                    await self._publish(state)  # before its shard can close: a done shard is in the queue
                     self._items_done += 1
                     run.unfinished -= 1
                     if run.unfinished == 0:
@@ -195,7 +210,7 @@ class Pipeline:
                 else:
                     work.put(self._task(state))
                     pending += 1
-                open_shards()
+                await open_shards()
                 if pending == 0:
                     work.close()
                 self._report()
@@ -218,6 +233,10 @@ class Pipeline:
     def _close_shard(self, run: ShardRun, out: OutputDir) -> None:
         out.write_shard(run.index, [self._line(state) for state in run.states.values()], run.journal)
         self.summary.shards += 1
+
+    async def _publish(self, state: ItemState) -> None:
+        if self.publisher is not None and state.rollouts:
+            self.summary.published += await self.publisher.publish(self._run_id, state.item, state.rollouts)
 
     def _task(self, state: ItemState) -> SampleTask:
         rounds = self.cfg.sampling

@@ -14,6 +14,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -122,6 +123,8 @@ class OutputDir:
         self.settings = json.loads(json.dumps(settings))  # as it reads back from the manifest
         self.input = {"sha256": file_sha256(input_path), "items": num_items}
         self.shards: dict[str, dict[str, Any]] = {}
+        # Names this run wherever its rollouts go (the transfer queue's uids); kept by a resume.
+        self.run_id = uuid.uuid4().hex[:16]
 
     def open(self) -> None:
         self.path.mkdir(parents=True, exist_ok=True)
@@ -138,6 +141,9 @@ class OutputDir:
                 raise ResumeMismatch(f"output.dir {self.path} holds a run with other settings or input: "
                                      f"{'; '.join(changed)}. Use a new output.dir, or remove this one to start over")
             self.shards = manifest.get("shards", {})
+            self.run_id = manifest.get("run_id") or self.run_id
+            if "run_id" not in manifest:
+                self._write_manifest(complete=False)
         else:
             self._write_manifest(complete=False)
         for stale in self.path.glob("*.tmp"):
@@ -173,8 +179,8 @@ class OutputDir:
         self._write_manifest(complete=True, summary=summary)
 
     def _write_manifest(self, *, complete: bool, summary: dict[str, Any] | None = None) -> None:
-        manifest = {"version": MANIFEST_VERSION, "settings": self.settings, "input": self.input,
-                    "shards": self.shards, "complete": complete}
+        manifest = {"version": MANIFEST_VERSION, "run_id": self.run_id, "settings": self.settings,
+                    "input": self.input, "shards": self.shards, "complete": complete}
         if summary is not None:
             manifest["summary"] = summary
         write_atomic(self.path / MANIFEST, json.dumps(manifest, indent=2).encode())

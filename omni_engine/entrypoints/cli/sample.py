@@ -62,6 +62,8 @@ def plan(config, num_items: int) -> dict:
             "answers_per_round": rounds.step_size, "max_steps": rounds.max_steps, "max_rollouts": rounds.max_rollouts,
             "early_stop": rounds.early_stop, "verifier": config.verifier.name,
             "formatters": [f.name for f in config.formatters], "output_dir": str(out),
+            "transfer_queue": (None if config.transfer_queue is None else
+                               config.transfer_queue.rpc_address or config.transfer_queue.url),
             "max_requests": num_items * rounds.max_steps}
 
 
@@ -71,6 +73,7 @@ async def _sample(config, verifier, items: list[dict], args: argparse.Namespace)
     from omni_engine.sampling.base import SamplerInitError, SamplerUnavailable
     from omni_engine.sampling.pipeline import Pipeline
     from omni_engine.sampling.progress import TerminalProgress, format_summary
+    from omni_engine.sampling.publish import PublishError
     from omni_engine.sampling.shards import ResumeMismatch
 
     cancel_on_signals()  # SIGTERM/SIGINT unwind through the sampler's shutdown
@@ -79,7 +82,7 @@ async def _sample(config, verifier, items: list[dict], args: argparse.Namespace)
     say(f"sampling with the {config.sampler.kind} sampler into {config.resolve(config.output.dir)}")
     try:
         summary = await Pipeline(config, sampler, verifier=verifier, progress=progress).run(items)
-    except (SamplerInitError, ResumeMismatch, SamplerUnavailable) as exc:
+    except (SamplerInitError, ResumeMismatch, SamplerUnavailable, PublishError) as exc:
         say(str(exc))
         return 1
     say(format_summary(summary, str(config.resolve(config.output.dir))))
