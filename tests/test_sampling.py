@@ -422,8 +422,19 @@ def _kill9_then_resume(tmp_path: Path, text_server: dict, queue: ServerProcess) 
                           for r in line["rollouts"])
         got = sorted((t.instance_id, t.messages[-1]["content"], t.reward, t.extra_info["round"]) for t in mine)
         assert got == expected and len(expected) >= 12
+        summary = json.loads((tmp_path / name / "manifest.json").read_text())["summary"]
+        if name == "whole":
+            assert (summary["published"], summary["already_published"]) == (len(expected), 0)
+        else:  # the resumed run wrote shards 1 and 2 (shard 0 was done): what it replayed, again
+            again = [r for path in sorted((tmp_path / name).glob("shard_*.jsonl"))[1:]
+                     for line in output_lines_of(path) for r in line["rollouts"]]
+            assert summary["published"] + summary["already_published"] == len(again)
         assert all(t.messages[:-1] == [{"role": "user", "content": QUESTIONS[int(t.instance_id[1:]) % 6][0]}]
                    for t in mine)
+
+
+def output_lines_of(shard: Path) -> list[dict]:
+    return [json.loads(line) for line in shard.read_text().splitlines() if line.strip()]
 
 
 def queue_status(queue: ServerProcess) -> dict:

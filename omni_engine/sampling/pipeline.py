@@ -70,6 +70,7 @@ class RunSummary(msgspec.Struct, kw_only=True):
     failed_requests: int = 0
     completion_tokens: int = 0
     published: int = 0  # trajectories new to the transfer queue (transfer_queue set)
+    already_published: int = 0  # ... written again after a resume: the queue had them
     seconds: float = 0.0
 
     @property
@@ -236,7 +237,9 @@ class Pipeline:
 
     async def _publish(self, state: ItemState) -> None:
         if self.publisher is not None and state.rollouts:
-            self.summary.published += await self.publisher.publish(self._run_id, state.item, state.rollouts)
+            new, known = await self.publisher.publish(self._run_id, state.item, state.rollouts)
+            self.summary.published += new
+            self.summary.already_published += known
 
     def _task(self, state: ItemState) -> SampleTask:
         rounds = self.cfg.sampling

@@ -53,4 +53,5 @@ def format_summary(summary: RunSummary, output_dir: str) -> str:
             f"{s.requests} requests ({s.failed_requests} failed; {s.requests_replayed} replayed from journals), "
             f"{s.responses} responses: {s.rollouts} rollouts kept, {s.truncated} truncated, {s.correct} scored > 0\n"
             f"{s.completion_tokens} tokens in {s.seconds:.1f} s ({s.tokens_per_s:.1f} tokens/s)"
-            + (f"\n{s.published} trajectories written to the transfer queue" if s.published else ""))
+            + (f"\n{s.published} trajectories written to the transfer queue ({s.already_published} it had "
+               "already)" if s.published or s.already_published else ""))

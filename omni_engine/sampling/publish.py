@@ -49,8 +49,6 @@ class RolloutPublisher:
 
     def __init__(self, config: TransferQueueOutput) -> None:
         self.config = config
-        self.written = 0
-        self.duplicates = 0
         self._client = None
 
     @property
@@ -63,30 +61,29 @@ class RolloutPublisher:
         from omni_engine.transfer_queue import AsyncTransferQueueClient
 
         cfg = self.config
-        self._client = AsyncTransferQueueClient(url=cfg.url, rpc_address=cfg.rpc_address,
-                                                timeout=min(cfg.timeout, STARTUP_TIMEOUT_S))
+        self._client = AsyncTransferQueueClient(url=cfg.url, rpc_address=cfg.rpc_address, timeout=cfg.timeout)
         try:
-            await self._client.status()
+            await asyncio.wait_for(self._client.status(), min(cfg.timeout, STARTUP_TIMEOUT_S))
         except Exception as exc:  # noqa: BLE001 - whatever the transport raised, the queue is not usable
             await self.close()
-            raise PublishError(f"{self.target}: the transfer queue does not answer: {exc}") from None
-        self._client.timeout = cfg.timeout
+            reason = "no answer in time" if isinstance(exc, asyncio.TimeoutError) else str(exc)
+            raise PublishError(f"{self.target}: the transfer queue does not answer: {reason}") from None
 
-    async def publish(self, run_id: str, item: dict[str, Any], rollouts: list[dict[str, Any]]) -> int:
-        """Write ``item``'s rollouts (one batch); returns how many were new to the queue."""
+    async def publish(self, run_id: str, item: dict[str, Any], rollouts: list[dict[str, Any]]) -> tuple[int, int]:
+        """Write ``item``'s rollouts (one batch): (new to the queue, already there)."""
         from omni_engine.transfer_queue import BufferFullError
 
         assert self._client is not None, "start() first"
         batch = [trajectory(run_id, item, i, rollout) for i, rollout in enumerate(rollouts)]
         written = 0
-        while batch:
+        while True:
             try:
                 result = await self._client.batch_write(batch)
             except BufferFullError as exc:
-                # What fitted is in (in order); the rest is retried once the queue has room.
+                # What fitted is in (in order); the rest is retried once the queue has room. (Over
+                # HTTP the answer does not say: all of it is sent again, the queue dedups.)
                 if exc.result is not None:
                     written += exc.result.written
-                    self.duplicates += exc.result.duplicates
                     batch = batch[len(batch) - exc.result.refused:]
                 wait = exc.retry_after_s or 1.0
                 logger.info("transfer queue is full; item %s waits %.1f s", item["id"], wait)
@@ -95,10 +92,7 @@ class RolloutPublisher:
             except Exception as exc:  # noqa: BLE001 - TransferQueueError, or the HTTP transport's own
                 raise PublishError(f"{self.target}: writing item {item['id']!r} failed: {exc}") from None
             written += result.written
-            self.duplicates += result.duplicates
-            break
-        self.written += written
-        return written
+            return written, len(rollouts) - written
 
     async def close(self) -> None:
         if self._client is not None:
