@@ -410,7 +410,10 @@ def _kill9_then_resume(tmp_path: Path, text_server: dict, queue: ServerProcess) 
     assert not list(killed.glob("*.journal")) and not list(killed.glob("*.tmp"))
     # The queue: each run's kept answers once (the killed run wrote some again after the resume:
     # the same uids, dropped), in slime's shape, an item's answers as its group.
-    time.sleep(1.0)  # groups of items that kept one answer are delivered partial after 0.5 s
+    deadline = time.monotonic() + 30
+    while queue_status(queue)["incomplete_groups"]:  # items that kept one answer: delivered partial after 0.5 s
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
     with TransferQueueClient(rpc_address=queue.rpc) as tq:
         groups = tq.read().groups
     assert sum(len(g.trajectories) for g in groups) == queue_status(queue)["total_trajectories"]
