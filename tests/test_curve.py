@@ -10,6 +10,7 @@ inject messages nor read anything, and a stage holding the wrong keys fails
 from __future__ import annotations
 
 import asyncio
+import itertools
 import os
 import textwrap
 from pathlib import Path
@@ -84,6 +85,10 @@ async def test_curve_stage_over_tcp_serves_and_binds_loopback(curve_pipeline):
 
 # The strangers' own context: not Context.instance(), which other test modules use too.
 _STRANGERS = zmq.Context()
+# Monitor endpoints of our own: pyzmq names one after the socket's descriptor number, which a
+# socket opened right after another closed reuses while libzmq may still hold the old endpoint
+# ("Address already in use").
+_MONITORS = itertools.count()
 
 
 def _stranger(kind: int, address: str, keys: StageCurveKeys | None) -> tuple[zmq.Socket, zmq.Socket]:
@@ -91,7 +96,8 @@ def _stranger(kind: int, address: str, keys: StageCurveKeys | None) -> tuple[zmq
     sock.setsockopt(zmq.LINGER, 0)
     if keys is not None:
         make_client(sock, keys)
-    monitor = sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | sum(_FAILED))
+    monitor = sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | sum(_FAILED),
+                                      addr=f"inproc://stranger-monitor-{next(_MONITORS)}")
     sock.connect(address)
     return sock, monitor
 

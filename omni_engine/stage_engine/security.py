@@ -15,6 +15,7 @@ spawn pipe), never on a command line, in the environment or in a file.
 
 from __future__ import annotations
 
+import itertools
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -35,6 +36,7 @@ _HANDSHAKE_EVENTS = (
     | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
     | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
 )
+_MONITORS = itertools.count()  # names of handshake monitors' endpoints
 
 
 def curve_available() -> bool:
@@ -174,8 +176,11 @@ class CurveHandshakeError(RuntimeError):
 
 
 def watch_handshake(sock: zmq.Socket) -> zmq.Socket:
-    """A monitor of ``sock``'s handshakes; call before ``connect`` so no event is missed."""
-    return sock.get_monitor_socket(_HANDSHAKE_EVENTS)
+    """A monitor of ``sock``'s handshakes; call before ``connect`` so no event is missed.
+
+    The monitor's endpoint is named here: pyzmq's default names it after the socket's
+    descriptor number, which a later socket reuses while libzmq may still hold the endpoint."""
+    return sock.get_monitor_socket(_HANDSHAKE_EVENTS, addr=f"inproc://omni-handshake-{next(_MONITORS)}")
 
 
 def wait_for_handshake(sock: zmq.Socket, monitor: zmq.Socket, wake: zmq.Socket, address: str) -> None:
