@@ -418,26 +418,22 @@ def _kill9_then_resume(tmp_path: Path, text_server: dict, queue: ServerProcess) 
         groups = tq.read().groups
     assert sum(len(g.trajectories) for g in groups) == queue_status(queue)["total_trajectories"]
     for name in ("whole", "killed"):
-        run_id = json.loads((tmp_path / name / "manifest.json").read_text())["run_id"]
-        mine = [t for g in groups for t in g.trajectories if t.extra_info["run_id"] == run_id]
+        manifest = json.loads((tmp_path / name / "manifest.json").read_text())
+        mine = [t for g in groups for t in g.trajectories if t.extra_info["run_id"] == manifest["run_id"]]
         assert len({t.uid for t in mine}) == len(mine)
-        expected = sorted((line["id"], r["response"], r["score"], r["round"]) for line in output_lines(tmp_path / name)
+        lines = output_lines(tmp_path / name)
+        expected = sorted((line["id"], r["response"], r["score"], r["round"]) for line in lines
                           for r in line["rollouts"])
         got = sorted((t.instance_id, t.messages[-1]["content"], t.reward, t.extra_info["round"]) for t in mine)
         assert got == expected and len(expected) >= 12
-        summary = json.loads((tmp_path / name / "manifest.json").read_text())["summary"]
+        summary = manifest["summary"]
         if name == "whole":
             assert (summary["published"], summary["already_published"]) == (len(expected), 0)
-        else:  # the resumed run wrote shards 1 and 2 (shard 0 was done): what it replayed, again
-            again = [r for path in sorted((tmp_path / name).glob("shard_*.jsonl"))[1:]
-                     for line in output_lines_of(path) for r in line["rollouts"]]
+        else:  # the resumed run wrote shards 1 and 2 (shard 0, its first 4 lines, was done): what it replayed, again
+            again = [r for line in lines[4:] for r in line["rollouts"]]
             assert summary["published"] + summary["already_published"] == len(again)
         assert all(t.messages[:-1] == [{"role": "user", "content": QUESTIONS[int(t.instance_id[1:]) % 6][0]}]
                    for t in mine)
-
-
-def output_lines_of(shard: Path) -> list[dict]:
-    return [json.loads(line) for line in shard.read_text().splitlines() if line.strip()]
 
 
 def queue_status(queue: ServerProcess) -> dict:

@@ -116,7 +116,6 @@ class Pipeline:
         self.accepted = 0  # rollouts scoring > 0 so far (the progress bar's)
         self._sampling_meta: dict[str, Any] = {}
         self.publisher = RolloutPublisher(config.transfer_queue) if config.transfer_queue is not None else None
-        self._run_id = ""
 
     # ----------------------------------------------------------------- run
     async def run(self, items: list[dict[str, Any]] | None = None) -> RunSummary:
@@ -125,12 +124,11 @@ class Pipeline:
         out = OutputDir(self.cfg.resolve(self.cfg.output.dir), self.cfg.run_settings(),
                         self.cfg.resolve(self.cfg.input.path), len(items))
         out.open()
-        self._run_id = out.run_id
         self.summary = RunSummary(items=len(items))
         started = time.monotonic()
         try:
             if self.publisher is not None:  # first: a wrong address fails in seconds, before any model loads
-                await self.publisher.start()
+                await self.publisher.start(out.run_id)
             if self.manage_sampler:
                 await self.sampler.initialize()
             started = time.monotonic()  # sampling time, not the sampler's start-up
@@ -237,7 +235,7 @@ class Pipeline:
 
     async def _publish(self, state: ItemState) -> None:
         if self.publisher is not None and state.rollouts:
-            new, known = await self.publisher.publish(self._run_id, state.item, state.rollouts)
+            new, known = await self.publisher.publish(state.item, state.rollouts)
             self.summary.published += new
             self.summary.already_published += known
 

@@ -49,6 +49,7 @@ class RolloutPublisher:
 
     def __init__(self, config: TransferQueueOutput) -> None:
         self.config = config
+        self.run_id = ""
         self._client = None
 
     @property
@@ -57,10 +58,12 @@ class RolloutPublisher:
             return f"transfer_queue.rpc_address {self.config.rpc_address}"
         return f"transfer_queue.url {self.config.url}"
 
-    async def start(self) -> None:
+    async def start(self, run_id: str) -> None:
+        """Connect for the run ``run_id`` (the output directory's: its uids are made of it)."""
         from omni_engine.transfer_queue import AsyncTransferQueueClient
 
         cfg = self.config
+        self.run_id = run_id
         self._client = AsyncTransferQueueClient(url=cfg.url, rpc_address=cfg.rpc_address, timeout=cfg.timeout)
         try:
             await asyncio.wait_for(self._client.status(), min(cfg.timeout, STARTUP_TIMEOUT_S))
@@ -69,12 +72,12 @@ class RolloutPublisher:
             reason = "no answer in time" if isinstance(exc, asyncio.TimeoutError) else str(exc)
             raise PublishError(f"{self.target}: the transfer queue does not answer: {reason}") from None
 
-    async def publish(self, run_id: str, item: dict[str, Any], rollouts: list[dict[str, Any]]) -> tuple[int, int]:
+    async def publish(self, item: dict[str, Any], rollouts: list[dict[str, Any]]) -> tuple[int, int]:
         """Write ``item``'s rollouts (one batch): (new to the queue, already there)."""
         from omni_engine.transfer_queue import BufferFullError
 
         assert self._client is not None, "start() first"
-        batch = [trajectory(run_id, item, i, rollout) for i, rollout in enumerate(rollouts)]
+        batch = [trajectory(self.run_id, item, i, rollout) for i, rollout in enumerate(rollouts)]
         written = 0
         while True:
             try:

@@ -113,12 +113,5 @@ encode = msgspec.msgpack.Encoder().encode
 
 
 def pack_batch(payloads: list[bytes]) -> bytes:
-    """A batch frame from trajectories already encoded: an array header, then their bytes."""
-    n = len(payloads)
-    if n < 16:
-        head = bytes((0x90 | n,))
-    elif n < 1 << 16:
-        head = b"\xdc" + n.to_bytes(2, "big")
-    else:
-        head = b"\xdd" + n.to_bytes(4, "big")
-    return b"".join([head, *payloads])
+    """A batch frame from trajectories already encoded: an array of them, their bytes as they are."""
+    return encode([msgspec.Raw(p) for p in payloads])
