@@ -200,17 +200,20 @@ class RawZmq:
 
 # --------------------------------------------------------------------------- stage helpers
 def stage_client(factory: str, shm_threshold: int | None = None, max_batch_size: int = 256,
-                 in_process: bool = False):
+                 in_process: str | None = None):
+    """``in_process``: None (a stage process), "own" or "client" (``runtime.event_loop``)."""
     from omni_engine.connectors.settings import ConnectorSettings
-    from omni_engine.stage_engine.in_process import InProcessStageClient
+    from omni_engine.stage_engine.in_process import ClientLoopStageClient, InProcessStageClient
     from omni_engine.stage_engine.stage_core_client import StageEngineCoreClient
     from omni_engine.stage_engine.stage_spec import StageProcessSpec
 
     connectors = ConnectorSettings() if shm_threshold is None else ConnectorSettings(shm_threshold=shm_threshold)
     spec = StageProcessSpec("generation", {"model_factory": factory}, max_batch_size=max_batch_size,
                             connectors=connectors, log_level="WARNING")
-    if in_process:  # runtime.process: false: a thread of this process, over inproc://
+    if in_process == "own":  # runtime.process: false: a thread of this process, over inproc://
         return InProcessStageClient(0, spec)
+    if in_process == "client":  # ... with event_loop: client: on this loop, no thread
+        return ClientLoopStageClient(0, spec)
     return StageEngineCoreClient(0, process=spec, transport="ipc")
 
 
@@ -274,13 +277,14 @@ async def phase_echo(cfg: dict, res: dict) -> None:
             res["throughput"].append(await outputs_per_second(client, cfg["tput_n"], window))
     finally:
         await client.shutdown()
-    # The same stage in a thread of this process (runtime.process: false).
-    client = stage_client(ECHO_FACTORY, max_batch_size=cfg["max_batch_size"], in_process=True)
-    try:
-        await started(client, "echo_in_process", res)
-        res["latency"]["in_process"] = lat_summary(await echo_latency(client, cfg))
-    finally:
-        await client.shutdown()
+    # The same stage in this process (runtime.process: false): in a thread, and on this loop.
+    for event_loop, key in (("own", "in_process"), ("client", "in_process_client_loop")):
+        client = stage_client(ECHO_FACTORY, max_batch_size=cfg["max_batch_size"], in_process=event_loop)
+        try:
+            await started(client, f"echo_{key}", res)
+            res["latency"][key] = lat_summary(await echo_latency(client, cfg))
+        finally:
+            await client.shutdown()
     # The bound: bare ZMQ, same sizes, same socket pattern, second process.
     raw = RawZmq()
     try:
@@ -429,12 +433,14 @@ def print_report(res: dict) -> None:
     base = lat["zmq_blocking"]["p50_us"]
     for key, label in (("stage", "stage process (StageEngineCoreClient)"),
                        ("in_process", "in-process stage (thread, inproc://)"),
+                       ("in_process_client_loop", "in-process stage (client's loop)"),
                        ("zmq_asyncio", "bare ZMQ, asyncio client"),
                        ("zmq_blocking", "bare ZMQ, blocking client")):
         s = lat[key]
         print(f"{label:<40}{s['n']:>7}{s['p50_us']:>10.1f}{s['p90_us']:>10.1f}{s['p99_us']:>10.1f}"
               f"{s['p50_us'] / base:>11.2f}")
-    print(f"in-process / process p50: {lat['in_process']['p50_us'] / lat['stage']['p50_us']:.2f}")
+    for key, label in (("in_process", "thread"), ("in_process_client_loop", "client's loop")):
+        print(f"in-process ({label}) / process p50: {lat[key]['p50_us'] / lat['stage']['p50_us']:.2f}")
 
     print("\n2. Outputs per second through one client (tiny outputs, one per request; "
           f"stage max_batch_size={cfg['max_batch_size']})")

@@ -135,9 +135,13 @@ class PipelineRuntimeConfig(_Base):
 
 
 class StageRuntimeConfig(_Base):
-    # false: the stage runs in a thread of the client's process, over inproc://
-    # (generation stages, one replica, no restart, env or devices of its own).
+    # false: the stage runs in the client's process, over inproc:// (generation
+    # stages, one replica, no restart, env or devices of its own).
     process: bool = True
+    # process: false only. "own" (the default): the stage runs on an event loop of its own in
+    # its thread; "client": on the client's event loop, no thread (fastest; its model must
+    # not block the loop: async, or its work in threads of its own).
+    event_loop: str | None = None
     # Accelerator ids for the stage ("0,1", 0 or [0, 1]), given to its process
     # through the platform's device-control variable (README "Devices").
     devices: str | int | list[int | str] | None = None

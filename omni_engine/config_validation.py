@@ -24,6 +24,8 @@ LOAD_BALANCE_POLICIES = ("least-loaded", "round-robin")
 AFFINITIES = ("none", "request")
 RETRY_POLICIES = ("before_first_output", "never")
 PLACEMENT_BACKENDS = ("local", "ray")
+# Where an in-process stage's event loop runs: a thread of its own, or the client's.
+EVENT_LOOPS = ("own", "client")
 # Ray's placement-group strategies: how one stage's replicas are laid out over nodes.
 PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
 
@@ -34,6 +36,7 @@ if TYPE_CHECKING:
         PipelineRuntimeConfig,
         SecurityConfig,
         StageConfig,
+        StageRuntimeConfig,
     )
 
 # report(field_path, problem)
@@ -207,6 +210,7 @@ def check_stage(
                                                f"{stage.runtime.restart!r})")
     if not stage.runtime.process:
         _check_in_process(stage, f"{path}.runtime.process", report)
+    _check_event_loop(stage.runtime, f"{path}.runtime.event_loop", report)
     if stage.runtime.devices is not None:
         _check_devices(stage.runtime.devices, f"{path}.runtime.devices", report)
     _check_replicas(stage, f"{path}.runtime", report)
@@ -277,6 +281,16 @@ def _check_in_process(stage: StageConfig, field_path: str, report: Report) -> No
         refused.append("transport/host (an in-process stage is reached over inproc://)")
     for what in refused:
         report(field_path, f"process: false cannot be combined with {what}")
+
+
+def _check_event_loop(runtime: StageRuntimeConfig, field_path: str, report: Report) -> None:
+    """Where an in-process stage's event loop runs; meaningless for a stage process."""
+    if runtime.event_loop is None:
+        return
+    if runtime.event_loop not in EVENT_LOOPS:
+        report(field_path, f"{runtime.event_loop!r} is not one of {list(EVENT_LOOPS)}")
+    elif runtime.process:
+        report(field_path, "applies to in-process stages only (process: false); a stage process runs its own loop")
 
 
 def _check_replicas(stage: StageConfig, path: str, report: Report) -> None:

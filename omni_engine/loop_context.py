@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import enum
+from pathlib import Path
 from collections.abc import Iterable
 
 
@@ -47,3 +48,16 @@ def cancel_now(tasks: Iterable[asyncio.Future | None]) -> None:
             task.cancel()
         if idle:
             task._log_destroy_pending = False  # asyncio's own switch (gather uses it too)
+
+
+_PACKAGE_DIR = str(Path(__file__).resolve().parent)
+
+
+def own_tasks(loop: asyncio.AbstractEventLoop) -> list[asyncio.Task]:
+    """The pending tasks of ``loop`` running omni_engine's own code (not the caller's)."""
+    tasks = []
+    for task in asyncio.all_tasks(loop):
+        code = getattr(task.get_coro(), "cr_code", None)
+        if code is not None and code.co_filename.startswith(_PACKAGE_DIR):
+            tasks.append(task)
+    return tasks

@@ -2,15 +2,18 @@
 
     python -m tests.lifecycle_child MODE PIPELINE [--legacy]
 
-PIPELINE: ``tensor`` (two generation stages, quick to start) or ``text`` (SmolLM2 in vLLM).
+PIPELINE: ``tensor`` (two generation stages, quick to start), ``text`` (SmolLM2 in vLLM) or
+``speech-on-loop`` (the speech stage on the client's event loop: ``process: false, event_loop: client``).
 MODE: how it ends --
   ``exit``          generate once, return from main without shutdown;
   ``on-loop``       shutdown() called synchronously inside the client's loop;
   ``from-thread``   shutdown() from another thread while the loop runs;
+  ``after-stop``    shutdown() after the client's loop stopped (not closed);
   ``after-close``   shutdown() after the client's loop was closed;
   ``from-signal``   shutdown() from a SIGUSR1 handler while the loop runs.
 Prints one JSON line first: the stage pids, socket dirs and shared-memory prefixes to check;
-then, for the shutdown modes, one with the seconds shutdown() took.
+then, for the shutdown modes, one with the seconds shutdown() took; last, the threads still
+running besides the main one.
 """
 
 from __future__ import annotations
@@ -25,7 +28,8 @@ import time
 
 from vllm import SamplingParams
 
-from tests.helpers import tensor_pipeline_config
+from omni_engine.config import parse_pipeline_config
+from tests.helpers import TTS_FACTORY, tensor_pipeline_config
 from tests.stress.pipeline import REPO, speech_config, start_pipeline
 
 
@@ -33,6 +37,12 @@ async def start(pipeline: str, legacy: bool):
     if pipeline == "tensor":
         client = await start_pipeline(tensor_pipeline_config(use_shm=not legacy), legacy=legacy)
         prompt, params = {"nbytes": 1 << 20}, None
+    elif pipeline == "speech-on-loop":
+        client = await start_pipeline(parse_pipeline_config({"stage_args": [{
+            "stage_id": 0, "stage_type": "generation", "engine_args": {"model_factory": TTS_FACTORY},
+            "runtime": {"process": False, "event_loop": "client"}, "final_output": True,
+            "final_output_type": "audio"}]}, "<speech on the client's loop>"))
+        prompt, params = "Hello there.", None
     else:
         from omni_engine.models.prepare import prepare_model
 
@@ -43,7 +53,7 @@ async def start(pipeline: str, legacy: bool):
     assert outputs and outputs[-1].finished
     stages = [replica for ctx in client.stage_contexts for replica in ctx.client.replicas]
     print(json.dumps({
-        "pids": [s.process.pid for s in stages],
+        "pids": [s.process.pid for s in stages if s.process is not None],
         "runtime_dirs": [str(s.runtime_dir) for s in stages if getattr(s, "runtime_dir", None)],
         "shm_prefixes": [s.shm_prefix for s in stages if getattr(s, "shm_prefix", None)],
     }), flush=True)
@@ -77,9 +87,14 @@ def main() -> None:
     elif mode == "from-thread":
         done = asyncio.Event()
         thread = threading.Thread(target=lambda: (timed_shutdown(client), loop.call_soon_threadsafe(done.set)))
-        thread.start()
-        loop.run_until_complete(done.wait())
+
+        async def from_thread() -> None:
+            thread.start()  # (once the loop runs: started before, the thread may find it not running yet)
+            await done.wait()
+        loop.run_until_complete(from_thread())
         thread.join()
+    elif mode == "after-stop":
+        timed_shutdown(client)
     elif mode == "after-close":
         loop.close()
         timed_shutdown(client)
@@ -95,6 +110,8 @@ def main() -> None:
     client.shutdown()  # idempotent: a second call returns at once
     if not loop.is_closed():
         loop.close()
+    print(json.dumps({"threads": [t.name for t in threading.enumerate() if t is not threading.main_thread()]}),
+          flush=True)
 
 
 if __name__ == "__main__":

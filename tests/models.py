@@ -168,6 +168,11 @@ def make_fatal() -> FatalModel:
     return FatalModel()
 
 
+def make_unloadable() -> Any:
+    """A model whose loading fails (the stage must not become ready)."""
+    raise FileNotFoundError("weights.bin is missing")
+
+
 class NegateValues:
     """Input processor: one request per source, holding its result negated
     (an edge processor that differs from ``CollectValues`` in what it builds)."""

@@ -1,5 +1,6 @@
-"""In-process stages (``runtime.process: false``): the stage runs in a thread of the client's
-process over ``inproc://``, with the framing, abort, failure and shutdown of a stage process."""
+"""In-process stages (``runtime.process: false``): the stage runs in the client's process over
+``inproc://``, in a thread of its own (``event_loop: own``) or on the client's event loop
+(``event_loop: client``), with the framing, abort, failure and shutdown of a stage process."""
 
 from __future__ import annotations
 
@@ -12,32 +13,49 @@ import pytest
 
 from omni_engine.config import parse_pipeline_config
 from omni_engine.entrypoints.multi_stage_engine_client import MultiStageEngineClient
-from omni_engine.errors import StageDeadError, StageRequestError
-from omni_engine.stage_engine.in_process import InProcessStageClient
+from omni_engine.errors import StageDeadError, StageRequestError, StageStartupError
+from omni_engine.stage_engine.in_process import ClientLoopStageClient, InProcessStageClient
 from tests.helpers import TTS_FACTORY
 from tests.stress.checks import wait_clean
 
 pytestmark = [pytest.mark.asyncio(loop_scope="session")]
 
 TEXT = "The quick brown fox jumps over the lazy dog. It was a sunny day by the river."
+EVENT_LOOPS = ["own", "client"]
 
 
-def stage_threads() -> list[threading.Thread]:
-    return [t for t in threading.enumerate() if t.name.endswith("-in-process") or t.name.startswith("stage-")]
+def in_process_config(factory: str, event_loop: str, output_type: str, **runtime) -> object:
+    return parse_pipeline_config({"stage_args": [{
+        "stage_id": 0, "stage_type": "generation", "engine_args": {"model_factory": factory},
+        "runtime": {"process": False, "event_loop": event_loop, **runtime}, "final_output": True,
+        "final_output_type": output_type,
+    }]}, f"<in-process test, event_loop {event_loop}>")
 
 
-async def test_a_speech_stage_in_process_speaks_aborts_and_leaves_nothing():
-    config = parse_pipeline_config({"stage_args": [{
-        "stage_id": 0, "stage_type": "generation", "engine_args": {"model_factory": TTS_FACTORY},
-        "runtime": {"process": False, "max_batch_size": 2}, "final_output": True, "final_output_type": "audio",
-    }]}, "<in-process test>")
-    before = stage_threads()
+def stage_threads() -> list[str]:
+    """The stage's threads and its speech model's."""
+    return sorted(t.name for t in threading.enumerate()
+                  if t.name.endswith("-in-process") or t.name.startswith(("stage-", "espeak")))
+
+
+def stage_tasks() -> list[asyncio.Task]:
+    return [t for t in asyncio.all_tasks() if t.get_name().startswith("stage0-")]
+
+
+@pytest.mark.parametrize("event_loop", EVENT_LOOPS)
+async def test_a_speech_stage_in_process_speaks_aborts_and_leaves_nothing(event_loop):
+    config = in_process_config(TTS_FACTORY, event_loop, "audio", max_batch_size=2)
+    threads_before = stage_threads()
     client = await MultiStageEngineClient.from_config(config)
     try:
         stage = client.stage_contexts[0].client.replicas[0]
-        assert isinstance(stage, InProcessStageClient) and stage.process is None
+        expected = ClientLoopStageClient if event_loop == "client" else InProcessStageClient
+        assert type(stage) is expected and stage.process is None and stage.stage_running
         assert client.replica_status(0)[0].pid == os.getpid()  # READY came from this process
-        assert stage.input_address.startswith("inproc://") and stage.thread.is_alive()
+        assert stage.input_address.startswith("inproc://")
+        # Own loop: a thread of its own; the client's: none, its task runs on this loop.
+        assert (stage.thread is not None) == (event_loop == "own")
+        assert (getattr(stage, "task", None) in asyncio.all_tasks()) == (event_loop == "client")
         outs = [o async for o in client.generate(TEXT, None, "speak")]
         audio = np.concatenate([o.multimodal_output["audio"] for o in outs if o.multimodal_output])
         assert outs[-1].finished and len(audio) > 22050  # over a second of speech at 22,050 Hz
@@ -61,16 +79,15 @@ async def test_a_speech_stage_in_process_speaks_aborts_and_leaves_nothing():
         assert not await wait_clean(client)
     finally:
         await client.shutdown_async()
-    assert not stage.thread.is_alive()
-    assert stage_threads() == before
+    assert not stage.stage_running
+    assert stage_threads() == threads_before  # the speech model's thread went with its engine
+    assert not stage_tasks()
 
 
-async def test_an_in_process_stage_that_dies_fails_its_requests_naming_it():
-    config = parse_pipeline_config({"stage_args": [{
-        "stage_id": 0, "stage_type": "generation", "engine_args": {"model_factory": "tests.models:make_fatal"},
-        "runtime": {"process": False}, "final_output": True, "final_output_type": "tensor",
-    }]}, "<in-process fatal>")
-    client = await MultiStageEngineClient.from_config(config)
+@pytest.mark.parametrize("event_loop", EVENT_LOOPS)
+async def test_an_in_process_stage_that_dies_fails_its_requests_naming_it(event_loop):
+    client = await MultiStageEngineClient.from_config(in_process_config("tests.models:make_fatal", event_loop,
+                                                                        "tensor"))
     try:
         # The request fails with the engine's error; the stage then dies of it (a fatal engine error).
         with pytest.raises(StageRequestError, match="stage 0: request 'fatal' failed: device lost"):
@@ -79,7 +96,7 @@ async def test_an_in_process_stage_that_dies_fails_its_requests_naming_it():
                     pass
         stage = client.stage_contexts[0].client.replicas[0]
         async with asyncio.timeout(10):
-            while stage.thread.is_alive():
+            while stage.stage_running:
                 await asyncio.sleep(0.02)
         with pytest.raises(StageDeadError, match="stage 0: StageEngineError: device lost"):
             await client.check_health()
@@ -87,3 +104,30 @@ async def test_an_in_process_stage_that_dies_fails_its_requests_naming_it():
             await anext(client.generate({"x": 1}, None, "after"))
     finally:
         await client.shutdown_async()
+    assert not stage_tasks()
+
+
+@pytest.mark.parametrize("event_loop", EVENT_LOOPS)
+async def test_an_in_process_stage_that_fails_to_load_fails_startup_at_once_with_its_error(event_loop):
+    """No process sentinel tells of it: the stage's own end does, with the model's error, long
+    before the startup timeout."""
+    config = in_process_config("tests.models:make_unloadable", event_loop, "tensor")
+    threads_before = stage_threads()
+    loop = asyncio.get_running_loop()
+    t0 = loop.time()
+    with pytest.raises(StageStartupError, match=r"stage 0 \(in-process\) ended during startup: "
+                                                r"FileNotFoundError: weights.bin is missing"):
+        await MultiStageEngineClient.from_config(config)
+    assert loop.time() - t0 < 10
+    assert stage_threads() == threads_before and not stage_tasks()
+
+
+async def test_event_loop_is_checked_where_the_config_is_read():
+    """``event_loop`` is for in-process stages only, and takes one of its two values."""
+    from omni_engine.config import ConfigError
+
+    with pytest.raises(ConfigError, match=r"stage_args\[0\].runtime.event_loop: 'main' is not one of"):
+        in_process_config(TTS_FACTORY, "main", "audio")
+    with pytest.raises(ConfigError, match=r"stage_args\[0\].runtime.event_loop: applies to in-process stages "
+                                          r"only \(process: false\)"):
+        in_process_config(TTS_FACTORY, "client", "audio", process=True)

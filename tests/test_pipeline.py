@@ -32,13 +32,17 @@ from tests.helpers import wait_group_gone
 pytestmark = [pytest.mark.asyncio(loop_scope="session"), pytest.mark.llm, pytest.mark.tts]
 
 CONFIG = "stage_configs/smollm2_speech.yaml"
+# The speech stage's runtime per architecture.
+IN_PROCESS = {"new": {}, "legacy": {}, "inprocess": {"process": False},
+              "inprocess-client-loop": {"process": False, "event_loop": "client"}}
 STORY = "Tell me a short story about a cat."
 
 
-@pytest_asyncio.fixture(scope="module", loop_scope="session", params=["new", "legacy", "inprocess"])
+@pytest_asyncio.fixture(scope="module", loop_scope="session", params=["new", "legacy", "inprocess", "inprocess-client-loop"])
 async def pipeline(request, smollm2_path):
     """``new``: stage processes over ZMQ; ``legacy``: over multiprocessing.Queue; ``inprocess``:
-    the speech stage in a thread of the client (``runtime.process: false``), the LLM a process."""
+    the speech stage in a thread of the client (``runtime.process: false``), the LLM a process;
+    ``inprocess-client-loop``: the speech stage on the client's event loop (``event_loop: client``)."""
     raw = load_pipeline_config(CONFIG)
     data = {
         "runtime": {"execution_mode": raw.runtime.execution_mode,
@@ -52,7 +56,7 @@ async def pipeline(request, smollm2_path):
                 final_output=s.final_output, final_output_type=s.final_output_type,
                 default_sampling_params=s.default_sampling_params,
                 runtime={"max_batch_size": s.runtime.max_batch_size,
-                         **({"process": False} if request.param == "inprocess" and s.stage_type != "llm" else {})},
+                         **(IN_PROCESS[request.param] if s.stage_type != "llm" else {})},
             )
             for s in raw.stage_args
         ],
@@ -70,8 +74,8 @@ async def pipeline(request, smollm2_path):
         for replica in ctx.client.replicas:
             if replica.process is not None:
                 assert not replica.process.is_alive()
-            else:  # in-process: its thread has ended
-                assert not replica.thread.is_alive()
+            else:  # in-process: its thread or task has ended
+                assert not replica.stage_running
             if is_new(client):
                 assert not list_segments(replica.shm_prefix)
 
@@ -311,8 +315,8 @@ async def test_health_and_protocol_surface(pipeline):
 
 # Last in this module: it kills the speech stage of the shared pipeline.
 async def test_killed_stage_ends_its_requests_with_an_error_naming_it(pipeline, chat_prompt):
-    if pipeline.architecture == "inprocess":
-        pytest.skip("a thread cannot be killed; test_in_process covers an in-process stage's death")
+    if pipeline.architecture.startswith("inprocess"):
+        pytest.skip("an in-process stage cannot be killed alone; test_in_process covers its death")
     params = SamplingParams(temperature=0.0, max_tokens=300, ignore_eos=True, output_kind=RequestOutputKind.DELTA)
     tts = pipeline.stage_contexts[1].client.replicas[0]
     gen = pipeline.generate(chat_prompt(STORY), params, "doomed")

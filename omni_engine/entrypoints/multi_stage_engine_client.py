@@ -28,7 +28,7 @@ from omni_engine.pipeline.stage_context import StageContext
 from omni_engine.pipeline.stage_specs import build_stage_specs, prepare_models
 from omni_engine.pipeline.stage_supervisor import StageClientMaker, StageSupervisor
 from omni_engine.stage_engine.base_client import BaseStageClient
-from omni_engine.stage_engine.in_process import InProcessStageClient
+from omni_engine.stage_engine.in_process import ClientLoopStageClient, InProcessStageClient
 from omni_engine.stage_engine.security import CurveKeys
 from omni_engine.stage_engine.stage_core_client import StageEngineCoreClient
 from omni_engine.stage_engine.stage_spec import StageProcessSpec
@@ -131,7 +131,8 @@ class MultiStageEngineClient(EngineClient):
         def zmq_client(stage: StageConfig, replica: int) -> StageEngineCoreClient:
             spec = specs[stage.stage_id][replica]
             if not stage.runtime.process:
-                return InProcessStageClient(stage.stage_id, spec)
+                in_process = ClientLoopStageClient if stage.runtime.event_loop == "client" else InProcessStageClient
+                return in_process(stage.stage_id, spec)
             if placement is not None:
                 from omni_engine.placement.ray_stage_client import RayStageClient
 

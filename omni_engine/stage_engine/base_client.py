@@ -327,7 +327,11 @@ class BaseStageClient:
                 asked = True
             except Exception:  # noqa: BLE001 - the stage may be gone already; stopped below
                 logger.debug("stage %d: SHUTDOWN not sent", self.stage_id, exc_info=True)
-        await asyncio.to_thread(self._reap_process, timeout if asked else 0.0)
+        await self._reap(timeout if asked else 0.0)
+
+    async def _reap(self, grace: float) -> None:
+        """``_reap_process`` without blocking the loop."""
+        await asyncio.to_thread(self._reap_process, grace)
 
     def _forget_process(self) -> None:
         """Stop watching the process's exit: from here on it is stopped on purpose."""

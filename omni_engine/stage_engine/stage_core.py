@@ -55,6 +55,9 @@ class StageEngineCore:
 
     # Utility calls the stage process answers itself (not its engine).
     PROC_UTILITY_METHODS: ClassVar[frozenset[str]] = frozenset({"num_unfinished_requests"})
+    # SIGTERM/SIGINT end the stage when it runs on its process's main thread. A stage in the
+    # client's process leaves the process's signals to the client.
+    HANDLES_SIGNALS: ClassVar[bool] = True
 
     def __init__(self, stage_id: int, engine: StageEngine, out_q: ResponseSink) -> None:
         self.stage_id = stage_id
@@ -78,31 +81,44 @@ class StageEngineCore:
 
     # ------------------------------------------------------------------ run
     def run(self) -> int:
-        """Serve until SHUTDOWN, a signal, or a fatal engine error; returns the exit code."""
-        return uvloop.run(self._run())
+        """Serve on a uvloop of its own until SHUTDOWN, a signal, or a fatal engine error;
+        returns the exit code."""
+        return uvloop.run(self.serve())
 
-    async def _run(self) -> int:
+    async def serve(self) -> int:
+        """``run`` on the running loop (a stage on its client's loop)."""
         self._loop = asyncio.get_running_loop()
         self._shutdown = asyncio.Event()
         await self.engine.start()
         self._start_transport()
-        if threading.current_thread() is threading.main_thread():  # (an in-process stage is not)
+        if self.HANDLES_SIGNALS and threading.current_thread() is threading.main_thread():
             for sig in (signal.SIGTERM, signal.SIGINT):
                 self._loop.add_signal_handler(sig, self._on_signal, sig)
         logger.info("stage %d ready (pid %d)", self.stage_id, os.getpid())
         try:
             await self._shutdown.wait()
         finally:
-            tasks = list(self._requests.values())
-            for task in tasks:
-                task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
-            try:
-                await self.engine.shutdown()
-            except Exception:  # noqa: BLE001 - shutting down regardless
-                logger.exception("stage %d: engine shutdown failed", self.stage_id)
-            await self._stop_transport()
+            if self._loop.is_closed():
+                # Collected after its loop closed (a stage on a client's loop that was closed
+                # under it): nothing can be awaited, and the transport is all that can be freed.
+                self._abandon_transport()
+            else:
+                await self._wind_down()
         return self._exit_code
+
+    async def _wind_down(self) -> None:
+        tasks = list(self._requests.values())
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        try:
+            await self.engine.shutdown()
+        except Exception:  # noqa: BLE001 - shutting down regardless
+            logger.exception("stage %d: engine shutdown failed", self.stage_id)
+        await self._stop_transport()
+
+    def _abandon_transport(self) -> None:
+        """Release the transport without the event loop (which is closed)."""
 
     def num_unfinished_requests(self) -> int:
         """Requests this stage still holds anything for.
