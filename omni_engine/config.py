@@ -31,13 +31,14 @@ import msgspec
 import yaml
 
 from omni_engine import config_validation as cv
+from omni_engine import stage_validation as sv
 
 if TYPE_CHECKING:
     from omni_engine.stage_engine.security import CurveKeys
 
 EXECUTION_MODES = ("sequential", "async_chunk")
 TRANSPORTS = ("ipc", "tcp")
-RESTART_POLICIES = cv.RESTART_POLICIES
+RESTART_POLICIES = sv.RESTART_POLICIES
 FINAL_OUTPUT_TYPES = ("text", "audio", "image", "latent", "tensor")
 
 
@@ -178,7 +179,7 @@ class StageRuntimeConfig(_Base):
         """``devices`` as a tuple of ids (None: not set); validation has checked their shape."""
         if self.devices is None:
             return None
-        return tuple(str(part).strip() for part in cv.device_parts(self.devices))
+        return tuple(str(part).strip() for part in sv.device_parts(self.devices))
 
     def replica_device_ids(self, replica: int) -> tuple[str, ...] | None:
         """The devices of one replica: ``devices`` shared out in equal consecutive parts."""
@@ -275,7 +276,7 @@ def parse_pipeline_config(data: Any, source: str = "<dict>") -> PipelineConfig:
             errors.add(f"stage_args[{i}].stage_id", f"duplicate stage_id {stage.stage_id} (also "
                        f"stage_args[{first_index[stage.stage_id]}]); stage ids must be unique", label)
         first_index.setdefault(stage.stage_id, i)
-        cv.check_stage(stage, f"stage_args[{i}]", errors.for_stage(label), all_ids,
+        sv.check_stage(stage, f"stage_args[{i}]", errors.for_stage(label), all_ids,
                        STAGE_TYPES, TRANSPORTS, FINAL_OUTPUT_TYPES)
     if shell is not None:
         sources = {s.stage_id: list(s.engine_input_source) for _, s in converted}

@@ -16,16 +16,10 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
-from omni_engine.stage_engine.stage_sockets import check_host, is_loopback
+from omni_engine.stage_engine.stage_sockets import is_loopback
 from omni_engine.utils import resolve_dotted
 
-RESTART_POLICIES = ("no", "on-failure")
-LOAD_BALANCE_POLICIES = ("least-loaded", "round-robin")
-AFFINITIES = ("none", "request")
-RETRY_POLICIES = ("before_first_output", "never")
 PLACEMENT_BACKENDS = ("local", "ray")
-# Where an in-process stage's event loop runs: a thread of its own, or the client's.
-EVENT_LOOPS = ("own", "client")
 # Ray's placement-group strategies: how one stage's replicas are laid out over nodes.
 PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
 
@@ -36,7 +30,6 @@ if TYPE_CHECKING:
         PipelineRuntimeConfig,
         SecurityConfig,
         StageConfig,
-        StageRuntimeConfig,
     )
 
 # report(field_path, problem)
@@ -180,159 +173,6 @@ def check_dotted(path: Any, what: str, field_path: str, report: Report) -> None:
         return
     if not callable(obj):
         report(field_path, f"{what} {path!r} is not callable (got {_kind(obj)})")
-
-
-def check_stage(
-    stage: StageConfig,
-    path: str,
-    report: Report,
-    known_ids: set[int] | None,
-    stage_types: Iterable[str],
-    transports: Iterable[str],
-    output_types: Iterable[str],
-) -> None:
-    """Everything about one stage that does not need the whole graph.
-
-    ``known_ids`` is None when some stage has no usable id: references are then
-    not judged (they might point at that stage).
-    """
-    stage_types, output_types = tuple(stage_types), tuple(output_types)
-    if stage.stage_type not in stage_types:
-        report(f"{path}.stage_type", f"unknown stage_type {stage.stage_type!r}; expected one of {list(stage_types)}")
-    if stage.runtime.transport not in transports:
-        report(f"{path}.runtime.transport",
-               f"unknown transport {stage.runtime.transport!r}; expected one of {list(transports)}")
-    if stage.runtime.restart not in RESTART_POLICIES:
-        report(f"{path}.runtime.restart",
-               f"unknown restart policy {stage.runtime.restart!r}; expected one of {list(RESTART_POLICIES)}")
-    if stage.runtime.max_restarts is not None and stage.runtime.restart != "on-failure":
-        report(f"{path}.runtime.max_restarts", f"applies only with restart: on-failure (this stage has restart: "
-                                               f"{stage.runtime.restart!r})")
-    if not stage.runtime.process:
-        _check_in_process(stage, f"{path}.runtime.process", report)
-    _check_event_loop(stage.runtime, f"{path}.runtime.event_loop", report)
-    if stage.runtime.devices is not None:
-        _check_devices(stage.runtime.devices, f"{path}.runtime.devices", report)
-    _check_replicas(stage, f"{path}.runtime", report)
-    for key in stage.env:
-        if key.startswith("OMNI_ENGINE_"):
-            report(f"{path}.env.{key}", "omni_engine's settings are not read in stage processes; set tensor "
-                                        "transfer in runtime.connectors, others in the client's environment")
-    batch, max_num_seqs = stage.runtime.max_batch_size, stage.engine_args.get("max_num_seqs")
-    if stage.stage_type == "llm" and batch is not None and max_num_seqs is not None and batch != max_num_seqs:
-        report(f"{path}.runtime.max_batch_size",
-               f"{batch} differs from engine_args.max_num_seqs ({max_num_seqs}); for an llm stage they are the "
-               "same setting: give one, or the same value")
-    host = stage.runtime.host
-    if host is not None and stage.runtime.transport != "tcp":
-        report(f"{path}.runtime.host", f"host {host!r} applies only to transport: tcp "
-                                       f"(this stage uses {stage.runtime.transport!r})")
-    elif host is not None and (problem := check_host(host)) is not None:
-        report(f"{path}.runtime.host", f"{problem}; expected the address to bind, e.g. 127.0.0.1 (the default)")
-    if stage.final_output_type is not None and stage.final_output_type not in output_types:
-        report(f"{path}.final_output_type",
-               f"unknown final_output_type {stage.final_output_type!r}; expected one of {list(output_types)}")
-    elif stage.final_output and stage.final_output_type is None:
-        report(f"{path}.final_output_type",
-               f"missing; required when final_output is true; expected one of {list(output_types)}")
-    seen: set[int] = set()
-    for i, src in enumerate(stage.engine_input_source):
-        where = f"{path}.engine_input_source[{i}]"
-        if src == stage.stage_id:
-            report(where, f"stage {stage.stage_id} lists itself as its own input; a stage cannot feed itself")
-        elif known_ids is not None and src not in known_ids:
-            report(where, f"engine_input_source refers to stage {src}, which does not exist "
-                          f"(stage ids: {sorted(known_ids)})")
-        elif src in seen:
-            report(where, f"stage {src} is listed twice")
-        seen.add(src)
-    if stage.custom_process_input_func is not None:
-        check_dotted(stage.custom_process_input_func, "custom_process_input_func",
-                     f"{path}.custom_process_input_func", report)
-    model = stage.engine_args.get("model")
-    if stage.stage_type == "llm" and not (isinstance(model, str) and model):
-        report(f"{path}.engine_args.model",
-               f"missing or not a string (got {model!r}); an llm stage needs a model name or path")
-    if stage.stage_type == "generation":
-        if "model_factory" not in stage.engine_args:
-            report(f"{path}.engine_args.model_factory",
-                   "missing; a generation stage needs a dotted path 'pkg.module:factory' to build its model")
-        else:
-            check_dotted(stage.engine_args["model_factory"], "model_factory",
-                         f"{path}.engine_args.model_factory", report)
-
-
-def _check_in_process(stage: StageConfig, field_path: str, report: Report) -> None:
-    """What a stage in a thread of the client cannot have (``runtime.process: false``)."""
-    runtime = stage.runtime
-    refused = []
-    if stage.stage_type != "generation":
-        refused.append(f"stage_type {stage.stage_type!r} (only generation stages run in-process; an llm stage's "
-                       "vLLM needs a process of its own)")
-    if runtime.num_replicas != 1:
-        refused.append(f"num_replicas: {runtime.num_replicas} (an in-process stage is one thread)")
-    if runtime.restart != "no":
-        refused.append(f"restart: {runtime.restart} (a thread cannot be killed and started again)")
-    if runtime.devices is not None:
-        refused.append("devices (they are given to a process through its environment)")
-    if stage.env:
-        refused.append("env (a thread shares the client's environment)")
-    if runtime.transport != "ipc" or runtime.host is not None:
-        refused.append("transport/host (an in-process stage is reached over inproc://)")
-    for what in refused:
-        report(field_path, f"process: false cannot be combined with {what}")
-
-
-def _check_event_loop(runtime: StageRuntimeConfig, field_path: str, report: Report) -> None:
-    """Where an in-process stage's event loop runs; meaningless for a stage process."""
-    if runtime.event_loop is None:
-        return
-    if runtime.event_loop not in EVENT_LOOPS:
-        report(field_path, f"{runtime.event_loop!r} is not one of {list(EVENT_LOOPS)}")
-    elif runtime.process:
-        report(field_path, "applies to in-process stages only (process: false); a stage process runs its own loop")
-
-
-def _check_replicas(stage: StageConfig, path: str, report: Report) -> None:
-    """``num_replicas`` and the fields that say how replicas share work and fail."""
-    runtime = stage.runtime
-    n = runtime.num_replicas
-    for name, allowed in (("load_balance", LOAD_BALANCE_POLICIES), ("affinity", AFFINITIES),
-                          ("retry", RETRY_POLICIES)):
-        value = getattr(runtime, name)
-        if value is None:
-            continue
-        if value not in allowed:
-            report(f"{path}.{name}", f"unknown {name} {value!r}; expected one of {list(allowed)}")
-        elif n == 1:
-            report(f"{path}.{name}", "applies only with num_replicas > 1 (this stage has one replica)")
-    if runtime.devices is not None and n > 1:
-        count = len(device_parts(runtime.devices))
-        if count % n:
-            report(f"{path}.devices", f"{count} device(s) cannot be shared out equally over num_replicas: {n}; "
-                                      f"give each replica the same number (e.g. {n} devices, one each)")
-
-
-def device_parts(devices: str | int | list[int | str]) -> list[int | str]:
-    """``runtime.devices`` as written ("0,1", 0 or [0, 1]) as a list of its entries."""
-    return devices.split(",") if isinstance(devices, str) else devices if isinstance(devices, list) else [devices]
-
-
-def _check_devices(devices: Any, field_path: str, report: Report) -> None:
-    """Ids are non-negative integers or device names (e.g. GPU UUIDs), each given once."""
-    ids = []
-    for part in device_parts(devices):
-        device = str(part).strip()
-        if (isinstance(part, int) and part < 0) or not device or any(c.isspace() or c == "," for c in device):
-            report(field_path, f"invalid device id {part!r}; expected non-negative integers or device names, "
-                               "as \"0,1\", 0 or [0, 1]")
-            return
-        ids.append(device)
-    if not ids:
-        report(field_path, "empty; list the device ids, or leave the field out")
-    duplicates = sorted({d for d in ids if ids.count(d) > 1})
-    if duplicates:
-        report(field_path, f"device {duplicates[0]!r} is listed twice")
 
 
 def check_runtime(

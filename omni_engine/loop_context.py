@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import enum
-from pathlib import Path
+import os
 from collections.abc import Iterable
 
 
@@ -50,7 +50,8 @@ def cancel_now(tasks: Iterable[asyncio.Future | None]) -> None:
             task._log_destroy_pending = False  # asyncio's own switch (gather uses it too)
 
 
-_PACKAGE_DIR = str(Path(__file__).resolve().parent)
+# As the package's modules name their code files (not resolved: a symlinked install keeps its path).
+_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
 
 
 def own_tasks(loop: asyncio.AbstractEventLoop) -> list[asyncio.Task]:

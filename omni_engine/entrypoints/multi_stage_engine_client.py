@@ -25,12 +25,11 @@ from omni_engine.outputs import OmniRequestOutput
 from omni_engine.pipeline.orchestrator import PipelineOrchestrator
 from omni_engine.pipeline.replica_set import ReplicaStatus, StageReplicaSet
 from omni_engine.pipeline.stage_context import StageContext
+from omni_engine.pipeline.stage_clients import Progress, replica_set_for, start_stages, zmq_stage_client
 from omni_engine.pipeline.stage_specs import build_stage_specs, prepare_models
 from omni_engine.pipeline.stage_supervisor import StageClientMaker, StageSupervisor
 from omni_engine.stage_engine.base_client import BaseStageClient
-from omni_engine.stage_engine.in_process import ClientLoopStageClient, InProcessStageClient
 from omni_engine.stage_engine.security import CurveKeys
-from omni_engine.stage_engine.stage_core_client import StageEngineCoreClient
 from omni_engine.stage_engine.stage_spec import StageProcessSpec
 
 logger = logging.getLogger(__name__)
@@ -38,7 +37,6 @@ logger = logging.getLogger(__name__)
 # Seconds a synchronous shutdown() takes at most by default (then the stages are killed).
 SHUTDOWN_TIMEOUT_S = 30.0
 
-Progress = Callable[[str], None]
 StageClientFactory = Callable[[StageConfig, StageProcessSpec], BaseStageClient]
 
 
@@ -46,14 +44,6 @@ class Placement(Protocol):
     """Where a pipeline's stages run beyond this host (``RayPlacement``): released after the stages."""
 
     def close(self) -> None: ...
-
-
-def replica_set_for(stage: StageConfig, replicas: Sequence[BaseStageClient]) -> StageReplicaSet:
-    """The replicas of ``stage`` as one stage client, balanced and failing over as configured."""
-    runtime = stage.runtime
-    capacity = runtime.max_batch_size or stage.engine_args.get("max_num_seqs") or 1
-    return StageReplicaSet(stage.stage_id, replicas, load_balance=runtime.load_balance, affinity=runtime.affinity,
-                           retry=runtime.retry, capacity=capacity)
 
 
 class MultiStageEngineClient(EngineClient):
@@ -128,45 +118,21 @@ class MultiStageEngineClient(EngineClient):
             # A placed stage is reached over the network: always with CURVE.
             curve = curve or CurveKeys.generate()
 
-        def zmq_client(stage: StageConfig, replica: int) -> StageEngineCoreClient:
-            spec = specs[stage.stage_id][replica]
-            if not stage.runtime.process:
-                in_process = ClientLoopStageClient if stage.runtime.event_loop == "client" else InProcessStageClient
-                return in_process(stage.stage_id, spec)
-            if placement is not None:
-                from omni_engine.placement.ray_stage_client import RayStageClient
-
-                return RayStageClient(stage.stage_id, spec, placement=placement, replica=replica, curve=curve,
-                                      host=stage.runtime.host)
-            return StageEngineCoreClient(stage.stage_id, process=spec, transport=stage.runtime.transport,
-                                         host=stage.runtime.host,
-                                         curve=curve.for_new_process() if curve is not None else None)
-
         def make_client(stage: StageConfig, replica: int) -> BaseStageClient:
+            spec = specs[stage.stage_id][replica]
             if make_stage_client is not None:
-                return make_stage_client(stage, specs[stage.stage_id][replica])
-            return zmq_client(stage, replica)
+                return make_stage_client(stage, spec)
+            return zmq_stage_client(stage, spec, replica, placement=placement, curve=curve)
 
         stage_sets = {stage.stage_id: replica_set_for(stage, [make_client(stage, r)
                                                               for r in range(len(specs[stage.stage_id]))])
                       for stage in cfg.stage_args}
-
-        async def start(stage_id: int) -> None:
-            n = len(specs[stage_id])
-            say(f"stage {stage_id}: starting {'process' if n == 1 else f'{n} replicas'}")
-            loop = asyncio.get_running_loop()
-            t0 = loop.time()
-            await stage_sets[stage_id].start()
-            pids = ", ".join(str(r.ready.pid) for r in stage_sets[stage_id].replicas)
-            say(f"stage {stage_id}: ready in {loop.time() - t0:.1f} s (pid {pids})")
-
-        results = await asyncio.gather(*(start(sid) for sid in stage_sets), return_exceptions=True)
-        errors = [r for r in results if isinstance(r, BaseException)]
-        if errors:
-            await asyncio.gather(*(c.shutdown() for c in stage_sets.values()), return_exceptions=True)
+        try:
+            await start_stages(stage_sets, say)
+        except BaseException:
             if placement is not None:
                 placement.close()
-            raise errors[0]
+            raise
         contexts = [
             StageContext(
                 stage_id=stage.stage_id,

@@ -3,8 +3,9 @@
 ``orchestrator`` (``PipelineOrchestrator``), ``stage_graph`` (who feeds whom,
 with which input processor), ``request_state`` and ``request_events`` (one
 request's bookkeeping and what it means for metrics), ``stage_supervisor``
-(restarts), ``input_processors`` (edge processors) and ``stage_specs`` (a
-validated config turned into what each stage process is spawned with). It
+(restarts), ``input_processors`` (edge processors), ``stage_specs`` (a
+validated config turned into what each stage process is spawned with) and
+``stage_clients`` (which client each replica gets; starting them all). It
 talks to stages only through ``BaseStageClient``; how messages travel is the
 ``stage_engine`` package's business.
 """

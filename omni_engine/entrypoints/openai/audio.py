@@ -36,7 +36,7 @@ from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionReque
 from vllm.entrypoints.serve.engine.protocol import ErrorResponse
 from vllm.entrypoints.serve.utils.api_utils import get_max_tokens, validate_json_request
 from vllm.exceptions import VLLMValidationError
-from vllm.sampling_params import RequestOutputKind
+from vllm.sampling_params import RequestOutputKind, SamplingParams
 
 from omni_engine.audio import (
     SPEECH_FORMATS,
@@ -258,34 +258,64 @@ async def create_chat_completion(request: ChatCompletionRequest, raw_request: Re
     return await _audio_chat(request, raw_request, list(modalities))
 
 
+class _Refused(Exception):
+    """A chat request refused before it reaches the pipeline; ``response`` says why."""
+
+    def __init__(self, response: Response) -> None:
+        super().__init__()
+        self.response = response
+
+
 async def _audio_chat(request: ChatCompletionRequest, raw_request: Request, modalities: list[str]) -> Response:
     client = _client(raw_request)
+    try:
+        sid, fmt, speech = _chat_audio_options(client, request)
+        engine_input, sampling_params, prompt_len = await _chat_engine_input(client, raw_request, request)
+    except _Refused as refused:
+        return refused.response
+    request_id = f"chatcmpl-{uuid.uuid4().hex}"
+    model_name = request.model or (_served_names(client) or ["model"])[0]
+    params = _stage_params(client, sid, _speech_dict(speech), sampling_params)
+    stream = client.generate(engine_input, params, request_id, modalities=modalities)
+    if request.stream:
+        return StreamingResponse(_stream_chunks(request, stream, request_id, model_name, fmt, prompt_len),
+                                 media_type="text/event-stream")
+    return await _chat_audio_response(stream, request_id, model_name, fmt, prompt_len)
+
+
+def _chat_audio_options(client: Any, request: ChatCompletionRequest) -> tuple[int, str, SpeechParams]:
+    """The audio stage, the format and the speech parameters a chat request asks for."""
     sid = audio_stage_id(client)
     if sid is None:
-        return error_response("this pipeline has no audio stage; 'audio' modality is not available",
-                              param="modalities")
+        raise _Refused(error_response("this pipeline has no audio stage; 'audio' modality is not available",
+                                      param="modalities"))
     audio_opts = _extra(request, "audio") or {}
     if not isinstance(audio_opts, dict):
-        return error_response("audio must be an object with 'voice' and 'format'", param="audio")
+        raise _Refused(error_response("audio must be an object with 'voice' and 'format'", param="audio"))
     fmt = audio_opts.get("format", "wav")
     if fmt not in CHAT_AUDIO_FORMATS:
-        return error_response(f"audio.format {fmt!r} is not supported; use one of {list(CHAT_AUDIO_FORMATS)}",
-                              param="audio.format")
+        raise _Refused(error_response(f"audio.format {fmt!r} is not supported; use one of "
+                                      f"{list(CHAT_AUDIO_FORMATS)}", param="audio.format"))
     try:
         check_format("pcm" if fmt == "pcm16" else fmt)
     except AudioFormatError as exc:
-        return error_response(str(exc), param="audio.format")
+        raise _Refused(error_response(str(exc), param="audio.format")) from None
     if (request.n or 1) != 1 or request.use_beam_search:
-        return error_response("audio output supports n=1 without beam search", param="n")
+        raise _Refused(error_response("audio output supports n=1 without beam search", param="n"))
     try:
         speech = _speech_params(client, sid, audio_opts.get("voice", "en"), audio_opts.get("speed", 1.0))
     except ValueError as exc:
-        return error_response(str(exc), param="audio.voice")
+        raise _Refused(error_response(str(exc), param="audio.voice")) from None
+    return sid, fmt, speech
 
+
+async def _chat_engine_input(client: Any, raw_request: Request,
+                             request: ChatCompletionRequest) -> tuple[Any, SamplingParams, int]:
+    """The rendered prompt, its sampling parameters and its length, as vLLM's chat serving makes them."""
     serving = raw_request.app.state.openai_serving_chat
     rendered = await serving.render_chat_request(request)
     if isinstance(rendered, ErrorResponse):
-        return JSONResponse(rendered.model_dump(), status_code=rendered.error.code)
+        raise _Refused(JSONResponse(rendered.model_dump(), status_code=rendered.error.code))
     _conversation, engine_inputs = rendered
     engine_input = engine_inputs[0]
     prompt_len = len(engine_input.get("prompt_token_ids") or [])
@@ -297,21 +327,18 @@ async def _audio_chat(request: ChatCompletionRequest, raw_request: Request, moda
             truncate_prompt_tokens=request.truncate_prompt_tokens)
         sampling_params = request.to_sampling_params(max_tokens, serving.default_sampling_params)
     except ValueError as exc:
-        return error_response(str(exc))
+        raise _Refused(error_response(str(exc))) from None
     sampling_params.output_kind = RequestOutputKind.DELTA  # sentences reach the speech stage as they end
     try:
         client.validate_request(engine_input, sampling_params, "validate")
     except (VLLMValidationError, ValueError) as exc:
-        return error_response(str(exc))
+        raise _Refused(error_response(str(exc))) from None
+    return engine_input, sampling_params, prompt_len
 
-    request_id = f"chatcmpl-{uuid.uuid4().hex}"
-    model_name = request.model or (_served_names(client) or ["model"])[0]
-    params = _stage_params(client, sid, _speech_dict(speech), sampling_params)
-    stream = client.generate(engine_input, params, request_id, modalities=modalities)
-    if request.stream:
-        return StreamingResponse(_stream_chunks(request, stream, request_id, model_name, fmt, prompt_len),
-                                 media_type="text/event-stream")
 
+async def _chat_audio_response(stream: AsyncGenerator, request_id: str, model_name: str, fmt: str,
+                               prompt_len: int) -> Response:
+    """The whole (non-streamed) chat completion: the text and its speech in one message."""
     text, chunks, rate, completion_tokens, finish_reason = "", [], 22050, 0, None
     try:
         async for out in stream:

@@ -50,6 +50,16 @@ PREFIX = "omni_engine_"
 TIME_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0)
 # Seconds between a source's output and the submit to its consumer: routing, usually sub-millisecond.
 TRANSFER_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
+# (family name, OrchestratorMetrics attribute, help) of the per-stage counters.
+STAGE_COUNTERS = (
+    ("stage_requests", "requests", "Per stage: (sub-)requests submitted"),
+    ("stage_requests_finished", "finished", "Per stage: (sub-)requests finished"),
+    ("stage_requests_failed", "failed", "Per stage: requests the stage reported an error for"),
+    ("stage_requests_aborted", "aborted", "Per stage: (sub-)requests aborted while in flight"),
+    ("stage_outputs", "outputs", "Per stage: outputs received (a streamed request has many)"),
+    ("stage_bytes_in", "bytes_in", "Per stage: bytes of requests sent to the stage"),
+    ("stage_bytes_out", "bytes_out", "Per stage: bytes of outputs received from the stage"),
+)
 
 
 class StageEngineMetrics:
@@ -191,11 +201,10 @@ class PipelineMetricsCollector(PipelineObserver, Collector):
             retried.add_metric([str(sid)], count)
         return [up, running, sent, retried]
 
-    def collect(self) -> Iterable[Metric]:
-        client = self.client
-        stage_ids = client.stage_ids()
+    @staticmethod
+    def _stage_state_families(client: Any, stage_ids: list[int]) -> Iterable[Metric]:
+        """What each stage is doing now: up, waiting and running (sub-)requests, restarts so far."""
         load = client.stage_load()
-
         up = GaugeMetricFamily(PREFIX + "stage_up",
                                "1 while the stage serves (one of its replicas is alive), 0 once none is",
                                labels=["stage"])
@@ -203,39 +212,30 @@ class PipelineMetricsCollector(PipelineObserver, Collector):
                                     "Per stage: (sub-)requests submitted that have no output yet", labels=["stage"])
         running = GaugeMetricFamily(PREFIX + "stage_requests_running",
                                     "Per stage: (sub-)requests producing outputs", labels=["stage"])
+        restarts = CounterMetricFamily(PREFIX + "stage_restarts",
+                                       "Per stage: restarts after the stage died (runtime.restart)", labels=["stage"])
+        restart_counts = client.stage_restarts()
         for sid in stage_ids:
             label = [str(sid)]
             up.add_metric(label, 1.0 if client.stage_alive(sid) else 0.0)
             w, r = load.get(sid, (0, 0))
             waiting.add_metric(label, w)
             running.add_metric(label, r)
-        yield up
-        yield waiting
-        yield running
-        restarts = CounterMetricFamily(PREFIX + "stage_restarts",
-                                       "Per stage: restarts after the stage died (runtime.restart)", labels=["stage"])
-        restart_counts = client.stage_restarts()
-        for sid in stage_ids:
-            restarts.add_metric([str(sid)], restart_counts.get(sid, 0))
-        yield restarts
-        yield from self._replica_families(client, stage_ids)
+            restarts.add_metric(label, restart_counts.get(sid, 0))
+        return [up, waiting, running, restarts]
 
-        stage_counters = (
-            ("stage_requests", "requests", "Per stage: (sub-)requests submitted"),
-            ("stage_requests_finished", "finished", "Per stage: (sub-)requests finished"),
-            ("stage_requests_failed", "failed", "Per stage: requests the stage reported an error for"),
-            ("stage_requests_aborted", "aborted", "Per stage: (sub-)requests aborted while in flight"),
-            ("stage_outputs", "outputs", "Per stage: outputs received (a streamed request has many)"),
-            ("stage_bytes_in", "bytes_in", "Per stage: bytes of requests sent to the stage"),
-            ("stage_bytes_out", "bytes_out", "Per stage: bytes of outputs received from the stage"),
-        )
+    @staticmethod
+    def _stage_counter_families(client: Any, stage_ids: list[int]) -> Iterable[Metric]:
+        """The per-stage counters ``OrchestratorMetrics`` keeps."""
         stats = {sid: client.metrics.stage(sid) for sid in stage_ids}
-        for name, attr, doc in stage_counters:
+        for name, attr, doc in STAGE_COUNTERS:
             family = CounterMetricFamily(PREFIX + name, doc, labels=["stage"])
             for sid in stage_ids:
                 family.add_metric([str(sid)], getattr(stats[sid], attr))
             yield family
 
+    def _event_families(self, client: Any, stage_ids: list[int]) -> Iterable[Metric]:
+        """The counters this observer keeps: errors per stage, bytes per edge, requests per outcome."""
         with self._lock:
             errors = dict(self._errors)
             edge_bytes = dict(self._edge_bytes)
@@ -263,9 +263,15 @@ class PipelineMetricsCollector(PipelineObserver, Collector):
             family.add_metric([outcome], count)
         yield family
 
+    def collect(self) -> Iterable[Metric]:
+        client = self.client
+        stage_ids = client.stage_ids()
+        yield from self._stage_state_families(client, stage_ids)
+        yield from self._replica_families(client, stage_ids)
+        yield from self._stage_counter_families(client, stage_ids)
+        yield from self._event_families(client, stage_ids)
         for histogram in self._histograms:
             yield from histogram.collect()
-
         if self.engine_metrics is not None:
             yield from self.engine_metrics.collect()
 
