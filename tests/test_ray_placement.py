@@ -12,7 +12,9 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import wave
+from pathlib import Path
 
 import pytest
 import pytest_asyncio
@@ -168,7 +170,15 @@ async def test_frozen_remote_stage_is_found_by_missed_heartbeats(placed):
 
 
 async def test_node_loss_is_found_and_the_stage_comes_back_where_resources_allow(placed, cluster):
+    from omni_engine.placement.stage_launcher import LAUNCHER_DIR_PREFIX
+
     await wait_alive(placed)
+    # What a launcher lost with its node leaves: its stage's socket directory, named after its
+    # pid (that launcher itself may still be exiting when the next one starts: one whose pid
+    # is surely gone stands in for it).
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    stale = Path(tempfile.mkdtemp(prefix=f"{LAUNCHER_DIR_PREFIX}{gone.pid}-"))
     cluster.remove_node(cluster.node_b)
     assert await seconds_until_evicted(placed) < DETECT_WITHIN_S
     # No node has node_b now; a new one that has it takes the stage.
@@ -176,6 +186,7 @@ async def test_node_loss_is_found_and_the_stage_comes_back_where_resources_allow
     await wait_alive(placed)
     assert replica(placed).ready.host_id == cluster.node_b.node_id
     assert len(await speak(placed, TEXT, "after-node-loss")) > 0
+    assert not stale.exists()  # the new launcher (these nodes share /tmp) removed it first
 
 
 async def test_generate_command_runs_unchanged_on_a_ray_config(cluster, tmp_path):

@@ -24,7 +24,11 @@ import msgspec
 from omni_engine.connectors.shm import unlink_prefix
 from omni_engine.stage_engine.security import KeyPair, StageCurveKeys
 from omni_engine.stage_engine.stage_process import StageProcess, default_log_dir
+from omni_engine.stage_engine.stage_sockets import remove_stale_runtime_dirs
 from omni_engine.stage_engine.stage_spec import StageProcessSpec
+
+# The socket directory of a launched stage (vLLM's own sockets): <prefix><launcher pid>-<random>.
+LAUNCHER_DIR_PREFIX = "omni-ray-"
 
 
 class LaunchedStage(msgspec.Struct, frozen=True):
@@ -62,7 +66,9 @@ class StageLauncher:
             # Ray sets OMP_NUM_THREADS in its workers; a stage that reserved no CPU gets what a local
             # stage would get: no setting. (With CPUs reserved the client put their count in spec.env.)
             os.environ.pop("OMP_NUM_THREADS", None)
-        self._runtime_dir = Path(tempfile.mkdtemp(prefix=f"omni-ray-{os.getpid()}-"))
+        # A launcher killed with its node never cleaned up after its stage: the next one here does.
+        remove_stale_runtime_dirs(LAUNCHER_DIR_PREFIX, "*-*")
+        self._runtime_dir = Path(tempfile.mkdtemp(prefix=f"{LAUNCHER_DIR_PREFIX}{os.getpid()}-"))
         changes = dict(host_id=self.node_id, env={"VLLM_RPC_BASE_PATH": str(self._runtime_dir), **spec.env})
         if server_public is not None:
             changes["curve"] = StageCurveKeys(self._keypair, server_public)

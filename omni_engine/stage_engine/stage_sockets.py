@@ -30,11 +30,13 @@ DEFAULT_TCP_HOST = "127.0.0.1"
 MAX_READY_BYTES = 1 << 20
 
 
-def remove_stale_runtime_dirs() -> list[Path]:
-    """Remove socket directories of clients that died without cleaning up (kill -9)."""
+def remove_stale_runtime_dirs(prefix: str = RUNTIME_DIR_PREFIX, pattern: str = "*-s*-*") -> list[Path]:
+    """Remove socket directories (``<prefix><pid>-...``, matching ``prefix + pattern``) of
+    processes that died without cleaning up: a client killed with -9, a Ray launcher whose
+    node was lost."""
     removed = []
-    for path in Path(tempfile.gettempdir()).glob(f"{RUNTIME_DIR_PREFIX}*-s*-*"):
-        pid = path.name[len(RUNTIME_DIR_PREFIX):].split("-", 1)[0]
+    for path in Path(tempfile.gettempdir()).glob(prefix + pattern):
+        pid = path.name[len(prefix):].split("-", 1)[0]
         if pid.isdigit() and not pid_alive(int(pid)):
             shutil.rmtree(path, ignore_errors=True)
             removed.append(path)
