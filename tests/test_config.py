@@ -5,6 +5,8 @@ Fast, no processes: every error must name the file, the stage and the field.
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import textwrap
 from pathlib import Path
 
@@ -592,6 +594,20 @@ def test_ray_placement_fields_are_checked(tmp_path: Path) -> None:
     errors = errors_of(tmp_path, ray_placed(final(llm(0)), security={"curve": True, "client_key": "k.key_secret"}))
     assert any("runtime.security.client_key: a stage placed through Ray generates its keypair on its own node" in e
                for e in errors), errors
+
+
+def test_ray_is_imported_only_for_a_config_that_places_stages_through_it() -> None:
+    """Ray is an optional extra: loading a config without placement and everything that serves
+    or runs it leaves ``ray`` unimported, so a machine without it runs such pipelines."""
+    config = Path(__file__).resolve().parents[1] / "stage_configs" / "smollm2_speech.yaml"
+    code = ("import sys; from omni_engine.config import load_pipeline_config;"
+            "import omni_engine.entrypoints.cli.main, omni_engine.entrypoints.cli.serve,"
+            " omni_engine.entrypoints.cli.generate, omni_engine.entrypoints.openai.app,"
+            " omni_engine.entrypoints.multi_stage_engine_client;"
+            f"cfg = load_pipeline_config({str(config)!r});"
+            "print(cfg.runtime.placement.backend, 'ray' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.split()[-2:] == ["local", "False"], out
 
 
 def test_legacy_architecture_refuses_ray_placement(tmp_path: Path) -> None:

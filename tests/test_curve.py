@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import os
+import signal
 import textwrap
 from pathlib import Path
 
@@ -155,6 +156,55 @@ async def test_peers_without_an_allowed_key_can_neither_inject_nor_read(curve_pi
         monitor.close(linger=0)
     assert not stage.is_dead
     await _speak(pipeline, "curve-2")
+
+
+def _handshake_with(address: str, keys: StageCurveKeys, kind: int = zmq.PUSH, timeout: float = 5.0) -> int | None:
+    """Connect to ``address`` holding ``keys``, send nothing, and say how the handshake ended."""
+    sock, monitor = _stranger(kind, address, keys)
+    try:
+        return _handshake_result(monitor, timeout)
+    finally:
+        sock.close(linger=0)
+        monitor.close(linger=0)
+
+
+REPLICAS = PIPELINE.replace(", server_key: keys/server.key_secret, client_key: keys/client.key_secret", "").replace(
+    "runtime: {transport: tcp}", "runtime: {transport: tcp, num_replicas: 2, restart: on-failure}")
+
+
+async def test_an_evicted_replicas_key_is_admitted_nowhere(tmp_path):
+    """Every replica process gets a keypair of its own, so once one is evicted (killed, then
+    restarted), a zombie still holding its key gets through neither its successor's door nor
+    the other replica's, while the live replicas' own keys still do."""
+    client = await MultiStageEngineClient.from_config(load_pipeline_config(write_pipeline(tmp_path, REPLICAS)))
+    try:
+        stage = client.stage_contexts[0].client
+        victim, other = stage.replicas
+        server_public = victim.curve.server.public
+        evicted = StageCurveKeys(victim.curve.client, server_public)
+        assert victim.curve.client.public != other.curve.client.public
+        # Control: the key opens its own replica's door while that replica lives.
+        assert await asyncio.to_thread(_handshake_with, victim.output_address, evicted) == zmq.EVENT_HANDSHAKE_SUCCEEDED
+        os.kill(victim.ready.pid, signal.SIGKILL)
+        async with asyncio.timeout(60):
+            while stage.replicas[0] is victim or not client.replica_status(0)[0].alive:
+                await asyncio.sleep(0.05)
+        successor = stage.replicas[0]
+        assert successor.curve.client.public not in (victim.curve.client.public, other.curve.client.public)
+        for door, kind in ((successor.output_address, zmq.PUSH), (successor.input_address, zmq.DEALER),
+                           (other.output_address, zmq.PUSH), (other.input_address, zmq.DEALER)):
+            event = await asyncio.to_thread(_handshake_with, door, evicted, kind)
+            assert event in _FAILED, f"{door}: handshake {event} with the evicted replica's key"
+        # The evicted replica's own door closed with its client (nothing answers, or a new socket on its port refuses).
+        assert await asyncio.to_thread(_handshake_with, victim.output_address, evicted, zmq.PUSH, 1.0) \
+            != zmq.EVENT_HANDSHAKE_SUCCEEDED
+        for live in (successor, other):  # control: each live replica's key opens its door
+            keys = StageCurveKeys(live.curve.client, server_public)
+            assert await asyncio.to_thread(_handshake_with, live.output_address, keys) == zmq.EVENT_HANDSHAKE_SUCCEEDED
+        for i in range(2):
+            await _speak(client, f"after-eviction-{i}")
+    finally:
+        await client.shutdown_async()
 
 
 async def test_stage_with_wrong_keys_fails_start_naming_curve():

@@ -69,22 +69,44 @@ def run(args: argparse.Namespace) -> int:
     return uvloop.run(_serve(args, config))
 
 
-async def _serve(args: argparse.Namespace, config) -> int:
+async def _start_pipeline(config, text_stage, served_names: list[str]):
+    """Start the stages while the text stage's config and tokenizer load (both take seconds);
+    if the second fails, the first is stopped again."""
     import asyncio
 
+    from omni_engine.entrypoints.openai.engine_config import apply_text_stage_config, build_text_stage_config
+    from omni_engine.entrypoints.openai.serving_client import OpenAIServingEngineClient
+
+    client, text_config = await asyncio.gather(
+        OpenAIServingEngineClient.from_config(config, progress=say),
+        asyncio.to_thread(build_text_stage_config, text_stage, served_names),
+        return_exceptions=True,
+    )
+    if isinstance(client, BaseException):
+        raise client
+    try:
+        if isinstance(text_config, BaseException):
+            raise text_config
+        apply_text_stage_config(client, text_config)
+    except BaseException:
+        await client.shutdown_async()
+        say("stopped")
+        raise
+    return client
+
+
+async def _serve(args: argparse.Namespace, config) -> int:
     from vllm.entrypoints.launchers.api_server.entry import build_and_serve
     from vllm.entrypoints.launchers.launcher import setup_server
 
     from omni_engine.entrypoints.cli.serve_args import server_args_for
     from omni_engine.entrypoints.openai.app import install_app_extensions
     from omni_engine.entrypoints.openai.engine_config import (
-        apply_text_stage_config,
-        build_text_stage_config,
         default_served_model_name,
         text_stage_of,
         with_served_model_name,
     )
-    from omni_engine.entrypoints.openai.serving_client import OpenAIServingEngineClient
+    from omni_engine.entrypoints.openai.metrics import register_pipeline_metrics
     from omni_engine.pipeline.stage_specs import prepare_models
 
     # Our audio routes (/v1/audio/speech, chat with audio) and the API key on every route,
@@ -93,7 +115,6 @@ async def _serve(args: argparse.Namespace, config) -> int:
 
     started = time.monotonic()
     served_names = list(args.served_model_name or [default_served_model_name(text_stage_of(config))])
-    served_name = served_names[0]
     # The text stage's vLLM labels its vllm:* metrics with the name the API serves, as under `vllm serve`.
     config = with_served_model_name(prepare_models(config, say), served_names)
     text_stage = text_stage_of(config)
@@ -106,21 +127,9 @@ async def _serve(args: argparse.Namespace, config) -> int:
         return 1
     try:
         say(f"starting {len(config.stage_args)} stage(s) from {args.pipeline_config}; "
-             f"text stage {text_stage.stage_id} served as {served_name!r}")
-        # The text stage's config and tokenizer load while the stages start.
-        client_result, text_result = await asyncio.gather(
-            OpenAIServingEngineClient.from_config(config, progress=say),
-            asyncio.to_thread(build_text_stage_config, text_stage, served_names),
-            return_exceptions=True,
-        )
-        if isinstance(client_result, BaseException):
-            raise client_result
-        client: OpenAIServingEngineClient = client_result
+             f"text stage {text_stage.stage_id} served as {served_names[0]!r}")
+        client = await _start_pipeline(config, text_stage, served_names)
         try:
-            if isinstance(text_result, BaseException):
-                raise text_result
-            apply_text_stage_config(client, text_result)
-            from omni_engine.entrypoints.openai.metrics import register_pipeline_metrics
             # omni_engine_* series and the LLM stages' vllm:* series on vLLM's /metrics
             register_pipeline_metrics(client, engine_metrics_timeout=args.engine_metrics_timeout)
             say(f"pipeline ready in {time.monotonic() - started:.1f} s ({config.runtime.execution_mode}); "
