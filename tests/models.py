@@ -222,6 +222,25 @@ def make_pid_probe(delay: float = 0.0) -> PidProbe:
     return PidProbe(delay)
 
 
+class LoopHolder(_Model):
+    """Computes for ``hold`` seconds without awaiting (a model that blocks its event loop), then
+    awaits ``wait`` seconds (work that takes time but holds nothing), and answers ``{"held": hold}``."""
+
+    def __init__(self, hold: float = 0.0, wait: float = 0.0) -> None:
+        self.hold, self.wait = hold, wait
+
+    async def generate(self, requests: list[GenerationRequest]) -> list[Any]:
+        import time
+
+        time.sleep(self.hold)
+        await asyncio.sleep(self.wait)
+        return [{"held": self.hold} for _ in requests]
+
+
+def make_loop_holder(hold: float = 0.0, wait: float = 0.0) -> LoopHolder:
+    return LoopHolder(hold, wait)
+
+
 class FanOut:
     """Input processor: the prompt's ``fan_out`` requests to the next stage, ``{"index": i}`` each
     (sub-requests of one request, as sentences become speech requests)."""

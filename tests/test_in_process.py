@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import threading
 
@@ -130,6 +131,46 @@ async def test_an_in_process_stage_that_fails_to_load_fails_startup_at_once_with
         await MultiStageEngineClient.from_config(config)
     assert loop.time() - t0 < 10
     assert not before.threads_left() and not before.tasks_left()
+
+
+@pytest.mark.parametrize("event_loop", EVENT_LOOPS)
+async def test_a_model_that_holds_the_clients_loop_is_named_in_a_warning(event_loop, caplog):
+    """On the client's loop a model step that computes without awaiting holds every request of
+    the process: the stage says so, naming itself and the way out. On a loop of its own it
+    holds only its own stage, which is that mode's contract: nothing to say."""
+    def holder(hold: float, wait: float) -> object:
+        return parse_pipeline_config({"stage_args": [{
+            "stage_id": 0, "stage_type": "generation", "runtime": {"process": False, "event_loop": event_loop},
+            "engine_args": {"model_factory": "tests.models:make_loop_holder", "hold": hold, "wait": wait},
+            "final_output": True, "final_output_type": "tensor",
+        }]}, "<loop holder>")
+
+    async def ask(client: MultiStageEngineClient, request_id: str) -> None:
+        async with asyncio.timeout(10):
+            outs = [o async for o in client.generate({"x": 1}, None, request_id)]
+        assert outs[-1].finished
+
+    def holds_of(client: MultiStageEngineClient):
+        return getattr(client.stage_contexts[0].client.replicas[0], "loop_holds", None)
+
+    caplog.set_level(logging.WARNING, logger="omni_engine.engines.loop_holds")
+    # Control: a model that only awaits (0.3 s of waiting, no hold) has no step near that long.
+    async with await MultiStageEngineClient.from_config(holder(0.0, 0.3)) as client:
+        await ask(client, "waits")
+        assert holds_of(client) is None if event_loop == "own" else holds_of(client).longest_s < 0.3
+    async with await MultiStageEngineClient.from_config(holder(0.3, 0.0)) as client:
+        for i in range(3):
+            await ask(client, f"holds-{i}")
+        report = holds_of(client)
+    warnings = [r.getMessage() for r in caplog.records if r.name == "omni_engine.engines.loop_holds"]
+    if event_loop == "own":
+        assert report is None and not warnings
+        return
+    assert report.holds >= 3 and report.longest_s >= 0.3
+    # Rate-limited: one warning for three holds in a row.
+    assert len(warnings) == 1, warnings
+    assert "stage 0: its model held the client's event loop for 0.3" in warnings[0]
+    assert "runtime.event_loop: own" in warnings[0]
 
 
 async def test_event_loop_is_checked_where_the_config_is_read():

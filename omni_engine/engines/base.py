@@ -56,6 +56,11 @@ class StageEngine(abc.ABC):
         """Facts sent to the client in READY (model name, sample rate, ...)."""
         return {}
 
+    def watch_loop_holds(self) -> Any:
+        """Report model steps that hold the event loop (called where the loop is shared with the
+        client); returns the report, or None where the engine has no model steps of its own to time."""
+        return None
+
     def num_unfinished_requests(self) -> int:
         return 0
 

@@ -16,6 +16,7 @@ from typing import Any
 
 from omni_engine.engines.base import StageEngine, StageEngineError
 from omni_engine.engines.generation_model import GenerationModel, GenerationRequest
+from omni_engine.engines.loop_holds import LoopHoldReport, timed_steps
 from omni_engine.outputs import OmniRequestOutput
 from omni_engine.utils import resolve_dotted
 
@@ -59,6 +60,7 @@ class GenerationStageEngine(StageEngine):
         # The batch being computed and the model call computing it: cancelled
         # once every request in it is aborted, so the stage is free again.
         self._running: tuple[list[_Pending], asyncio.Task] | None = None
+        self.loop_holds: LoopHoldReport | None = None  # set where the loop is shared (watch_loop_holds)
 
     @property
     def output_type(self) -> str:
@@ -109,7 +111,10 @@ class GenerationStageEngine(StageEngine):
 
     async def _run_batch(self, batch: list[_Pending]) -> None:
         assert self.model is not None
-        call = asyncio.create_task(self.model.generate([p.request for p in batch]))
+        coro = self.model.generate([p.request for p in batch])
+        if self.loop_holds is not None:
+            coro = timed_steps(coro, self.loop_holds.limit_s, self.loop_holds)
+        call = asyncio.create_task(coro)
         self._running = (batch, call)
         try:
             results = await call
@@ -149,6 +154,10 @@ class GenerationStageEngine(StageEngine):
                 pending.request.aborted = True
                 pending.future.cancel()
         self._cancel_abandoned_batch()
+
+    def watch_loop_holds(self) -> LoopHoldReport:
+        self.loop_holds = LoopHoldReport(self.stage_id)
+        return self.loop_holds
 
     def num_unfinished_requests(self) -> int:
         return len(self._pending)

@@ -13,7 +13,8 @@ threads). Where that loop is (``runtime.event_loop``):
 * ``client`` (``ClientLoopStageClient``): the client's own event loop, as
   vLLM's server runs ``AsyncLLM``. No thread to wake: on these machines a
   round trip takes about a quarter of a stage process's. The model must not
-  block the loop (async, or its work in threads, as the speech model does).
+  block the loop (async, or its work in threads, as the speech model does);
+  a model step that does is named in a warning (``engines/loop_holds.py``).
 
 What a thread cannot have, validation refuses: an environment or devices of
 its own, a restart (a thread cannot be killed), replicas, CURVE (nothing
@@ -264,6 +265,7 @@ class ClientLoopStageClient(InProcessStageClient):
         self.task: asyncio.Task | None = None
         self._ended = threading.Event()  # the task's end, for a waiter on another thread
         self._loop_thread: int | None = None  # the thread that runs the loop (and the stage)
+        self.loop_holds: Any = None  # the engine's LoopHoldReport, once launched
 
     @property
     def stage_running(self) -> bool:
@@ -273,6 +275,8 @@ class ClientLoopStageClient(InProcessStageClient):
         self._exited = self._loop.create_future()
         self._loop_thread = threading.get_ident()
         self.core = core = self._new_core()
+        # The loop is everyone's here: a model step that holds it is named in a warning.
+        self.loop_holds = core.engine.watch_loop_holds()
         # A stage whose shutdown never runs (GC, interpreter exit) has no loop left to close
         # its sockets, and the context cannot end while they are open.
         self._finalizer.detach()
