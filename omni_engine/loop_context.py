@@ -25,14 +25,18 @@ class LoopContext(enum.Enum):
     NOT_RUNNING = "not_running"
 
 
+def running_loop() -> asyncio.AbstractEventLoop | None:
+    """The event loop running in this thread, or None (``asyncio.get_running_loop`` raises)."""
+    try:
+        return asyncio.get_running_loop()
+    except RuntimeError:
+        return None
+
+
 def loop_context(loop: asyncio.AbstractEventLoop | None) -> LoopContext:
     if loop is None or loop.is_closed() or not loop.is_running():
         return LoopContext.NOT_RUNNING
-    try:
-        running = asyncio.get_running_loop()
-    except RuntimeError:
-        running = None
-    return LoopContext.ON_LOOP if running is loop else LoopContext.OTHER_THREAD
+    return LoopContext.ON_LOOP if running_loop() is loop else LoopContext.OTHER_THREAD
 
 
 def cancel_now(tasks: Iterable[asyncio.Future | None]) -> None:

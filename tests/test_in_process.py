@@ -26,9 +26,10 @@ TEXT = "The quick brown fox jumps over the lazy dog. It was a sunny day by the r
 EVENT_LOOPS = ["own", "client"]
 
 
-def in_process_config(factory: str, event_loop: str, output_type: str, **runtime) -> object:
+def in_process_config(factory: str, event_loop: str, output_type: str, engine_args: dict | None = None,
+                      **runtime) -> object:
     return parse_pipeline_config({"stage_args": [{
-        "stage_id": 0, "stage_type": "generation", "engine_args": {"model_factory": factory},
+        "stage_id": 0, "stage_type": "generation", "engine_args": {"model_factory": factory, **(engine_args or {})},
         "runtime": {"process": False, "event_loop": event_loop, **runtime}, "final_output": True,
         "final_output_type": output_type,
     }]}, f"<in-process test, event_loop {event_loop}>")
@@ -139,11 +140,7 @@ async def test_a_model_that_holds_the_clients_loop_is_named_in_a_warning(event_l
     the process: the stage says so, naming itself and the way out. On a loop of its own it
     holds only its own stage, which is that mode's contract: nothing to say."""
     def holder(hold: float, wait: float) -> object:
-        return parse_pipeline_config({"stage_args": [{
-            "stage_id": 0, "stage_type": "generation", "runtime": {"process": False, "event_loop": event_loop},
-            "engine_args": {"model_factory": "tests.models:make_loop_holder", "hold": hold, "wait": wait},
-            "final_output": True, "final_output_type": "tensor",
-        }]}, "<loop holder>")
+        return in_process_config("tests.models:make_loop_holder", event_loop, "tensor", {"hold": hold, "wait": wait})
 
     async def ask(client: MultiStageEngineClient, request_id: str) -> None:
         async with asyncio.timeout(10):

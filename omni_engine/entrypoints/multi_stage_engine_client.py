@@ -19,7 +19,7 @@ from vllm.engine.protocol import EngineClient
 
 from omni_engine.config import EdgeConfig, PipelineConfig, StageConfig, load_pipeline_config
 from omni_engine.errors import StageDeadError
-from omni_engine.loop_context import LoopContext, loop_context
+from omni_engine.loop_context import LoopContext, loop_context, running_loop
 from omni_engine.metrics import OrchestratorMetrics, PipelineObserver
 from omni_engine.outputs import OmniRequestOutput
 from omni_engine.pipeline.orchestrator import PipelineOrchestrator
@@ -80,10 +80,7 @@ class MultiStageEngineClient(EngineClient):
         self._stopped = False
         self._closed = False  # every stage stopped and freed (_stopped: shutting down)
         # The loop that owns the stage sockets and tasks (a synchronous shutdown needs it).
-        try:
-            self._loop: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
-        except RuntimeError:
-            self._loop = None
+        self._loop: asyncio.AbstractEventLoop | None = running_loop()
         # What vLLM's serving layer reads; filled from the text stage by the server integration.
         self.vllm_config: Any = None
         self.model_config: Any = None

@@ -37,7 +37,7 @@ import msgspec
 import zmq
 
 from omni_engine.errors import StageDeadError, StageStartupError
-from omni_engine.loop_context import LoopContext, cancel_now, loop_context, own_tasks
+from omni_engine.loop_context import LoopContext, cancel_now, loop_context, own_tasks, running_loop
 from omni_engine.stage_engine.socket_reader import SocketReader
 from omni_engine.stage_engine.stage_core_client import StageEngineCoreClient
 from omni_engine.stage_engine.stage_core_proc import StageEngineCoreProc
@@ -330,7 +330,7 @@ class ClientLoopStageClient(InProcessStageClient):
         elif not self._loop.is_closed():  # (a loop another thread is about to run again)
             self._loop.call_soon_threadsafe(self.core.request_stop)
         if (where is LoopContext.NOT_RUNNING and on_loop_thread and not self._loop.is_closed()
-                and not _loop_running_here()):
+                and running_loop() is None):
             # Its own thread, between two runs of the loop: nobody else can be running it now.
             self._loop.run_until_complete(asyncio.wait([task], timeout=grace or _DEAD_STAGE_WAIT_S))
         if self._loop.is_closed():
@@ -344,14 +344,6 @@ class ClientLoopStageClient(InProcessStageClient):
         if self.core is not None:
             self.core.close_now()  # before the context ends (in the finalizer)
         super()._release_now()
-
-
-def _loop_running_here() -> bool:
-    try:
-        asyncio.get_running_loop()
-    except RuntimeError:
-        return False
-    return True
 
 
 def _cleanup_loop_stage(core: StageEngineCoreInProc, *args: Any) -> None:

@@ -38,7 +38,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from omni_engine import envs
-from omni_engine.loop_context import LoopContext, loop_context
+from omni_engine.loop_context import LoopContext, loop_context, running_loop
 from omni_engine.metrics import PipelineObserver
 from omni_engine.prometheus_snapshot import FamilySnapshot, merge_families
 
@@ -280,11 +280,7 @@ def register_pipeline_metrics(client: Any, registry: CollectorRegistry | None = 
                               engine_metrics_timeout: float = 2.0) -> PipelineMetricsCollector:
     """Hook a collector into ``client``'s orchestrator and register it (default: vLLM's ``/metrics``
     registry). Called on the client's loop, the collector also carries the LLM stages' ``vllm:*`` series."""
-    try:
-        loop: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
-    except RuntimeError:
-        loop = None
-    collector = PipelineMetricsCollector(client, StageEngineMetrics(client, loop, engine_metrics_timeout))
+    collector = PipelineMetricsCollector(client, StageEngineMetrics(client, running_loop(), engine_metrics_timeout))
     if registry is None:
         registry = REGISTRY
         if envs.prometheus_multiproc_dir():
