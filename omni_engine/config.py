@@ -135,6 +135,30 @@ class PipelineRuntimeConfig(_Base):
     placement: PlacementConfig = msgspec.field(default_factory=PlacementConfig)
 
 
+class WeightsConfig(_Base):
+    """Weight updates into the running pipeline (README "Weight updates (RL)").
+
+    ``stages``: the llm stages vLLM's weight protocol reaches (None: every llm stage;
+    [] turns weight updates off). ``backend``: how tensors reach them -- ``shm`` (same
+    host), ``zmq`` (any host), or vLLM's own ``nccl`` / ``ipc`` on GPUs.
+    """
+
+    stages: list[int] | None = None
+    backend: str = "shm"
+    # Where the last pushed weights are kept for a replica that restarts (default: a
+    # directory of the run's in the system temp dir, removed at shutdown).
+    store_dir: str | None = None
+    # A weight update with no call for this long is abandoned: its staged push is
+    # dropped, and a pipeline paused for it resumes (a trainer that died must not
+    # leave the pipeline paused).
+    idle_timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 60.0
+
+
+WEIGHT_BACKENDS = ("shm", "zmq", "nccl", "ipc")
+# The backends omni_engine's stages stage and check before loading (the rest load as they arrive).
+STAGED_WEIGHT_BACKENDS = ("shm", "zmq")
+
+
 class StageRuntimeConfig(_Base):
     # false: the stage runs in the client's process, over inproc:// (generation
     # stages, one replica, no restart, env or devices of its own).
@@ -224,6 +248,7 @@ class PipelineConfig(_Base):
 
     stage_args: list[StageConfig]
     runtime: PipelineRuntimeConfig = msgspec.field(default_factory=PipelineRuntimeConfig)
+    weights: WeightsConfig = msgspec.field(default_factory=WeightsConfig)
     source_path: str | None = None  # set by load_pipeline_config, never read from YAML
 
     def stage(self, stage_id: int) -> StageConfig:
@@ -234,6 +259,12 @@ class PipelineConfig(_Base):
 
     def stage_ids(self) -> list[int]:
         return [s.stage_id for s in self.stage_args]
+
+    def weight_stage_ids(self) -> list[int]:
+        """The stages weight updates reach: ``weights.stages``, or every llm stage."""
+        if self.weights.stages is not None:
+            return list(self.weights.stages)
+        return [s.stage_id for s in self.stage_args if s.stage_type == "llm"]
 
     def replace(self, **changes: Any) -> PipelineConfig:
         """A copy with ``changes`` (``source_path`` kept)."""
@@ -283,6 +314,7 @@ def parse_pipeline_config(data: Any, source: str = "<dict>") -> PipelineConfig:
         cv.check_runtime(shell.runtime, report, sources, all_ids, EXECUTION_MODES)
         cv.check_security(shell.runtime.security, report, _config_dir(source))
         cv.check_placement(shell, converted, errors)
+        cv.check_weights(shell.weights, [s for _, s in converted], report, WEIGHT_BACKENDS)
         if shell.runtime.security.curve:
             for i, stage in converted:
                 if not stage.runtime.process:
@@ -294,7 +326,7 @@ def parse_pipeline_config(data: Any, source: str = "<dict>") -> PipelineConfig:
         cv.check_graph(converted, errors)
     if errors.errors or shell is None:
         raise ConfigError(errors.errors, source)
-    return PipelineConfig(stage_args=[s for _, s in converted], runtime=shell.runtime)
+    return PipelineConfig(stage_args=[s for _, s in converted], runtime=shell.runtime, weights=shell.weights)
 
 
 def _config_dir(source: str) -> Path:

@@ -30,6 +30,7 @@ if TYPE_CHECKING:
         PipelineRuntimeConfig,
         SecurityConfig,
         StageConfig,
+        WeightsConfig,
     )
 
 # report(field_path, problem)
@@ -269,6 +270,33 @@ def check_placement(config: PipelineConfig, stages: list[tuple[int, StageConfig]
                                               "(only its public key crosses Ray); a fixed client key does not apply")
     for i, stage in stages:
         _check_stage_placement(stage, f"stage_args[{i}].runtime", ray, errors.for_stage(f"stage {stage.stage_id}"))
+
+
+# The engine args a weight-update stage gets from the pipeline (``weight_engine_args``).
+WEIGHT_ENGINE_ARGS = ("weight_transfer_config", "worker_extension_cls")
+
+
+def check_weights(weights: WeightsConfig, stages: list[StageConfig], report: Report,
+                  backends: tuple[str, ...]) -> None:
+    """``weights``: known backend; its stages exist, are llm stages, and leave the engine args
+    it sets (the transfer backend, the worker extension) to it."""
+    if weights.backend not in backends:
+        report("weights.backend", f"unknown backend {weights.backend!r}; expected one of {list(backends)}")
+    by_id = {stage.stage_id: stage for stage in stages}
+    for sid in weights.stages or ():
+        stage = by_id.get(sid)
+        if stage is None:
+            report("weights.stages", f"no stage {sid} in this pipeline (stages: {sorted(by_id)})")
+        elif stage.stage_type != "llm":
+            report("weights.stages", f"stage {sid} is a {stage.stage_type!r} stage; weight updates reach "
+                                     "llm stages (vLLM) only")
+    chosen = weights.stages if weights.stages is not None else [s.stage_id for s in stages if s.stage_type == "llm"]
+    for sid in chosen:
+        stage = by_id.get(sid)
+        for arg in WEIGHT_ENGINE_ARGS:
+            if stage is not None and arg in stage.engine_args:
+                report("weights", f"stage {sid} sets engine_args.{arg}, which weight updates set (backend "
+                                  f"{weights.backend!r}); remove it, or leave the stage out of weights.stages")
 
 
 def _check_stage_placement(stage: StageConfig, path: str, ray: bool, report: Report) -> None:

@@ -38,6 +38,9 @@ class OmniRequestOutput(RequestOutput):
     ``final_output_type`` says what the caller should look at: "text" (the
     ``outputs`` of the RequestOutput), "audio" (``multimodal_output["audio"]``
     and ``["sample_rate"]``), "image", or "latent"/"tensor".
+    ``stage_versions``: stage id -> the weight versions that made this output and
+    what it was made from (an audio chunk made from text of version v says v at
+    the text stage); empty where no stage has versioned weights.
     """
 
     def __init__(
@@ -52,6 +55,7 @@ class OmniRequestOutput(RequestOutput):
         stage_id: int = 0,
         final_output_type: str = "text",
         multimodal_output: dict[str, Any] | None = None,
+        stage_versions: dict[int, list[str]] | None = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(
@@ -61,6 +65,7 @@ class OmniRequestOutput(RequestOutput):
         self.stage_id = stage_id
         self.final_output_type = final_output_type
         self.multimodal_output = multimodal_output if multimodal_output is not None else {}
+        self.stage_versions = stage_versions if stage_versions is not None else {}
 
     @classmethod
     def from_request_output(
@@ -72,6 +77,7 @@ class OmniRequestOutput(RequestOutput):
         new.stage_id = stage_id
         new.final_output_type = final_output_type
         new.multimodal_output = getattr(output, "multimodal_output", None) or {}
+        new.stage_versions = getattr(output, "stage_versions", None) or {}
         return new
 
     @property

@@ -23,18 +23,31 @@ from omni_engine.prometheus_snapshot import snapshot_families
 logger = logging.getLogger(__name__)
 
 
+# vLLM's weight-update protocol (``EngineClient``), and what a fenced update across replicas
+# adds to it (``WeightUpdateExtension``'s methods in vLLM's worker).
+WEIGHT_METHODS = frozenset({
+    "init_weight_transfer_engine", "shutdown_weight_transfer_engine", "start_weight_update",
+    "start_draft_weight_update", "update_weights", "finish_weight_update", "update_weight_version",
+    "get_weight_version", "compute_weight_checksums",
+    "check_staged", "abort_weight_update", "restore_weights",
+})
+
+
 class LLMStageEngine(StageEngine):
     UTILITY_METHODS = StageEngine.UTILITY_METHODS | {
         "pause_generation", "resume_generation", "is_paused", "sleep", "wake_up", "is_sleeping",
         "reset_prefix_cache", "collective_rpc", "get_supported_tasks", "reset_mm_cache",
         "reset_encoder_cache", "start_profile", "stop_profile", "add_lora", "engine_metrics",
-    }
+    } | WEIGHT_METHODS
 
     def __init__(self, stage_id: int, engine_args: dict[str, Any], final_output_type: str = "text") -> None:
         super().__init__(stage_id)
         self.engine_args = dict(engine_args)
         self.final_output_type = final_output_type
         self.engine: Any = None
+        # The version the engine labels new tokens with (vLLM's own starts as "default"); outputs
+        # carry it until vLLM's exact spans arrive with the final one.
+        self.weight_version = "default"
 
     async def start(self) -> None:
         from vllm.engine.arg_utils import AsyncEngineArgs
@@ -56,19 +69,65 @@ class LLMStageEngine(StageEngine):
     def output_type(self) -> str:
         return self.final_output_type
 
+    # ------------------------------------------------------- weight updates
+    async def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
+        from vllm.distributed.weight_transfer.base import WeightTransferInitRequest
+
+        await self.engine.init_weight_transfer_engine(WeightTransferInitRequest(init_info=dict(init_info)))
+
+    async def update_weights(self, update_info: Any) -> None:
+        from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
+
+        await self.engine.update_weights(WeightTransferUpdateRequest(update_info=update_info))
+
+    async def finish_weight_update(self, weight_version: str | None = None) -> None:
+        await self.engine.finish_weight_update(weight_version)
+        if weight_version is not None:
+            self.weight_version = weight_version
+
+    async def update_weight_version(self, new_version: str) -> None:
+        await self.engine.update_weight_version(new_version)
+        self.weight_version = new_version
+
+    async def check_staged(self) -> int:
+        """The staged push is complete and valid on every worker (else raises); tensors staged."""
+        return min(await self.engine.collective_rpc("omni_check_staged"))
+
+    async def abort_weight_update(self) -> None:
+        await self.engine.collective_rpc("omni_abort_weight_update")
+
+    async def restore_weights(self, paths: list[str], weight_version: str) -> None:
+        """Load a saved push and take its version (a replica started after an update)."""
+        await self.engine.collective_rpc("omni_load_weights_files", args=(list(paths),))
+        await self.engine.reset_prefix_cache()
+        await self.update_weight_version(weight_version)
+
     async def generate(self, request_id: str, prompt: Any, sampling_params: Any) -> AsyncIterator[OmniRequestOutput]:
         from vllm.v1.engine.exceptions import EngineDeadError
 
         params = to_sampling_params(sampling_params)
         if isinstance(prompt, OmniTextPrompt):
             prompt = prompt.to_vllm()
+        versions: list[str] = []
         try:
             async for output in self.engine.generate(prompt, params, request_id):
-                yield OmniRequestOutput.from_request_output(
+                out = OmniRequestOutput.from_request_output(
                     output, stage_id=self.stage_id, final_output_type=self.final_output_type
                 )
+                out.stage_versions = {self.stage_id: self._versions_of(output, versions)}
+                yield out
         except EngineDeadError as exc:
             raise StageEngineError(f"vLLM engine died: {exc}") from exc
+
+    def _versions_of(self, output: Any, seen: list[str]) -> list[str]:
+        """The weight versions that made the request's tokens so far: vLLM's spans on the final
+        output, else the versions in force as its outputs came (``seen``, kept per request)."""
+        spans = [span.version for c in output.outputs for span in (c.weight_versions or ())]
+        if spans:
+            return list(dict.fromkeys(spans))
+        if not seen or seen[-1] != self.weight_version:
+            seen.append(self.weight_version)
+        return list(seen)
 
     async def abort(self, request_ids: Sequence[str]) -> None:
         await self.engine.abort(list(request_ids))

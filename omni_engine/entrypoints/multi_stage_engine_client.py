@@ -11,13 +11,15 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncGenerator, Callable, Iterable, Mapping, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterable, Mapping, Sequence
+from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any, Protocol
 
 from vllm.engine.protocol import EngineClient
 
-from omni_engine.config import EdgeConfig, PipelineConfig, StageConfig, load_pipeline_config
+from omni_engine.config import EdgeConfig, PipelineConfig, StageConfig, WeightsConfig, load_pipeline_config
+from omni_engine.entrypoints.openai.weight_versions import record as record_versions
 from omni_engine.errors import StageDeadError
 from omni_engine.loop_context import LoopContext, loop_context, running_loop
 from omni_engine.metrics import OrchestratorMetrics, PipelineObserver
@@ -28,6 +30,7 @@ from omni_engine.pipeline.stage_context import StageContext
 from omni_engine.pipeline.stage_clients import Progress, replica_set_for, start_stages, zmq_stage_client
 from omni_engine.pipeline.stage_specs import build_stage_specs, prepare_models
 from omni_engine.pipeline.stage_supervisor import StageClientMaker, StageSupervisor
+from omni_engine.pipeline.weight_sync import WeightSync, WeightUpdateError
 from omni_engine.stage_engine.base_client import BaseStageClient
 from omni_engine.stage_engine.security import CurveKeys
 from omni_engine.stage_engine.stage_spec import StageProcessSpec
@@ -74,7 +77,13 @@ class MultiStageEngineClient(EngineClient):
         if edges is None:
             edges = config.runtime.edges if config is not None else ()
         self.orchestrator = PipelineOrchestrator(stages, execution_mode, edges, self.metrics, **limits)
-        self.supervisor = StageSupervisor(self.stage_contexts, stage_makers or {})
+        weights = config.weights if config is not None else WeightsConfig()
+        weight_stages = (config.weight_stage_ids() if config is not None
+                         else [ctx.stage_id for ctx in self.stage_contexts if ctx.stage_type in (None, "llm")])
+        self.weights = WeightSync([ctx for ctx in self.stage_contexts if ctx.stage_id in weight_stages], weights,
+                                  self.resume_generation)
+        self.supervisor = StageSupervisor(self.stage_contexts, stage_makers or {},
+                                          prepare_replica=self.weights.prepare_replica)
         self._resumed = asyncio.Event()
         self._resumed.set()
         self._stopped = False
@@ -182,6 +191,8 @@ class MultiStageEngineClient(EngineClient):
         )
         try:
             async for output in stream:
+                if output.stage_versions:
+                    record_versions(output.stage_versions)
                 yield output
         finally:
             # A caller that leaves (aclose, cancellation) aborts the request
@@ -353,7 +364,72 @@ class MultiStageEngineClient(EngineClient):
         self._resumed.set()
 
     async def is_paused(self) -> bool:
-        return not self._resumed.is_set()
+        """Paused here (new requests wait), or any llm stage says its engine is paused."""
+        if not self._resumed.is_set():
+            return True
+        return any(await self._call_stages("is_paused", llm_only=True))
+
+    # ------------------------------------------------------ weight updates
+    # vLLM's EngineClient weight protocol, over every replica of the stages ``weights.stages``
+    # names (default: every llm stage); see ``WeightSync`` for what it adds.
+    async def init_weight_transfer_engine(self, init_request: Any) -> None:
+        await self.weights.init_weight_transfer_engine(_payload(init_request, "init_info"))
+
+    async def shutdown_weight_transfer_engine(self) -> None:
+        await self.weights.shutdown_weight_transfer_engine()
+
+    async def start_weight_update(self) -> None:
+        await self.weights.start_weight_update()
+
+    async def start_draft_weight_update(self) -> None:
+        await self.weights.start_weight_update(draft=True)
+
+    async def update_weights(self, request: Any) -> None:
+        await self.weights.update_weights(_payload(request, "update_info"))
+
+    async def finish_weight_update(self, weight_version: str | None = None) -> None:
+        await self.weights.finish_weight_update(weight_version)
+
+    async def abort_weight_update(self) -> None:
+        """Drop the update under way on every replica; they keep the weights they serve."""
+        await self.weights.abort()
+
+    async def update_weight_version(self, new_version: str) -> None:
+        await self.weights.update_weight_version(new_version)
+
+    async def get_weight_version(self) -> str:
+        return await self.weights.get_weight_version()
+
+    async def compute_weight_checksums(self) -> list[dict[str, str]]:
+        return await self.weights.compute_weight_checksums()
+
+    @asynccontextmanager
+    async def weight_update(self, version: str, mode: str = "wait") -> AsyncIterator["MultiStageEngineClient"]:
+        """The fence around one push: pause (``mode`` as ``pause_generation``), start the update,
+        run the body (its ``update_weights`` calls), finish with ``version`` on every replica,
+        reset the prefix cache, resume. A body that raises aborts the update (nothing loads).
+
+        Under ``wait`` and ``abort`` no request spans two versions; under ``keep`` the
+        requests frozen in the llm stages go on under the new weights (their spans say so).
+        Requests that arrive meanwhile wait and are served by the new version.
+        """
+        from omni_engine.pipeline.weight_sync import check_version_order
+
+        check_version_order(self.weights.version, version)
+        await self.pause_generation(mode=mode, clear_cache=False)
+        try:
+            await self.weights.start_weight_update()
+            try:
+                yield self
+            except BaseException:
+                await self.weights.abort()
+                raise
+            await self.weights.finish_weight_update(version)
+            # KV computed by the old weights must not be reused by new requests (blocks of
+            # requests kept under ``keep`` are still held: those are theirs).
+            await self._call_stages("reset_prefix_cache", stage_ids=self.weights.stage_ids)
+        finally:
+            await self.resume_generation()
 
     # ----------------------------------------------- calls into the stages
     async def collective_rpc(
@@ -391,7 +467,7 @@ class MultiStageEngineClient(EngineClient):
                 for replica, snapshot in results.items() if not isinstance(snapshot, BaseException)}
 
     async def sleep(self, level: int = 1, mode: str = "abort") -> None:
-        await self._call_stages("sleep", llm_only=True, level=level)
+        await self._call_stages("sleep", llm_only=True, level=level, mode=mode)
 
     async def wake_up(self, tags: list[str] | None = None) -> bool:
         await self._call_stages("wake_up", llm_only=True, tags=tags)
@@ -401,7 +477,9 @@ class MultiStageEngineClient(EngineClient):
         return any(await self._call_stages("is_sleeping", llm_only=True))
 
     async def reset_prefix_cache(self, reset_running_requests: bool = False, reset_connector: bool = False) -> bool:
-        return all(await self._call_stages("reset_prefix_cache", llm_only=True))
+        return all(await self._call_stages("reset_prefix_cache", llm_only=True,
+                                           reset_running_requests=reset_running_requests,
+                                           reset_connector=reset_connector))
 
     async def reset_mm_cache(self) -> None:
         await self._call_stages("reset_mm_cache", llm_only=True)
@@ -431,6 +509,7 @@ class MultiStageEngineClient(EngineClient):
             return
         self._stopped = True
         await self.supervisor.stop()
+        await self.weights.close()
         await self.orchestrator.stop()
         await asyncio.gather(*(ctx.client.shutdown() for ctx in self.stage_contexts), return_exceptions=True)
         self._close_placement()
@@ -468,6 +547,7 @@ class MultiStageEngineClient(EngineClient):
     def _shutdown_now(self, timeout: float) -> None:
         self._stopped = True
         self.supervisor.stop_now()
+        self.weights.close_now()
         self.orchestrator.stop_now()
         # Every stage is asked first, so they wind down together within one grace period.
         asked = [ctx for ctx in self.stage_contexts if ctx.client.ask_stop_now()]
@@ -481,4 +561,9 @@ class MultiStageEngineClient(EngineClient):
         self._closed = True
 
 
-__all__ = ["MultiStageEngineClient", "StageDeadError"]
+def _payload(request: Any, field: str) -> Any:
+    """vLLM's request dataclass (``WeightTransferInitRequest`` ...) or its payload as is."""
+    return getattr(request, field) if hasattr(request, field) else request
+
+
+__all__ = ["MultiStageEngineClient", "StageDeadError", "WeightUpdateError"]

@@ -318,6 +318,9 @@ class PipelineOrchestrator(RequestEndings):
         self.events.output(state, sid, k, now, output.finished)
         new_text = new_text_of(track, sub_id, output)
         track.text += new_text
+        versions = getattr(output, "stage_versions", None)
+        if versions:
+            state.add_versions(versions)
         if output.outputs and sid in state.final_stages and track.kinds.get(sub_id) is not RequestOutputKind.DELTA:
             track.last_output = output  # the partial answer, should an abort have to be ended here
         if track.consumers_pending:
@@ -357,6 +360,8 @@ class PipelineOrchestrator(RequestEndings):
     def _deliver(self, state: ClientRequestState, sid: int, output: OmniRequestOutput) -> None:
         track = state.stages[sid]
         output.request_id = state.request_id
+        if state.stage_versions:
+            output.stage_versions = {s: list(v) for s, v in state.stage_versions.items()}
         output.finished = output.finished and track.complete and not track.held
         track.closed = output.finished
         state.queue.put_nowait(output)

@@ -77,6 +77,14 @@ class ClientRequestState:
     # outputs still come in and end the caller's stream.
     aborting: bool = False
     ended_event: asyncio.Event = field(default_factory=asyncio.Event)
+    # Stage id -> the weight versions whose outputs this request used so far (every final
+    # output carries them: audio made from text of version v says v).
+    stage_versions: dict[int, list[str]] = field(default_factory=dict)
+
+    def add_versions(self, versions: dict[int, list[str]]) -> None:
+        for sid, names in versions.items():
+            known = self.stage_versions.setdefault(sid, [])
+            known.extend(v for v in names if v not in known)
 
 
 def new_text_of(track: StageTrack, sub_id: str, output: OmniRequestOutput) -> str:

@@ -99,6 +99,16 @@ def stage_process_spec(stage: StageConfig, connectors: ConnectorSettings, device
     )
 
 
+# vLLM's worker gets the weight-update methods the pipeline client calls (``omni_check_staged`` ...).
+WORKER_EXTENSION = "omni_engine.weights.worker_extension.WeightUpdateExtension"
+
+
+def weight_engine_args(backend: str) -> dict[str, object]:
+    """What an llm stage that takes weight updates adds to its engine args: vLLM's transfer
+    backend, and the worker extension that registers ours (shm, zmq) where vLLM's worker runs."""
+    return {"weight_transfer_config": {"backend": backend}, "worker_extension_cls": WORKER_EXTENSION}
+
+
 def build_stage_specs(config: PipelineConfig,
                       connectors: ConnectorSettings | None = None) -> dict[int, list[StageProcessSpec]]:
     """Every stage's process specs, one per replica; ``connectors`` default to the config's over
@@ -107,6 +117,11 @@ def build_stage_specs(config: PipelineConfig,
     source = config.source_path or "<dict>"
     needs_devices = any(stage.runtime.devices is not None for stage in config.stage_args)
     variable = device_control_variable() if needs_devices else None
-    return {stage.stage_id: [stage_process_spec(stage, connectors, variable, source, replica)
-                             for replica in range(stage.runtime.num_replicas)]
-            for stage in config.stage_args}
+    weighted = set(config.weight_stage_ids())
+    specs = {}
+    for stage in config.stage_args:
+        if stage.stage_id in weighted:
+            stage = stage.replace(engine_args={**stage.engine_args, **weight_engine_args(config.weights.backend)})
+        specs[stage.stage_id] = [stage_process_spec(stage, connectors, variable, source, replica)
+                                 for replica in range(stage.runtime.num_replicas)]
+    return specs

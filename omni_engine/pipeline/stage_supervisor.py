@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 
 from omni_engine.pipeline.replica_set import StageReplicaSet
 from omni_engine.pipeline.stage_context import StageContext
@@ -26,6 +26,9 @@ logger = logging.getLogger(__name__)
 
 # Makes the client (and process) of one replica of a stage, given the replica's index.
 StageClientMaker = Callable[[int], BaseStageClient]
+# Brings a started replica up to date before it serves (stage id, replica, client); raising
+# fails the restart (e.g. it cannot be put on the pipeline's current weights).
+ReplicaPreparer = Callable[[int, int, BaseStageClient], Awaitable[None]]
 
 DEFAULT_MAX_RESTARTS = 3
 _FIRST_DELAY_S = 0.5
@@ -35,9 +38,11 @@ _MAX_DELAY_S = 10.0
 class StageSupervisor:
     """Watches every replicated stage with a restart policy and a way to make a new replica."""
 
-    def __init__(self, stages: Sequence[StageContext], makers: dict[int, StageClientMaker]) -> None:
+    def __init__(self, stages: Sequence[StageContext], makers: dict[int, StageClientMaker],
+                 prepare_replica: ReplicaPreparer | None = None) -> None:
         self._stages = {ctx.stage_id: ctx for ctx in stages}
         self._makers = makers
+        self._prepare = prepare_replica
         self._replica_restarts: dict[tuple[int, int], int] = {}
         self._tasks: dict[tuple[int, int], asyncio.Task] = {}
         self._stopped = False
@@ -91,6 +96,8 @@ class StageSupervisor:
             client = self._makers[sid](replica)
             try:
                 await client.start()
+                if self._prepare is not None:
+                    await self._prepare(sid, replica, client)
             except Exception as exc:  # noqa: BLE001 - retried with a delay until the limit
                 logger.error("stage %d replica %d: restart failed: %s", sid, replica, exc)
                 await client.shutdown()

@@ -36,7 +36,7 @@ from PIL import Image
 from vllm import SamplingParams
 from vllm.logprobs import FlatLogprobs, Logprob
 from vllm.lora.request import LoRARequest
-from vllm.outputs import CompletionOutput, RequestOutput
+from vllm.outputs import CompletionOutput, RequestOutput, WeightVersionSpan
 from vllm.v1.metrics.stats import RequestStateStats
 
 from omni_engine.connectors.settings import (
@@ -82,6 +82,7 @@ class CustomType(enum.IntEnum):
     LOGPROB = 112
     FLAT_LOGPROBS = 113
     REQUEST_STATE_STATS = 114
+    WEIGHT_VERSION_SPAN = 115
 
 
 # Plain ints for the hot path (msgspec.msgpack.Ext requires int codes).
@@ -117,13 +118,14 @@ _DATACLASS_CODES: dict[type, CustomType] = {
     Logprob: CustomType.LOGPROB,
     FlatLogprobs: CustomType.FLAT_LOGPROBS,
     RequestStateStats: CustomType.REQUEST_STATE_STATS,
+    WeightVersionSpan: CustomType.WEIGHT_VERSION_SPAN,
 }
 _CODE_DATACLASSES = {code: cls for cls, code in _DATACLASS_CODES.items()}
 _DATACLASS_FIELDS = {cls: tuple(f.name for f in dataclasses.fields(cls)) for cls in _DATACLASS_CODES}
 
 _SCALARS = frozenset({int, float, str, bytes, bool, type(None)})
 
-_OMNI_EXTRA_FIELDS = ("stage_id", "final_output_type", "multimodal_output")
+_OMNI_EXTRA_FIELDS = ("stage_id", "final_output_type", "multimodal_output", "stage_versions")
 
 # Our own structs that may appear in Any fields (e.g. SpeechParams), by name.
 _WIRE_STRUCTS: dict[str, type[msgspec.Struct]] = {}
@@ -276,7 +278,8 @@ class StageMsgpackEncoder:
         outer_owner, self._owner = self._owner, obj.request_id
         try:
             values = self._fields(obj, REQUEST_OUTPUT_FIELDS)
-            values += [obj.stage_id, obj.final_output_type, self._wrap(obj.multimodal_output)]
+            values += [obj.stage_id, obj.final_output_type, self._wrap(obj.multimodal_output),
+                       getattr(obj, "stage_versions", None) or {}]
             return Ext(_CODE_OMNI_REQUEST_OUTPUT, self._nested(values))
         finally:
             self._owner = outer_owner
@@ -459,6 +462,8 @@ class StageMsgpackDecoder:
             if len(extra) < len(_OMNI_EXTRA_FIELDS):
                 raise WireFormatError("malformed OmniRequestOutput on the wire: missing stage fields")
             out.__dict__.update(zip(_OMNI_EXTRA_FIELDS, extra))
+            if not isinstance(out.__dict__.get("stage_versions"), dict):
+                out.stage_versions = {}
             if out.multimodal_output is None:
                 out.multimodal_output = {}
             elif not isinstance(out.multimodal_output, dict):

@@ -4,8 +4,9 @@ vLLM (0.32) has no hook for extra routes or middleware: ``build_and_serve``
 builds its app with the module-level function ``VLLM_BUILD_APP``, which is
 therefore wrapped where it is looked up. The wrapper adds the audio routes
 (``audio.add_audio_routes``), replaces vLLM's ``/abort_requests`` where it has
-one (``rl_routes``) and, when an API key is set, swaps vLLM's authentication
-middleware for one guarding every route (``auth``).
+one (``rl_routes``), when an API key is set swaps vLLM's authentication
+middleware for one guarding every route (``auth``), and tags completions with
+the weight version that made them (``weight_versions``).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from fastapi import FastAPI
 from omni_engine.entrypoints.openai.audio import add_audio_routes
 from omni_engine.entrypoints.openai.auth import guard_every_route
 from omni_engine.entrypoints.openai.rl_routes import replace_abort_requests_route
+from omni_engine.entrypoints.openai.weight_versions import add_weight_versions
 
 VLLM_BUILD_APP = "vllm.entrypoints.launchers.api_server.entry.build_app"
 
@@ -33,7 +35,7 @@ class _OmniBuildApp:
         app = add_audio_routes(self.wrapped(*args, **kwargs))
         replace_abort_requests_route(app)
         guard_every_route(app)
-        return app
+        return add_weight_versions(app)
 
 
 def install_app_extensions() -> None:

@@ -1,0 +1,144 @@
+"""``WeightStore``: the last committed push, kept where a new replica process can load it.
+
+A replica that restarts (or is added) after an update must come back on the
+pipeline's current weights. The pipeline client keeps them: while the stages
+stage a chunk, the client writes the same chunk (read from the sender's
+segment, or fetched from the zmq sender as one more consumer) into a
+safetensors file, in a thread, so the write overlaps the stages' copies and
+never holds a stage's engine. A push becomes the store's current one only
+when it commits everywhere; an aborted one is deleted.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from omni_engine.weights.layout import ALIGNMENT, dtype_from_name
+
+# torch dtype names -> safetensors' names
+_SAFETENSORS_NAMES = {
+    "float64": "F64", "float32": "F32", "float16": "F16", "bfloat16": "BF16", "int64": "I64", "int32": "I32",
+    "int16": "I16", "int8": "I8", "uint8": "U8", "bool": "BOOL",
+}
+
+
+def write_safetensors(path: Path, names: list[str], dtype_names: list[str], shapes: list[list[int]],
+                      buffers: list[Any]) -> None:
+    """A safetensors file of raw tensor bytes (``buffers``), written without building it in memory."""
+    header: dict[str, Any] = {}
+    offset = 0
+    for name, dtype, shape, buf in zip(names, dtype_names, shapes, buffers):
+        st_dtype = _SAFETENSORS_NAMES.get(str(dtype).removeprefix("torch."))
+        if st_dtype is None:
+            raise ValueError(f"weight store: tensor {name!r} has dtype {dtype}, which safetensors cannot hold")
+        nbytes = memoryview(buf).nbytes
+        header[name] = {"dtype": st_dtype, "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-(len(raw) + 8) % ALIGNMENT)  # data starts aligned (the format allows padding)
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as f:
+        f.write(len(raw).to_bytes(8, "little"))
+        f.write(raw)
+        for buf in buffers:
+            f.write(buf)
+    os.replace(tmp, path)
+
+
+class WeightStore:
+    """Chunks of the push under way (``pending``) and of the last committed one (``current``)."""
+
+    def __init__(self, root: str | Path | None = None) -> None:
+        """``root``: the directory to keep pushes in (default: a new one in the system temp dir,
+        removed by ``close``)."""
+        self._own = root is None
+        self.root = Path(root) if root is not None else Path(tempfile.mkdtemp(prefix="omni-weights-"))
+        self.root.mkdir(parents=True, exist_ok=True)
+        self.pending = self.root / "pending"
+        self.current = self.root / "current"
+        self._chunks = 0
+        self._segment: Any = None
+        self._fetcher: Any = None
+
+    # ------------------------------------------------------------- a push
+    def begin(self) -> None:
+        shutil.rmtree(self.pending, ignore_errors=True)
+        self.pending.mkdir()
+        self._chunks = 0
+
+    def write_chunk(self, update_info: dict[str, Any], init_info: dict[str, Any] | None) -> None:
+        """Write one chunk of the push under way (blocking: run it in a thread)."""
+        names, dtypes, shapes = update_info["names"], update_info["dtype_names"], update_info["shapes"]
+        if "segment" in update_info:
+            buffers = self._shm_buffers(update_info)
+        else:
+            buffers = self._fetched(update_info, init_info or {})
+        index = self._chunks
+        self._chunks += 1
+        write_safetensors(self.pending / f"chunk{index:05d}.safetensors", names, dtypes, shapes, buffers)
+
+    def _shm_buffers(self, info: dict[str, Any]) -> list[memoryview]:
+        from omni_engine.connectors.shm import ShmSegment
+
+        if self._segment is None or self._segment.name != info["segment"]:
+            self._close_segment()
+            self._segment = ShmSegment.attach(info["segment"])
+        buffers = []
+        for name, dtype, shape, offset in zip(info["names"], info["dtype_names"], info["shapes"], info["offsets"]):
+            numel = 1
+            for d in shape:
+                numel *= d
+            buffers.append(self._segment.view(int(offset), numel * dtype_from_name(dtype, name).itemsize))
+        return buffers
+
+    def _fetched(self, info: dict[str, Any], init_info: dict[str, Any]) -> list[memoryview]:
+        from omni_engine.weights.zmq_transport import ChunkFetcher
+
+        if self._fetcher is None or self._fetcher.address != init_info.get("address"):
+            self._close_fetcher()
+            self._fetcher = ChunkFetcher(init_info["address"], init_info.get("server_public_key"),
+                                         float(init_info.get("timeout_s", 60.0)), init_info.get("client_public_key"),
+                                         init_info.get("client_secret_key"))
+        return self._fetcher.fetch(info["push_id"], int(info["chunk"]))
+
+    def commit(self) -> None:
+        """The push under way is the current one now."""
+        self._close_segment()
+        old = self.root / "old"
+        shutil.rmtree(old, ignore_errors=True)
+        if self.current.exists():
+            os.replace(self.current, old)
+        os.replace(self.pending, self.current)
+        shutil.rmtree(old, ignore_errors=True)
+
+    def abort(self) -> None:
+        self._close_segment()
+        shutil.rmtree(self.pending, ignore_errors=True)
+
+    def files(self) -> list[str]:
+        """The current push's chunk files, in order ([] before the first commit)."""
+        return sorted(str(p) for p in self.current.glob("chunk*.safetensors")) if self.current.exists() else []
+
+    # -------------------------------------------------------------- close
+    def _close_segment(self) -> None:
+        if self._segment is not None:
+            self._segment.close()
+            self._segment = None
+
+    def _close_fetcher(self) -> None:
+        if self._fetcher is not None:
+            self._fetcher.close()
+            self._fetcher = None
+
+    def close(self) -> None:
+        self._close_segment()
+        self._close_fetcher()
+        if self._own:
+            shutil.rmtree(self.root, ignore_errors=True)
+        else:
+            shutil.rmtree(self.pending, ignore_errors=True)
