@@ -615,3 +615,40 @@ def test_legacy_architecture_refuses_ray_placement(tmp_path: Path) -> None:
 
     with pytest.raises(ConfigError, match=r"runtime.placement is not supported by the legacy architecture"):
         check_legacy_config(parse_pipeline_config(ray_placed(final(llm(0)))))
+
+
+# ---------------------------------------------------------------------------
+# weights: which stages take weight updates, and how
+# ---------------------------------------------------------------------------
+def test_weight_updates_reach_every_llm_stage_by_default_and_set_their_engine_args():
+    from omni_engine.pipeline.stage_specs import WORKER_EXTENSION
+
+    data = base()  # stage 0 llm, stage 1 speech
+    specs = build_stage_specs(parse_pipeline_config(data))
+    assert specs[0][0].engine_args["weight_transfer_config"] == {"backend": "shm"}
+    assert specs[0][0].engine_args["worker_extension_cls"] == WORKER_EXTENSION
+    assert "weight_transfer_config" not in specs[1][0].engine_args
+    data["weights"] = {"stages": []}
+    assert "weight_transfer_config" not in build_stage_specs(parse_pipeline_config(data))[0][0].engine_args
+    data["weights"] = {"backend": "zmq"}
+    config = parse_pipeline_config(data)
+    assert config.weight_stage_ids() == [0]
+    assert build_stage_specs(config)[0][0].engine_args["weight_transfer_config"] == {"backend": "zmq"}
+
+
+@pytest.mark.parametrize("weights, needles", [
+    ({"backend": "gloo"}, ("weights.backend: unknown backend 'gloo'", "'shm', 'zmq', 'nccl', 'ipc'")),
+    ({"stages": [1]}, ("weights.stages: stage 1 is a 'generation' stage", "llm stages (vLLM) only")),
+    ({"stages": [7]}, ("weights.stages: no stage 7 in this pipeline",)),
+    ({"idle_timeout_s": 0}, ("weights.idle_timeout_s",)),
+])
+def test_weights_section_errors_name_the_field(tmp_path, weights, needles):
+    one_error(tmp_path, {**base(), "weights": weights}, *needles)
+
+
+def test_a_stage_that_sets_what_weight_updates_set_is_refused(tmp_path):
+    data = base()
+    data["stage_args"][0]["engine_args"]["worker_extension_cls"] = "my.ext:Ext"
+    one_error(tmp_path, data, "stage 0 sets engine_args.worker_extension_cls", "weights.stages")
+    data["weights"] = {"stages": []}
+    load_pipeline_config(write(tmp_path, yaml.safe_dump(data, sort_keys=False)))  # left out: its own extension

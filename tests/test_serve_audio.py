@@ -27,9 +27,10 @@ ORIGIN = "https://app.example"
 @pytest.fixture(scope="module")
 def server(tmp_path_factory, smollm2_path):
     # vLLM's serve flags, as an operator passes them to `vllm serve`.
+    # Dev mode: vLLM's RL routes (weight updates) are on, behind the key like every route.
     with running_server("stage_configs/smollm2_speech.yaml", MODEL, tmp_path_factory.mktemp("serve-audio"),
                         extra_args=("--allowed-origins", f'["{ORIGIN}"]', "--enable-request-id-headers"),
-                        api_key=API_KEY) as srv:
+                        api_key=API_KEY, env={"VLLM_SERVER_DEV_MODE": "1"}) as srv:
         yield srv
 
 
@@ -306,3 +307,45 @@ def test_vllm_cors_and_request_id_flags_behave_as_in_vllm_serve(server):
     response = httpx.get(f"{server['url']}/v1/audio/voices", timeout=30,
                          headers={**auth_headers(server), "X-Request-Id": "trace-42"})
     assert response.status_code == 200 and response.headers["x-request-id"] == "trace-42"
+
+
+RL_ROUTES = [
+    ("POST", "/pause", None), ("POST", "/resume", None), ("GET", "/is_paused", None),
+    ("POST", "/init_weight_transfer_engine", {"init_info": {}}), ("POST", "/start_weight_update", None),
+    ("POST", "/update_weights", {"update_info": {}}), ("POST", "/finish_weight_update", None),
+    ("POST", "/update_weight_version", {"new_version": "99"}), ("GET", "/weight_info", None),
+    ("POST", "/weight_checker", {"action": "checksum"}), ("POST", "/reset_prefix_cache", None),
+    ("POST", "/collective_rpc", {"method": "get_model"}), ("POST", "/sleep", None), ("POST", "/wake_up", None),
+    ("GET", "/is_sleeping", None),
+]
+
+
+def test_weight_updates_through_the_rl_routes_with_a_trainer_script(server, smollm2_path, tmp_path):
+    """The speech pipeline under ``VLLM_SERVER_DEV_MODE=1``: every RL route needs the key; a trainer
+    process pushes over HTTP + shm with the fence; answers and their weight_version follow; bad calls
+    are 4xx with a message and change nothing."""
+    import httpx
+
+    from tests.test_serve_weights import check_row_swap_push
+
+    url = server["url"]
+    for method, path, body in RL_ROUTES:
+        response = httpx.request(method, url + path, json=body, timeout=30)
+        assert response.status_code == 401, (path, response.status_code)
+    headers = auth_headers(server)
+    version = httpx.get(f"{url}/weight_info", headers=headers, timeout=30).json()["weight_version"]
+    assert httpx.get(f"{url}/is_paused", headers=headers, timeout=30).json() == {"is_paused": False}
+    refused = [
+        ("POST", "/update_weights", {"update_info": {"names": []}}, "update_weights without start_weight_update"),
+        ("POST", "/finish_weight_update", None, "finish_weight_update without start_weight_update"),
+        ("POST", "/update_weight_version", {"new_version": version}, "is the version the pipeline is on already"),
+    ]
+    for method, path, body, message in refused:
+        response = httpx.request(method, url + path, json=body, headers=headers, timeout=30)
+        assert 400 <= response.status_code < 500 and message in response.text, (path, response.text[:300])
+    response = httpx.post(f"{url}/pause", params={"mode": "sometimes"}, headers=headers, timeout=30)
+    assert 400 <= response.status_code < 500
+    checksums = httpx.post(f"{url}/weight_checker", json={"action": "checksum"}, headers=headers, timeout=60)
+    assert checksums.status_code == 200 and all(k.startswith("s0.r0.") for k in checksums.json()["checksums"])
+    assert httpx.get(f"{url}/is_sleeping", headers=headers, timeout=30).json() == {"is_sleeping": False}
+    check_row_swap_push({**server, "model": MODEL}, smollm2_path, tmp_path, "--mode", "wait")

@@ -172,6 +172,23 @@ def test_encode_decode_omni_request_output():
     assert decoded.stage_id == 0 and decoded.final_output_type == "text" and decoded.multimodal_output == {}
 
 
+def test_weight_version_spans_and_stage_versions_cross_the_wire():
+    """vLLM's per-token version spans are a registered wire type (ext 115), and the pipeline's
+    stage -> versions map travels on every OmniRequestOutput (int stage ids kept)."""
+    from vllm.outputs import WeightVersionSpan
+
+    completion = _completion(0, "stop")
+    completion.weight_versions = [WeightVersionSpan("3", 0, 2), WeightVersionSpan("4", 2, 4)]
+    original = OmniRequestOutput("v-1", outputs=[completion], finished=True, stage_versions={0: ["3", "4"], 2: ["4"]})
+    decoded = StageMsgpackDecoder().decode(StageMsgpackEncoder().encode(original))
+    spans = decoded.outputs[0].weight_versions
+    assert all(type(span) is WeightVersionSpan for span in spans)
+    assert [(s.version, s.start, s.end) for s in spans] == [("3", 0, 2), ("4", 2, 4)]
+    assert decoded.stage_versions == {0: ["3", "4"], 2: ["4"]}
+    plain = StageMsgpackDecoder().decode(StageMsgpackEncoder().encode(OmniRequestOutput("v-2", finished=True)))
+    assert plain.stage_versions == {}
+
+
 def _completion(index: int, finish_reason: str | None) -> CompletionOutput:
     return CompletionOutput(
         index=index,

@@ -126,6 +126,8 @@ _DATACLASS_FIELDS = {cls: tuple(f.name for f in dataclasses.fields(cls)) for cls
 _SCALARS = frozenset({int, float, str, bytes, bool, type(None)})
 
 _OMNI_EXTRA_FIELDS = ("stage_id", "final_output_type", "multimodal_output", "stage_versions")
+# The fields a peer must send; later ones (stage_versions) were appended and default when absent.
+_OMNI_REQUIRED_EXTRA = 3
 
 # Our own structs that may appear in Any fields (e.g. SpeechParams), by name.
 _WIRE_STRUCTS: dict[str, type[msgspec.Struct]] = {}
@@ -459,7 +461,7 @@ class StageMsgpackDecoder:
                 f"{type(out.finished).__name__}, outputs {type(out.outputs).__name__} (expected str, bool, list)")
         if code == CustomType.OMNI_REQUEST_OUTPUT:
             extra = values[len(REQUEST_OUTPUT_FIELDS):]
-            if len(extra) < len(_OMNI_EXTRA_FIELDS):
+            if len(extra) < _OMNI_REQUIRED_EXTRA:
                 raise WireFormatError("malformed OmniRequestOutput on the wire: missing stage fields")
             out.__dict__.update(zip(_OMNI_EXTRA_FIELDS, extra))
             if not isinstance(out.__dict__.get("stage_versions"), dict):
