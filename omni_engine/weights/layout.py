@@ -100,3 +100,31 @@ def check_lists(info: Any, where: str) -> None:
         shape = info.shapes[i]
         if not isinstance(shape, (list, tuple)) or not all(type(d) is int and d >= 0 for d in shape):
             raise ValueError(f"{where}: tensor {name!r}: shape {shape!r} is not a list of sizes")
+
+
+def parse_init_info(init_dict: dict[str, Any]) -> ShmInitInfo | ZmqInitInfo:
+    """The backend's init info: zmq when it names the sender's ``address``, else shm (nothing to set up)."""
+    if not isinstance(init_dict, dict):
+        raise ValueError(f"init_weight_transfer_engine: init_info must be a JSON object, got "
+                         f"{type(init_dict).__name__}")
+    cls = ZmqInitInfo if "address" in init_dict else ShmInitInfo
+    try:
+        return cls(**init_dict)
+    except TypeError as exc:
+        raise ValueError(f"init_weight_transfer_engine: invalid init_info for the "
+                         f"{'zmq' if cls is ZmqInitInfo else 'shm'} backend: {exc}") from None
+
+
+def parse_update_info(update_dict: dict[str, Any]) -> ShmUpdateInfo | ZmqUpdateInfo:
+    """One chunk's update info, told apart by what it holds: a segment (shm) or a push id (zmq)."""
+    if not isinstance(update_dict, dict):
+        raise ValueError(f"update_weights: update_info must be a JSON object, got {type(update_dict).__name__}")
+    cls = ShmUpdateInfo if "segment" in update_dict else ZmqUpdateInfo if "push_id" in update_dict else None
+    if cls is None:
+        raise ValueError("update_weights: update_info is neither a shm chunk (names, dtype_names, shapes, "
+                         "segment, offsets) nor a zmq chunk (names, dtype_names, shapes, push_id, chunk); "
+                         f"got keys {sorted(update_dict)}")
+    try:
+        return cls(**update_dict)
+    except TypeError as exc:
+        raise ValueError(f"update_weights: invalid update_info: {exc}") from None

@@ -22,15 +22,17 @@ from typing import Any
 import torch
 from vllm.distributed.weight_transfer.base import WeightTransferEngine
 
+from omni_engine.weights.chunk_reader import ChunkReader, numel
 from omni_engine.weights.expected import check_tensor, expected_tensors
 from omni_engine.weights.layout import (
     ShmInitInfo,
     ShmUpdateInfo,
     TensorSpec,
     ZmqInitInfo,
-    ZmqUpdateInfo,
     check_lists,
     dtype_from_name,
+    parse_init_info,
+    parse_update_info,
 )
 
 logger = logging.getLogger(__name__)
@@ -178,110 +180,36 @@ class OmniWeightTransferEngine(StagedWeightTransferEngine):
 
     def __init__(self, *args: Any) -> None:
         super().__init__(*args)
-        self._segment: Any = None  # the sender's segment, mapped once (it reuses it for every chunk)
-        self._fetcher: Any = None
+        self._reader = ChunkReader()
 
     def parse_init_info(self, init_dict: dict[str, Any]) -> Any:
-        cls = ZmqInitInfo if "address" in init_dict else ShmInitInfo
-        try:
-            return cls(**init_dict)
-        except TypeError as exc:
-            raise ValueError(f"init_weight_transfer_engine: invalid init_info for the "
-                             f"{'zmq' if cls is ZmqInitInfo else 'shm'} backend: {exc}") from None
+        return parse_init_info(init_dict)
 
     def parse_update_info(self, update_dict: dict[str, Any]) -> Any:
-        if not isinstance(update_dict, dict):
-            raise ValueError(f"update_weights: update_info must be a JSON object, got {type(update_dict).__name__}")
-        cls = ShmUpdateInfo if "segment" in update_dict else ZmqUpdateInfo if "push_id" in update_dict else None
-        if cls is None:
-            raise ValueError("update_weights: update_info is neither a shm chunk (names, dtype_names, shapes, "
-                             "segment, offsets) nor a zmq chunk (names, dtype_names, shapes, push_id, chunk); "
-                             f"got keys {sorted(update_dict)}")
-        try:
-            return cls(**update_dict)
-        except TypeError as exc:
-            raise ValueError(f"update_weights: invalid update_info: {exc}") from None
+        return parse_update_info(update_dict)
 
     def init_transfer_engine(self, init_info: Any) -> None:
         if isinstance(init_info, ZmqInitInfo):
-            from omni_engine.weights.zmq_transport import ChunkFetcher
-
-            self._close_fetcher()
-            self._fetcher = ChunkFetcher(init_info.address, init_info.server_public_key, init_info.timeout_s,
-                                         init_info.client_public_key, init_info.client_secret_key)
+            self._reader.connect(init_info)
 
     def read_chunk(self, update_info: Any, dtypes: list[torch.dtype]) -> Iterable[torch.Tensor]:
-        if isinstance(update_info, ShmUpdateInfo):
-            buffers = self._shm_buffers(update_info, dtypes)
-        else:
-            buffers = self._fetched(update_info)
-        for name, dtype, shape, buf in zip(update_info.names, dtypes, update_info.shapes, buffers):
-            numel = _numel(shape)
-            if len(buf) != numel * dtype.itemsize:
-                raise ValueError(f"update_weights: tensor {name!r}: {len(buf)} bytes arrived, shape {shape} of "
-                                 f"{dtype} is {numel * dtype.itemsize}")
-            yield torch.frombuffer(buf, dtype=dtype, count=numel).view(shape) if numel else torch.empty(
+        buffers = self._reader.buffers(update_info, dtypes)
+        for dtype, shape, buf in zip(dtypes, update_info.shapes, buffers):
+            count = numel(shape)
+            yield torch.frombuffer(buf, dtype=dtype, count=count).view(shape) if count else torch.empty(
                 shape, dtype=dtype)
-
-    def _shm_buffers(self, info: ShmUpdateInfo, dtypes: list[torch.dtype]) -> list[memoryview]:
-        from omni_engine.connectors.shm import ShmSegment
-
-        segment = self._segment
-        if segment is None or segment.name != info.segment:
-            self._close_segment()
-            try:
-                segment = self._segment = ShmSegment.attach(info.segment)
-            except (FileNotFoundError, ValueError) as exc:
-                raise ValueError(f"update_weights: cannot map shared-memory segment {info.segment!r} ({exc}); "
-                                 "the shm backend needs the sender on the stage's host (use the zmq backend "
-                                 "across hosts)") from None
-        buffers = []
-        for name, dtype, shape, offset in zip(info.names, dtypes, info.shapes, info.offsets):
-            try:
-                buffers.append(segment.view(int(offset), _numel(shape) * dtype.itemsize))
-            except (ValueError, TypeError) as exc:
-                raise ValueError(f"update_weights: tensor {name!r}: {exc}") from None
-        return buffers
-
-    def _fetched(self, info: ZmqUpdateInfo) -> list[memoryview]:
-        if self._fetcher is None:
-            raise ValueError("update_weights: a zmq chunk, but this stage has no zmq sender: call "
-                             "init_weight_transfer_engine with the sender's init_info first")
-        frames = self._fetcher.fetch(info.push_id, info.chunk)
-        if len(frames) != len(info.names):
-            raise ValueError(f"update_weights: chunk {info.chunk} of push {info.push_id!r} has {len(frames)} "
-                             f"tensors, the update_info names {len(info.names)}")
-        return frames
-
-    def _close_segment(self) -> None:
-        if self._segment is not None:
-            self._segment.close()
-            self._segment = None
-
-    def _close_fetcher(self) -> None:
-        if self._fetcher is not None:
-            self._fetcher.close()
-            self._fetcher = None
 
     def finish_weight_update(self) -> None:
         super().finish_weight_update()
-        self._close_segment()
+        self._reader.close_segment()
 
     def discard(self) -> None:
         super().discard()
-        self._close_segment()
+        self._reader.close_segment()
 
     def shutdown(self) -> None:
         super().shutdown()
-        self._close_segment()
-        self._close_fetcher()
-
-
-def _numel(shape: list[int]) -> int:
-    numel = 1
-    for d in shape:
-        numel *= d
-    return numel
+        self._reader.close()
 
 
 def register_backends() -> None:

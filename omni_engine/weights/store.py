@@ -18,7 +18,14 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from omni_engine.weights.layout import ALIGNMENT, dtype_from_name
+from omni_engine.weights.chunk_reader import ChunkReader
+from omni_engine.weights.layout import (
+    ALIGNMENT,
+    ZmqUpdateInfo,
+    dtype_from_name,
+    parse_init_info,
+    parse_update_info,
+)
 
 # torch dtype names -> safetensors' names
 _SAFETENSORS_NAMES = {
@@ -62,8 +69,8 @@ class WeightStore:
         self.pending = self.root / "pending"
         self.current = self.root / "current"
         self._chunks = 0
-        self._segment: Any = None
-        self._fetcher: Any = None
+        self._reader = ChunkReader()
+        self._connected: dict[str, Any] | None = None  # the zmq init info the reader is connected for
 
     # ------------------------------------------------------------- a push
     def begin(self) -> None:
@@ -73,42 +80,20 @@ class WeightStore:
 
     def write_chunk(self, update_info: dict[str, Any], init_info: dict[str, Any] | None) -> None:
         """Write one chunk of the push under way (blocking: run it in a thread)."""
-        names, dtypes, shapes = update_info["names"], update_info["dtype_names"], update_info["shapes"]
-        if "segment" in update_info:
-            buffers = self._shm_buffers(update_info)
-        else:
-            buffers = self._fetched(update_info, init_info or {})
+        info = parse_update_info(update_info)
+        if isinstance(info, ZmqUpdateInfo) and init_info != self._connected:
+            self._reader.connect(parse_init_info(init_info or {}))  # type: ignore[arg-type]
+            self._connected = init_info
+        dtypes = [dtype_from_name(d, n) for n, d in zip(info.names, info.dtype_names)]
+        buffers = self._reader.buffers(info, dtypes)
         index = self._chunks
         self._chunks += 1
-        write_safetensors(self.pending / f"chunk{index:05d}.safetensors", names, dtypes, shapes, buffers)
-
-    def _shm_buffers(self, info: dict[str, Any]) -> list[memoryview]:
-        from omni_engine.connectors.shm import ShmSegment
-
-        if self._segment is None or self._segment.name != info["segment"]:
-            self._close_segment()
-            self._segment = ShmSegment.attach(info["segment"])
-        buffers = []
-        for name, dtype, shape, offset in zip(info["names"], info["dtype_names"], info["shapes"], info["offsets"]):
-            numel = 1
-            for d in shape:
-                numel *= d
-            buffers.append(self._segment.view(int(offset), numel * dtype_from_name(dtype, name).itemsize))
-        return buffers
-
-    def _fetched(self, info: dict[str, Any], init_info: dict[str, Any]) -> list[memoryview]:
-        from omni_engine.weights.zmq_transport import ChunkFetcher
-
-        if self._fetcher is None or self._fetcher.address != init_info.get("address"):
-            self._close_fetcher()
-            self._fetcher = ChunkFetcher(init_info["address"], init_info.get("server_public_key"),
-                                         float(init_info.get("timeout_s", 60.0)), init_info.get("client_public_key"),
-                                         init_info.get("client_secret_key"))
-        return self._fetcher.fetch(info["push_id"], int(info["chunk"]))
+        write_safetensors(self.pending / f"chunk{index:05d}.safetensors", info.names, info.dtype_names,
+                          info.shapes, buffers)
 
     def commit(self) -> None:
         """The push under way is the current one now."""
-        self._close_segment()
+        self._reader.close_segment()
         old = self.root / "old"
         shutil.rmtree(old, ignore_errors=True)
         if self.current.exists():
@@ -117,27 +102,15 @@ class WeightStore:
         shutil.rmtree(old, ignore_errors=True)
 
     def abort(self) -> None:
-        self._close_segment()
+        self._reader.close_segment()
         shutil.rmtree(self.pending, ignore_errors=True)
 
     def files(self) -> list[str]:
         """The current push's chunk files, in order ([] before the first commit)."""
         return sorted(str(p) for p in self.current.glob("chunk*.safetensors")) if self.current.exists() else []
 
-    # -------------------------------------------------------------- close
-    def _close_segment(self) -> None:
-        if self._segment is not None:
-            self._segment.close()
-            self._segment = None
-
-    def _close_fetcher(self) -> None:
-        if self._fetcher is not None:
-            self._fetcher.close()
-            self._fetcher = None
-
     def close(self) -> None:
-        self._close_segment()
-        self._close_fetcher()
+        self._reader.close()
         if self._own:
             shutil.rmtree(self.root, ignore_errors=True)
         else:
