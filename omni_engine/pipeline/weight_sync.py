@@ -142,7 +142,7 @@ class WeightSync:
         if not self._active:
             raise WeightUpdateError("update_weights without start_weight_update: call start_weight_update first "
                                     "(nothing was loaded)")
-        self._touch()
+        self._cancel_idle()  # the clock runs between calls, not while one is under way
         t0 = time.perf_counter()
         try:
             if self._store is not None:
@@ -174,6 +174,7 @@ class WeightSync:
     async def finish_weight_update(self, weight_version: str | None = None) -> None:
         if not self._active:
             raise WeightUpdateError("finish_weight_update without start_weight_update (nothing to finish)")
+        self._cancel_idle()
         t0 = time.perf_counter()
         try:
             if weight_version is not None:
@@ -188,7 +189,6 @@ class WeightSync:
                 raise WeightUpdateError(f"{exc}; the update is aborted on every replica, which keep serving "
                                         f"version {self.version!r}") from None
             raise
-        self._cancel_idle()
         t0 = time.perf_counter()
         try:
             await self._each("finish_weight_update", weight_version)
