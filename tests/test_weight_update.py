@@ -34,15 +34,14 @@ IDLE_TIMEOUT_S = 3.0
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="session")
-async def pipeline(smollm2_path, tmp_path_factory):
+async def pipeline(smollm2_path):
     config = parse_pipeline_config({
         "stage_args": [{
             "stage_id": 0, "stage_type": "llm", "engine_args": llm_engine_args(smollm2_path),
             "runtime": {"num_replicas": 2, "restart": "on-failure"},
             "final_output": True, "final_output_type": "text",
         }],
-        "weights": {"backend": "shm", "idle_timeout_s": IDLE_TIMEOUT_S,
-                    "store_dir": str(tmp_path_factory.mktemp("weights"))},
+        "weights": {"backend": "shm", "idle_timeout_s": IDLE_TIMEOUT_S},
     })
     client = await MultiStageEngineClient.from_config(config)
     yield client

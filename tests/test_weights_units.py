@@ -106,6 +106,23 @@ def test_the_store_keeps_the_committed_push_and_drops_an_aborted_one(tmp_path):
     assert not root.exists()
 
 
+def test_a_dead_processs_store_is_removed_when_the_next_one_starts():
+    import subprocess
+    import sys
+
+    from omni_engine.weights.store import STORE_PREFIX
+
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    own = WeightStore()
+    stale = own.root.parent / f"{STORE_PREFIX}{int(dead.stdout)}-abc"
+    stale.mkdir()
+    (stale / "chunk00000.safetensors").write_bytes(b"x")
+    other = WeightStore()
+    assert not stale.exists() and own.root.exists()  # a live process's store stays
+    own.close()
+    other.close()
+
+
 def test_pushed_tensors_are_checked_against_the_checkpoint(tmp_path):
     save_file({"model.embed_tokens.weight": torch.zeros(8, 4, dtype=torch.bfloat16),
                "model.norm.weight": torch.zeros(4, dtype=torch.bfloat16),

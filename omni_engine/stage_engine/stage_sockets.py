@@ -30,12 +30,13 @@ DEFAULT_TCP_HOST = "127.0.0.1"
 MAX_READY_BYTES = 1 << 20
 
 
-def remove_stale_runtime_dirs(prefix: str = RUNTIME_DIR_PREFIX, pattern: str = "*-s*-*") -> list[Path]:
-    """Remove socket directories (``<prefix><pid>-...``, matching ``prefix + pattern``) of
-    processes that died without cleaning up: a client killed with -9, a Ray launcher whose
-    node was lost."""
+def remove_stale_runtime_dirs(prefix: str = RUNTIME_DIR_PREFIX, pattern: str = "*-s*-*",
+                              root: Path | None = None) -> list[Path]:
+    """Remove directories (``<prefix><pid>-...``, matching ``prefix + pattern``, in ``root``:
+    default the system temp dir) of processes that died without cleaning up: a client killed
+    with -9, a Ray launcher whose node was lost."""
     removed = []
-    for path in Path(tempfile.gettempdir()).glob(prefix + pattern):
+    for path in (root or Path(tempfile.gettempdir())).glob(prefix + pattern):
         pid = path.name[len(prefix):].split("-", 1)[0]
         if pid.isdigit() and not pid_alive(int(pid)):
             shutil.rmtree(path, ignore_errors=True)
