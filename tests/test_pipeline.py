@@ -146,6 +146,9 @@ async def test_answers_paris_in_text_and_a_valid_wav(pipeline, chat_prompt):
         finished = [i for i, (_, s, f) in enumerate(events) if s == sid and f]
         assert len(finished) == 1 and finished[0] == max(i for i, (_, s, _) in enumerate(events) if s == sid)
     assert all(o.request_id == "paris" for o in outputs)
+    if is_new(pipeline):
+        # Every output names the weights of the text stage that made it or its input (audio too).
+        assert all(o.stage_versions == {0: ["default"]} for o in outputs), {o.stage_versions for o in outputs}
     await assert_no_request_state(pipeline)
     del outputs, audio
     await wait_leases_returned(pipeline)

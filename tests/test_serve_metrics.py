@@ -238,3 +238,12 @@ def test_health_is_503_soon_after_a_stage_is_killed_and_the_server_keeps_serving
     assert server["proc"].poll() is None, log_tail(log)
     assert http_status(f"{url}/v1/models") == 200
     assert http_status(f"{url}/health") == 503
+
+
+def test_the_rl_routes_are_absent_without_dev_mode(server):
+    """As in vLLM: without VLLM_SERVER_DEV_MODE=1 nothing can pause the server or change its weights."""
+    import httpx
+
+    for method, path in (("POST", "/pause"), ("POST", "/update_weights"), ("GET", "/weight_info"),
+                         ("POST", "/init_weight_transfer_engine"), ("POST", "/collective_rpc")):
+        assert httpx.request(method, server["url"] + path, json={}, timeout=30).status_code == 404, path

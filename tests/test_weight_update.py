@@ -62,10 +62,12 @@ def oracle(pipeline, smollm2_path, chat_prompt):
             "A": state_a}
 
 
-async def answer(client, prompt: str, request_id: str, max_tokens: int = MAX_TOKENS):
+async def answer(client, prompt: str, request_id: str, max_tokens: int = MAX_TOKENS, progress: dict | None = None):
     final = None
     async for output in client.generate(prompt, SamplingParams(temperature=0.0, max_tokens=max_tokens), request_id):
         final = output
+        if progress is not None:
+            progress[request_id] = len(output.outputs[0].token_ids) if output.outputs else 0
     return final
 
 
@@ -121,8 +123,12 @@ async def test_row_swap_oracle_under_load(pipeline, oracle, versions, mode):
     old = versions["on"][0]
     new = "B" if old == "A" else "A"
     labels = versions["labels"]
-    load = [asyncio.create_task(answer(pipeline, oracle["prompt"], f"{mode}-load-{k}")) for k in range(16)]
-    await asyncio.sleep(0.8)  # the streams are decoding
+    progress: dict[str, int] = {}
+    load = [asyncio.create_task(answer(pipeline, oracle["prompt"], f"{mode}-load-{k}", progress=progress))
+            for k in range(16)]
+    async with asyncio.timeout(60):  # the streams are decoding (and far from done) when the fence starts
+        while sum(1 for n in progress.values() if n >= 2) < 8:
+            await asyncio.sleep(0.01)
     fence = asyncio.create_task(push(pipeline, versions, new, mode))
     while not await pipeline.is_paused():
         await asyncio.sleep(0.01)
@@ -179,6 +185,16 @@ async def test_both_replicas_switch_and_a_bad_push_changes_nothing(pipeline, ora
     assert not pipeline.weights.active and not await pipeline.is_paused()
     output = await answer(pipeline, oracle["prompt"], "after-bad")
     assert list(output.outputs[0].token_ids) == versions["answers"][on]
+
+    # Replicas that disagree are named, each with its version; one label for all mends it.
+    await pipeline.stage_contexts[0].client.replicas[1].call_utility_async("update_weight_version", "odd")
+    with pytest.raises(WeightUpdateError, match=f"stage 0 replica 0: {label!r}, stage 0 replica 1: 'odd'"):
+        await pipeline.get_weight_version()
+    mended = str(versions["next"][0])
+    versions["next"][0] += 1
+    await pipeline.update_weight_version(mended)
+    versions["labels"][mended] = on
+    assert await pipeline.get_weight_version() == mended
 
 
 async def expect_refused(pipeline, oracle, versions, coro, *fragments: str) -> None:

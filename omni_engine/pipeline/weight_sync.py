@@ -70,11 +70,9 @@ class WeightSync:
         self._abandoning: asyncio.Task | None = None
         # The last push, for replicas that start later (only the staged backends can keep it).
         self._store: WeightStore | None = None
-        self._stored_version: str | None = None
         # Seconds per phase of the last update (start, transfer, check, commit): for
         # the log and benchmarks/bench_weight_update.py.
         self.timings: dict[str, float] = {}
-        self._t_start = 0.0
 
     @property
     def stage_ids(self) -> list[int]:
@@ -200,7 +198,6 @@ class WeightSync:
         self.updates += 1
         if self._store is not None:
             self._store.commit()
-            self._stored_version = self.version
         logger.info("weight update committed on stages %s: version %r (%s)", self.stage_ids, self.version,
                     ", ".join(f"{k} {v:.3f} s" for k, v in self.timings.items()))
 
@@ -281,7 +278,8 @@ class WeightSync:
             raise WeightUpdateError(f"stage {stage_id} replica {replica}: cannot bring it back on weight version "
                                     f"{self.version!r}: backend {self.config.backend!r} loads weights as they "
                                     "arrive and keeps no copy; push the weights again")
-        await client.call_utility_async("restore_weights", files, self._stored_version)
+        # The store holds the weights of the last commit; the version label may have moved since.
+        await client.call_utility_async("restore_weights", files, self.version)
         logger.info("stage %d replica %d: restored weight version %r", stage_id, replica, self.version)
 
     async def close(self) -> None:
