@@ -30,7 +30,7 @@ from omni_engine.pipeline.stage_context import StageContext
 from omni_engine.pipeline.stage_clients import Progress, replica_set_for, start_stages, zmq_stage_client
 from omni_engine.pipeline.stage_specs import build_stage_specs, prepare_models
 from omni_engine.pipeline.stage_supervisor import StageClientMaker, StageSupervisor
-from omni_engine.pipeline.weight_sync import WeightSync, WeightUpdateError
+from omni_engine.pipeline.weight_sync import WeightSync, WeightUpdateError, check_version_order
 from omni_engine.stage_engine.base_client import BaseStageClient
 from omni_engine.stage_engine.security import CurveKeys
 from omni_engine.stage_engine.stage_spec import StageProcessSpec
@@ -413,8 +413,6 @@ class MultiStageEngineClient(EngineClient):
         requests frozen in the llm stages go on under the new weights (their spans say so).
         Requests that arrive meanwhile wait and are served by the new version.
         """
-        from omni_engine.pipeline.weight_sync import check_version_order
-
         check_version_order(self.weights.version, version)
         await self.pause_generation(mode=mode, clear_cache=False)
         try:

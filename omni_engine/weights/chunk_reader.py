@@ -8,6 +8,7 @@ socket (``zmq``).
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -16,10 +17,7 @@ from omni_engine.weights.layout import ShmUpdateInfo, ZmqInitInfo, ZmqUpdateInfo
 
 
 def numel(shape: list[int]) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
+    return math.prod(shape)
 
 
 class ChunkReader:

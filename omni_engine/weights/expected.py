@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from omni_engine.weights.layout import TensorSpec
+from omni_engine.weights.layout import TensorSpec, dtype_name
 
 # safetensors dtype names -> torch dtypes
 _SAFETENSORS_DTYPES = {
@@ -75,6 +75,6 @@ def check_tensor(spec: TensorSpec | None, name: str, dtype: torch.dtype, shape: 
     if tuple(shape) != spec.shape:
         raise ValueError(f"{where}: weight {name!r} has shape {list(shape)}, the model's is {list(spec.shape)}")
     if dtype not in spec.dtypes:
-        accepted = " or ".join(str(d).removeprefix("torch.") for d in spec.dtypes)
-        raise ValueError(f"{where}: weight {name!r} has dtype {str(dtype).removeprefix('torch.')}, the model "
+        accepted = " or ".join(dtype_name(d) for d in spec.dtypes)
+        raise ValueError(f"{where}: weight {name!r} has dtype {dtype_name(dtype)}, the model "
                          f"takes {accepted}; cast it before sending")
