@@ -160,6 +160,10 @@ class ActorLearner:
             "rollout_latencies": list(stats.latencies), "rollout_requests": stats.requests,
             "rollout_failures": stats.failures, "rollout_splits": stats.splits,
             "version_mismatches": stats.version_mismatches,
+            "rollouts": self.prefetch.counters.rollouts, "rollouts_rejected": self.prefetch.counters.rejected,
+            "preprocess_errors": self.prefetch.counters.preprocess_errors,
+            "rollout_errors": self.prefetch.counters.rollout_errors,
+            "packs_underfilled": self.prefetch.packer.underfilled, "samples_truncated": self.prefetch.packer.truncated,
             "train_s": c.train_s, "wait_s": c.wait_s, "version": self.version,
             "channels": "".join(d.channel.value for d in c.decisions),
         }
@@ -168,12 +172,14 @@ class ActorLearner:
 def merge_summaries(ranks: list[dict[str, Any]]) -> dict[str, Any]:
     """One report for the run: counts summed over ranks, ratios and percentiles over all of them."""
     total: dict[str, Any] = {"ranks": len(ranks)}
-    for key in ("b_step_skipped_due_to_queue", "stale_drops", "limit_drops", "packs_consumed", "queue_depth",
-                "rollout_requests", "rollout_failures", "rollout_splits", "version_mismatches"):
+    for key in ("stale_drops", "limit_drops", "packs_consumed", "queue_depth",
+                "rollout_requests", "rollout_failures", "rollout_splits", "version_mismatches", "rollouts",
+                "rollouts_rejected", "preprocess_errors", "rollout_errors", "packs_underfilled", "samples_truncated"):
         total[key] = sum(r[key] for r in ranks)
     first = ranks[0]
+    # Decisions are global (the gate makes every rank agree): one rank's count is the run's.
     total.update(steps=first["steps"], b_wanted=first["b_wanted"], b_steps=first["b_steps"], syncs=first["syncs"],
-                 version=first["version"])
+                 version=first["version"], b_step_skipped_due_to_queue=first["b_step_skipped_due_to_queue"])
     total["executed_b_ratio"] = round(first["b_steps"] / first["steps"], 4) if first["steps"] else 0.0
     lags: Counter[int] = Counter()
     for r in ranks:

@@ -3,7 +3,8 @@
 A pack is one row of up to ``packing_length`` tokens holding several samples back to
 back, with ``position_ids`` restarting at 0 for each. Hugging Face models (transformers
 5) read restarting positions as packed sequences and mask attention across samples, so
-a pack trains exactly like its samples one by one, in one forward/backward. Labels are
+a pack trains exactly like its samples one by one, in one forward/backward (without a KV
+cache: see ``Pack.model_inputs``). Labels are
 -100 outside each sample's target, so no sample learns to predict its neighbour.
 """
 
@@ -16,7 +17,9 @@ from typing import Any
 import torch
 
 IGNORE_INDEX = -100
-MAX_PENDING = 64  # samples waiting for a well-filled pack before an under-filled one is let out
+# Samples that may wait for a well-filled pack: beyond this many, the best pack first-fit finds is let
+# out under-filled (counted), so a packing_length the samples do not divide well cannot stall channel B.
+MAX_PENDING = 8
 
 
 @dataclass
@@ -41,8 +44,11 @@ class Pack:
     def tokens(self) -> int:
         return int(self.input_ids.shape[1])
 
-    def model_inputs(self) -> dict[str, torch.Tensor]:
-        return {"input_ids": self.input_ids, "labels": self.labels, "position_ids": self.position_ids}
+    def model_inputs(self) -> dict[str, Any]:
+        # No KV cache: transformers reads restarting positions as packed sequences only without one
+        # (with a cache, which models make by default even in training, the samples attend to each other).
+        return {"input_ids": self.input_ids, "labels": self.labels, "position_ids": self.position_ids,
+                "use_cache": False}
 
 
 def encode_chat(tokenizer: Any, messages: Sequence[dict[str, str]], target: str, ver: int = 0) -> EncodedSample:
@@ -95,7 +101,8 @@ class Packer:
         if not full_enough:
             self.underfilled += 1
         taken = [self._pending[i] for i in chosen]
-        self._pending = [s for i, s in enumerate(self._pending) if i not in set(chosen)]
+        chosen_set = set(chosen)
+        self._pending = [s for i, s in enumerate(self._pending) if i not in chosen_set]
         return make_pack(taken)
 
     @property
