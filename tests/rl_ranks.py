@@ -46,7 +46,7 @@ def _learner(queue, fence=None, ga=2, b_ratio=0.5) -> ActorLearner:
     model = torch.nn.parallel.DistributedDataParallel(TinyLM())
     gate = RequestGate(0)
     # Never asked: this learner's packs are put by the test, as its prefetch thread would.
-    client = RolloutClient("http://127.0.0.1:9", "unused", {})
+    client = RolloutClient({})
     prefetch = PrefetchWorker(iter(()), client, gate, str, lambda s, r: None, None, Packer(16, 0.5), queue, 1)
     a_packs = iter(lambda: _pack(), None)
     return ActorLearner(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),

@@ -16,7 +16,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from omni_engine.rl.rollout_client import RolloutClient, RolloutError
+from omni_engine.rl.rollout_client import HTTPRolloutClient, RolloutError
 from tests.rl_gateway import Gateway, sync_windows
 from tests.test_serve_weights import push
 
@@ -46,7 +46,7 @@ def prompts(chat_prompt, n: int) -> list[str]:
 
 def test_a_failing_batch_is_split_and_every_rollout_arrives_once(gateway, chat_prompt):
     gateway.reset(max_batch=2)
-    client = RolloutClient(gateway.url, "smollm2-test", DECODING, max_split_depth=3)
+    client = HTTPRolloutClient(gateway.url, "smollm2-test", DECODING, max_split_depth=3)
     asked = prompts(chat_prompt, 7)
     rollouts = client.generate(asked, version=0)
     assert [r.index for r in rollouts] == list(range(7)) and all(r.text for r in rollouts)
@@ -61,13 +61,13 @@ def test_a_failing_batch_is_split_and_every_rollout_arrives_once(gateway, chat_p
 
 def test_retries_are_bounded_and_a_refusal_is_not_retried(gateway, chat_prompt):
     gateway.reset(max_batch=0)
-    client = RolloutClient(gateway.url, "smollm2-test", DECODING, max_split_depth=2)
+    client = HTTPRolloutClient(gateway.url, "smollm2-test", DECODING, max_split_depth=2)
     with pytest.raises(RolloutError, match=r"still failing after 2 split\(s\) at http://127\.0\.0\.1.*503"):
         client.generate(prompts(chat_prompt, 2), version=0)
     # The batch, its first half, that half once more: then the bound is reached and the batch given up.
     assert [len(w.prompts) for w in gateway.windows] == [2, 1, 1]
     gateway.reset()
-    wrong = RolloutClient(gateway.url, "no-such-model", DECODING)
+    wrong = HTTPRolloutClient(gateway.url, "no-such-model", DECODING)
     with pytest.raises(RolloutError, match="HTTP 404.*no-such-model"):
         wrong.generate(prompts(chat_prompt, 1), version=0)
     assert len(gateway.windows) == 1

@@ -439,3 +439,32 @@ def _kill9_then_resume(tmp_path: Path, text_server: dict, queue: ServerProcess) 
 def queue_status(queue: ServerProcess) -> dict:
     with TransferQueueClient(url=queue.url) as tq:
         return msgspec.to_builtins(tq.status())
+
+
+# ------------------------------------------------------------------ the learner's in-process rollouts
+
+
+async def test_the_learners_rollouts_come_from_an_in_process_pipeline_and_a_timeout_aborts_them(engine_sampler,
+                                                                                                chat_prompt):
+    """omni_engine.rl's EngineRolloutClient: a prefetch thread's batch runs on the pipeline's own loop; one
+    that outlives its timeout is cancelled, which aborts its requests on the stages (nothing left held)."""
+    from omni_engine.rl.rollout_client import RolloutError
+    from omni_engine.rl.rollout_engine import EngineRolloutClient
+
+    engine, loop = engine_sampler.client, asyncio.get_running_loop()
+    greedy_knobs = {"temperature": 0.0, "top_p": 1.0, "top_k": -1, "seed": 0, "max_tokens": 8}
+    client = EngineRolloutClient(engine, loop, greedy_knobs, timeout_s=120)
+    asked = [chat_prompt("What is the capital of France?"), chat_prompt("Name a colour.")]
+    rollouts = await asyncio.to_thread(client.generate, asked, 3)
+    assert [r.index for r in rollouts] == [0, 1] and "Paris" in rollouts[0].text
+    assert all(r.version == 3 and not r.split for r in rollouts)  # no numbered weights pushed: the gate's
+    assert client.stats.requests == 1 and len(client.stats.latencies) == 1
+
+    slow = EngineRolloutClient(engine, loop, {**greedy_knobs, "max_tokens": 512}, timeout_s=0.3, max_split_depth=1)
+    with pytest.raises(RolloutError, match=r"after 1 split\(s\) at the in-process pipeline: no answer within 0.3 s"):
+        await asyncio.to_thread(slow.generate, asked, 0)
+    for _ in range(100):  # the cancelled requests' aborts reach the orchestrator within a few loop turns
+        if engine.orchestrator.state_counts()["requests"] == 0:
+            break
+        await asyncio.sleep(0.05)
+    assert engine.orchestrator.state_counts()["requests"] == 0

@@ -25,7 +25,7 @@ from omni_engine.rl.learner import ActorLearner, merge_summaries
 from omni_engine.rl.packing import Pack, Packer, encode_chat, make_pack
 from omni_engine.rl.prefetch import Preprocess, PrefetchWorker
 from omni_engine.rl.ready_queue import VersionedReadyQueue
-from omni_engine.rl.rollout_client import RolloutClient
+from omni_engine.rl.rollout_client import HTTPRolloutClient
 from omni_engine.rl.schedule import BresenhamSchedule, FeasibilityGate
 from omni_engine.rl.weight_push import LearnerWeightPusher
 
@@ -122,7 +122,7 @@ class ActorLearnerRun:
                               lambda s: self._encode(s, s["answer"], self.version), Packer(*packing))
         queue: VersionedReadyQueue[Pack] = VersionedReadyQueue(c.prefetch.version_window, c.prefetch.queue_limit)
         gate = RequestGate(self.version)
-        client = RolloutClient(self.url, c.rollout.model, c.rollout.decoding(), api_key=c.rollout.api_key,
+        client = HTTPRolloutClient(self.url, c.rollout.model, c.rollout.decoding(), api_key=c.rollout.api_key,
                                timeout_s=c.rollout.timeout_s, max_split_depth=c.rollout.max_split_depth)
         b_samples = sample_stream(train, me.rank, me.world_size, c.train.seed + B_STREAM_SEED_OFFSET)
         prefetch = PrefetchWorker(b_samples, client, gate, self._render, preprocess, self._encode, Packer(*packing),
