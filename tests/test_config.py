@@ -598,16 +598,19 @@ def test_ray_placement_fields_are_checked(tmp_path: Path) -> None:
 
 def test_ray_is_imported_only_for_a_config_that_places_stages_through_it() -> None:
     """Ray is an optional extra: loading a config without placement and everything that serves
-    or runs it leaves ``ray`` unimported, so a machine without it runs such pipelines."""
+    or runs it leaves ``ray`` unimported, so a machine without it runs such pipelines. Nor does the
+    engine import its clients' packages (rl, sampling, transfer_queue): they use it, not it them."""
     config = Path(__file__).resolve().parents[1] / "stage_configs" / "smollm2_speech.yaml"
     code = ("import sys; from omni_engine.config import load_pipeline_config;"
             "import omni_engine.entrypoints.cli.main, omni_engine.entrypoints.cli.serve,"
             " omni_engine.entrypoints.cli.generate, omni_engine.entrypoints.openai.app,"
             " omni_engine.entrypoints.multi_stage_engine_client;"
             f"cfg = load_pipeline_config({str(config)!r});"
-            "print(cfg.runtime.placement.backend, 'ray' in sys.modules)")
+            "print(cfg.runtime.placement.backend, 'ray' in sys.modules,"
+            " [m for m in sys.modules if m.startswith(('omni_engine.rl', 'omni_engine.sampling',"
+            " 'omni_engine.transfer_queue'))])")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
-    assert out.split()[-2:] == ["local", "False"], out
+    assert out.split()[-3:] == ["local", "False", "[]"], out
 
 
 def test_legacy_architecture_refuses_ray_placement(tmp_path: Path) -> None:

@@ -99,7 +99,9 @@ class ActorLearnerRun:
         self.me = init_distributed()
         self.url = url
         self.log_dir = log_dir
-        self.tokenizer, self.model = load_model(model_directory(config.model), config.train.seed)
+        # Rank 0 prepares the model if it must (once, not racing the other ranks); all load the same directory.
+        path = broadcast(str(model_directory(config.model)) if self.me.is_main else None)
+        self.tokenizer, self.model = load_model(Path(path), config.train.seed)
         self.pusher = None
         if self.me.is_main and config.sync.every_steps:
             self.pusher = LearnerWeightPusher(url, self.model, backend=config.sync.backend,

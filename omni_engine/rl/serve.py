@@ -32,11 +32,13 @@ def _healthy(url: str) -> bool:
 
 
 @contextlib.contextmanager
-def rollout_server(pipeline_config: str | Path, model_name: str, log_path: str | Path) -> Iterator[str]:
+def rollout_server(pipeline_config: str | Path, model_name: str, log_path: str | Path,
+                   cpus: set[int] | None = None, env: dict[str, str] | None = None) -> Iterator[str]:
     """Start ``omni-engine serve`` on a free local port (``VLLM_SERVER_DEV_MODE=1``: the weight-sync
-    routes on); yields its URL once healthy; stops it (its whole process group) on exit."""
+    routes on); yields its URL once healthy; stops it (its whole process group) on exit. ``cpus``
+    confines it (and its stages) to those cores, ``env`` adds to its environment."""
     port = _free_port()
-    env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1"}
+    env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", **(env or {})}
     # torchrun's rank variables would make the server's vLLM think it is one rank of a job.
     for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
                  "GROUP_RANK", "ROLE_RANK", "TORCHELASTIC_RUN_ID"):
@@ -45,7 +47,8 @@ def rollout_server(pipeline_config: str | Path, model_name: str, log_path: str |
         proc = subprocess.Popen(
             [sys.executable, "-m", "omni_engine.entrypoints.cli.main", "serve", str(pipeline_config),
              "--port", str(port), "--served-model-name", model_name],
-            stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env)
+            stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env,
+            preexec_fn=(lambda: os.sched_setaffinity(0, cpus)) if cpus else None)
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + START_TIMEOUT_S
