@@ -1,6 +1,6 @@
 """The async actor-learner loop against the synchronous one: same optimizer steps, same data.
 
-    python benchmarks/bench_actor_learner.py [--steps 8] [--rounds 1] [--ranks 2] [--set FIELD=VALUE ...]
+    python benchmarks/bench_actor_learner.py [--steps 16] [--rounds 1] [--ranks 2] [--set FIELD=VALUE ...]
 
 Both run ``examples/rl/actor_learner.py`` under torchrun (gloo, CPU) against one
 ``omni-engine serve`` of SmolLM2 started here: the synchronous loop
@@ -33,10 +33,11 @@ from bench_common import REPO, RESULTS, machine_info, progress, write_json
 EXAMPLE = REPO / "examples" / "rl" / "actor_learner.py"
 PUSH = REPO / "examples" / "rl" / "push_weights.py"
 PIPELINE = REPO / "stage_configs" / "smollm2_text.yaml"
-# The benchmark's run: every other step wants B, one micro-step per step, a push every 4 steps.
+# The benchmark's run: every step wants B (the seed's rollout-bound regime), one micro-step per step, a push
+# every 4 steps.
 BASE = {"train.gradient_accumulation_steps": 1, "sync.every_steps": 4, "packing.packing_length": 160,
         "packing.packing_min_fill_ratio": 0.5, "data.heldout": "null", "stage2_ab.async.rollout_batch_size": 4,
-        "stage2_ab.async.queue_limit": 4, "stage2_ab.schedule.b_ratio": 0.5, "rollout.max_tokens": 32}
+        "stage2_ab.async.queue_limit": 4, "stage2_ab.schedule.b_ratio": 1.0, "rollout.max_tokens": 32}
 
 
 def run_example(url: str, asynchronous: bool, args: argparse.Namespace, log_dir: Path,
@@ -72,7 +73,7 @@ def figures(summary: dict) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--steps", type=int, default=16)
     parser.add_argument("--rounds", type=int, default=1, help="sync/async pairs, alternated")
     parser.add_argument("--ranks", type=int, default=2)
     parser.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE")

@@ -60,6 +60,18 @@ def test_advance_drops_what_went_stale_and_wakes_a_waiting_producer():
     assert woke.is_set() and len(queue) == 0 and queue.counters.stale_drops == 2
 
 
+def test_a_producer_waits_for_room_for_as_many_packs_as_it_will_put():
+    queue: VersionedReadyQueue[int] = VersionedReadyQueue(version_window=0, queue_limit=4)
+    queue.put(1, 0)
+    queue.put(2, 0)
+    assert queue.wait_for_room(2, timeout=0.01)  # 2 + 2 fit
+    queue.put(3, 0)
+    assert not queue.wait_for_room(2, timeout=0.01)  # 3 + 2 would not
+    assert queue.wait_for_room(9, timeout=0.01) is False  # more than the limit means the whole queue
+    queue.pop(0)
+    assert queue.wait_for_room(2, timeout=0.01)
+
+
 def test_a_producer_and_a_consumer_thread_lose_and_duplicate_nothing():
     queue: VersionedReadyQueue[int] = VersionedReadyQueue(version_window=0, queue_limit=8)
     n, got = 2000, []

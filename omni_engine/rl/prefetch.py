@@ -99,7 +99,8 @@ class PrefetchWorker:
     def _run(self) -> None:
         try:
             while not self._stop.is_set():
-                if not self.queue.wait_for_room():
+                # Room for what a batch yields (as many packs as the batches so far gave on average).
+                if not self.queue.wait_for_room(self.packs_per_batch()):
                     break
                 try:
                     packs = self.produce_batch()
@@ -114,6 +115,10 @@ class PrefetchWorker:
         except BaseException as exc:  # noqa: BLE001 - surfaced to the training loop by check()
             self.error = exc
             logger.exception("prefetch worker stopped")
+
+    def packs_per_batch(self) -> int:
+        c = self.counters
+        return max(1, round(c.packs / c.batches)) if c.batches else 1
 
     def check(self) -> None:
         """Raise in the training loop what stopped the worker, so a broken channel B is not silent."""

@@ -89,12 +89,13 @@ class VersionedReadyQueue(Generic[T]):
         with self._lock:
             self._drop_stale(current_ver)
 
-    def wait_for_room(self, timeout: float | None = None) -> bool:
-        """Block the producer while the queue is full (rolling out packs only to drop them wastes the
-        server's time); False if still full after ``timeout`` or closed."""
+    def wait_for_room(self, room: int = 1, timeout: float | None = None) -> bool:
+        """Block the producer until ``room`` more packs fit (rolling out packs only to drop them wastes
+        the server's time); False if there is still no room after ``timeout``, or the queue closed."""
+        room = min(max(room, 1), self.queue_limit)
         with self._room:
-            return self._room.wait_for(lambda: self._closed or len(self._items) < self.queue_limit, timeout) \
-                and not self._closed
+            return self._room.wait_for(lambda: self._closed or len(self._items) + room <= self.queue_limit,
+                                       timeout) and not self._closed
 
     def __len__(self) -> int:
         with self._lock:
