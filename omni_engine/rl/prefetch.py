@@ -5,7 +5,7 @@
 
 It runs in a thread beside the training loop: the rollout waits on the network (no
 GIL held), preprocessing and tokenizing are short. The same steps run inline in the
-synchronous loop (``produce``), which is the baseline the benchmark compares against.
+synchronous loop (``produce_batch``), which is the baseline the benchmark compares against.
 """
 
 from __future__ import annotations
@@ -82,13 +82,6 @@ class PrefetchWorker:
                 continue
             packs.extend(self.packer.add(encoded))
         self.counters.packs += len(packs)
-        return packs
-
-    def produce(self, packs_needed: int) -> list[Pack]:
-        """The synchronous loop's channel B: roll out until ``packs_needed`` packs exist."""
-        packs: list[Pack] = []
-        while len(packs) < packs_needed:
-            packs.extend(self.produce_batch())
         return packs
 
     # ------------------------------------------------------------- background

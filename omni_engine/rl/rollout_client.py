@@ -48,8 +48,8 @@ class RolloutStats:
     latencies: list[float] = field(default_factory=list)
 
 
-def _served_version(body: dict[str, Any]) -> int | None:
-    label = body.get("weight_version")
+def numeric_version(label: Any) -> int | None:
+    """A weight-version label as the loop's integer version; None for a non-numeric one ("default")."""
     return int(label) if isinstance(label, str) and label.lstrip("-").isdigit() else None
 
 
@@ -134,7 +134,7 @@ class HTTPRolloutClient(RolloutClient):
                                f"{response.status_code}: {response.text[:1000]}")
         data = response.json()
         self.stats.latencies.append(latency)
-        made_by = self._made_by(_served_version(data), version)
+        made_by = self._made_by(numeric_version(data.get("weight_version")), version)
         choices = sorted(data["choices"], key=lambda c: c["index"])
         if len(choices) != len(prompts):
             raise RolloutError(f"{self.url}/v1/completions answered {len(choices)} choices for {len(prompts)} prompts")

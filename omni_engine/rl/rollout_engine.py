@@ -14,13 +14,18 @@ import itertools
 import time
 from typing import Any
 
-from omni_engine.rl.rollout_client import RetryableRolloutError, Rollout, RolloutClient, RolloutError
+from omni_engine.rl.rollout_client import (
+    RetryableRolloutError,
+    Rollout,
+    RolloutClient,
+    RolloutError,
+    numeric_version,
+)
 
 
 def _version_of(output: Any) -> int | None:
     versions = [v[-1] for v in (getattr(output, "stage_versions", None) or {}).values() if v]
-    label = versions[-1] if versions else None
-    return int(label) if isinstance(label, str) and label.lstrip("-").isdigit() else None
+    return numeric_version(versions[-1]) if versions else None
 
 
 class EngineRolloutClient(RolloutClient):

@@ -22,7 +22,7 @@ from omni_engine.rl.config import ActorLearnerConfig
 from omni_engine.rl.data import load_jsonl, pack_stream, sample_stream
 from omni_engine.rl.fence import RequestGate, WeightSyncFence
 from omni_engine.rl.learner import ActorLearner, merge_summaries
-from omni_engine.rl.packing import Pack, Packer, encode_chat, make_pack
+from omni_engine.rl.packing import IGNORE_INDEX, Pack, Packer, encode_chat, make_pack
 from omni_engine.rl.prefetch import Preprocess, PrefetchWorker
 from omni_engine.rl.ready_queue import VersionedReadyQueue
 from omni_engine.rl.rollout_client import HTTPRolloutClient
@@ -83,7 +83,7 @@ def heldout_loss(model: torch.nn.Module, packs: list[Pack]) -> float:
     total, tokens = 0.0, 0
     with torch.no_grad():
         for pack in packs:
-            n = int((pack.labels[:, 1:] != -100).sum())
+            n = int((pack.labels[:, 1:] != IGNORE_INDEX).sum())
             total += float(model(**pack.model_inputs()).loss) * n
             tokens += n
     model.train()
@@ -174,8 +174,8 @@ class ActorLearnerRun:
             gathered = [None] * self.me.world_size
             dist.all_gather_object(gathered, rank_summary)
         summary = merge_summaries(gathered)
-        summary.update(wall_s=round(max(r["wall_s"] for r in gathered), 3), decoding=c.rollout.decoding(),
-                       steps_per_s=round(c.train.steps / max(r["wall_s"] for r in gathered), 4),
+        wall = max(r["wall_s"] for r in gathered)  # the run lasts as long as its slowest rank
+        summary.update(wall_s=round(wall, 3), decoding=c.rollout.decoding(), steps_per_s=round(c.train.steps / wall, 4),
                        asynchronous=c.prefetch.enabled, per_rank_channels=[r["channels"] for r in gathered])
         if heldout:
             summary["heldout_loss"] = {"before": round(before, 5), "after": round(heldout_loss(self.model, heldout), 5)}

@@ -7,6 +7,7 @@ from typing import Any
 
 import torch
 
+from omni_engine.rl.rollout_client import numeric_version
 from omni_engine.weights import OmniHTTPWeightSyncClient, WeightSender
 
 
@@ -27,8 +28,7 @@ class LearnerWeightPusher:
 
     def server_version(self) -> int:
         """The server's weight version as an integer (0 when it has none yet or a non-numeric label)."""
-        label = self.client.weight_version()
-        return int(label) if isinstance(label, str) and label.lstrip("-").isdigit() else 0
+        return numeric_version(self.client.weight_version()) or 0
 
     def __call__(self, version: int) -> None:
         start = time.perf_counter()
