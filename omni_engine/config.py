@@ -37,6 +37,9 @@ if TYPE_CHECKING:
     from omni_engine.stage_engine.security import CurveKeys
 
 EXECUTION_MODES = ("sequential", "async_chunk")
+# The engines a stage can run (``omni_engine.engines.build_stage_engine``). Named here, not
+# there, so that reading a config never imports the engines (and with them vLLM: ~15 s cold).
+STAGE_TYPES = ("llm", "generation")
 TRANSPORTS = ("ipc", "tcp")
 RESTART_POLICIES = sv.RESTART_POLICIES
 FINAL_OUTPUT_TYPES = ("text", "audio", "image", "latent", "tensor")
@@ -273,9 +276,6 @@ class PipelineConfig(_Base):
 
 def parse_pipeline_config(data: Any, source: str = "<dict>") -> PipelineConfig:
     """Validate an already-loaded YAML mapping; raise one ConfigError with every problem."""
-    # Lazily: the engines package imports vLLM.
-    from omni_engine.engines import STAGE_TYPES
-
     errors = cv.ErrorCollector(source)
     report = errors.pipeline()
     if not isinstance(data, dict):
@@ -369,6 +369,7 @@ __all__ = [
     "EXECUTION_MODES",
     "FINAL_OUTPUT_TYPES",
     "RESTART_POLICIES",
+    "STAGE_TYPES",
     "TRANSPORTS",
     "ConfigError",
     "ConnectorsConfig",

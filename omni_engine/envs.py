@@ -80,6 +80,12 @@ def stage_startup_timeout_s() -> float:
     return float(_int("OMNI_ENGINE_STAGE_STARTUP_TIMEOUT", 600))
 
 
+def show_tracebacks() -> bool:
+    """Whether a command that fails with an error it explains also prints the traceback
+    (``OMNI_ENGINE_TRACEBACK=1``, or vLLM's ``VLLM_LOGGING_LEVEL=DEBUG``)."""
+    return _bool("OMNI_ENGINE_TRACEBACK", False) or os.environ.get("VLLM_LOGGING_LEVEL", "").upper() == "DEBUG"
+
+
 def cache_dir() -> Path:
     """Where prepared models live."""
     raw = os.environ.get("OMNI_ENGINE_CACHE")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import subprocess
 import sys
 import wave
+from pathlib import Path
 
 import pytest
 
@@ -88,3 +89,14 @@ def test_serve_refuses_what_it_cannot_honour_before_starting_anything(argv, mess
     assert cli_main(["serve", *argv]) == 2
     err = capsys.readouterr().err
     assert message in err and "starting" not in err
+
+
+def test_serve_checks_the_model_first_and_serves_it_under_the_name_the_yaml_gives(smollm2_path):
+    """``serve`` loads and checks the config before vLLM's parser; the model is prepared
+    (a directory), and the API still serves it as the YAML names it (``smollm2``)."""
+    from omni_engine.entrypoints.cli.serve import _load_checked
+
+    config = _load_checked(Path("stage_configs/smollm2_text.yaml"))
+    stage = config.stage(0)
+    assert stage.engine_args["model"] == str(smollm2_path)
+    assert stage.engine_args["served_model_name"] == ["smollm2"]

@@ -229,7 +229,9 @@ def test_prepare_models_is_an_explicit_step(tmp_path: Path, monkeypatch: pytest.
     # A model directory (not a recipe name) is left as it is.
     model_dir = tmp_path / "my-model"
     model_dir.mkdir()
-    own = parse_pipeline_config(chain(final(llm(0, engine_args={"model": str(model_dir)}))))
+    for name in ("config.json", "tokenizer.json"):
+        (model_dir / name).write_text("{}")
+    own = parse_pipeline_config(chain(final(llm(0, engine_args={"model": str(model_dir), "load_format": "dummy"}))))
     assert prepare_models(own).stage(0).engine_args["model"] == str(model_dir) and calls == ["smollm2"]
 
 

@@ -4,12 +4,11 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from omni_engine.config import STAGE_TYPES
 from omni_engine.engines.base import StageEngine, StageEngineError
 
 if TYPE_CHECKING:
     from omni_engine.stage_engine.stage_spec import StageProcessSpec
-
-STAGE_TYPES = ("llm", "generation")
 
 
 def build_stage_engine(spec: StageProcessSpec) -> StageEngine:

@@ -27,19 +27,29 @@ Progress = Callable[[str], None]
 def prepare_models(config: PipelineConfig, progress: Progress | None = None) -> PipelineConfig:
     """``config`` with every stage's recipe model name replaced by its prepared directory.
 
-    A model that is an existing path, or not a recipe name, is left alone
-    (vLLM resolves it). Preparing is idempotent: a prepared model is found
-    in the cache and returned at once.
+    First every stage's model is checked (``omni_engine.models.check``): one
+    :class:`ModelError` names every stage whose model cannot be loaded, before
+    anything is prepared or started. A model that is an existing path, or not
+    a recipe name, is left alone (vLLM resolves it). Preparing is idempotent:
+    a prepared model is found in the cache and returned at once.
     """
+    from omni_engine.models.check import ModelError, check_models
     from omni_engine.models.prepare import RECIPES, prepare_model
 
+    check_models(config, frozenset(RECIPES))
     stages = []
-    for stage in config.stage_args:
+    for index, stage in enumerate(config.stage_args):
         model = stage.engine_args.get("model")
         if isinstance(model, str) and model in RECIPES and not Path(model).exists():
             if progress is not None:
                 progress(f"stage {stage.stage_id} ({stage.stage_type}): preparing model {model}")
-            path = prepare_model(model, progress=progress)
+            try:
+                path = prepare_model(model, progress=progress)
+            except (RuntimeError, OSError) as exc:
+                source = config.source_path or "<dict>"
+                raise ModelError([f"{source}: stage {stage.stage_id} ({stage.stage_type}): "
+                                  f"stage_args[{index}].engine_args.model: cannot prepare model {model!r}: {exc}; "
+                                  f"`omni-engine prepare-model {model}` shows the whole attempt"], source) from exc
             stage = stage.replace(engine_args={**stage.engine_args, "model": str(path)})
         stages.append(stage)
     return config.replace(stage_args=stages)

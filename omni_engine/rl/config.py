@@ -144,6 +144,11 @@ def _check(config: ActorLearnerConfig, report: cv.Report) -> None:
         report("rollout.top_k", f"{config.rollout.top_k}: -1 (off) or a positive number of tokens")
     if config.rollout.temperature == 0 and config.rollout.top_p < 1:
         report("rollout.top_p", "has no effect with temperature 0 (greedy); leave it at 1.0 or sample")
+    from omni_engine.models.check import model_problem
+    from omni_engine.models.prepare import RECIPES
+
+    if (problem := model_problem(config.model, frozenset(RECIPES))) is not None:
+        report("model", problem)
     for field, path in (("data.train", config.data.train), ("data.heldout", config.data.heldout)):
         if path is not None and not config.resolve(path).is_file():
             report(field, f"no such file: {config.resolve(path)}")

@@ -27,7 +27,7 @@ from typing import Annotated, Any
 import msgspec
 
 from omni_engine import config_validation as cv
-from omni_engine.config import ConfigError, read_yaml
+from omni_engine.config import ConfigError, load_pipeline_config, read_yaml
 
 SAMPLER_KINDS = ("openai", "engine", "ray")
 # The fields each kind uses beyond the common ones; any other kind's field is refused.
@@ -200,6 +200,20 @@ def _check_plugins(config: SampleConfig, report: cv.Report) -> None:
             report(f"{path}.{exc.field}", str(exc))
 
 
+def _pipeline_problems(path: Path) -> list[str]:
+    """What is wrong with the pipeline an engine or Ray sampler would start: its config and
+    its models, found now rather than after the sampler's workers have started."""
+    from omni_engine.models.check import check_models
+
+    if not path.is_file():
+        return [f"no such pipeline config: {path}"]
+    try:
+        check_models(load_pipeline_config(path))
+    except ConfigError as exc:
+        return exc.errors
+    return []
+
+
 def parse_sample_config(data: Any, source: str = "<dict>", base_dir: str | Path = ".") -> SampleConfig:
     """Validate a loaded ``sample.yaml`` mapping; one ConfigError lists every problem."""
     errors = cv.ErrorCollector(source)
@@ -218,8 +232,9 @@ def parse_sample_config(data: Any, source: str = "<dict>", base_dir: str | Path 
             report("transfer_queue", "give url (HTTP) and/or rpc_address (ZMQ RPC) of the queue to write to")
         if not config.resolve(config.input.path).is_file():
             report("input.path", f"no such file: {config.resolve(config.input.path)}")
-        if config.sampler.pipeline is not None and not config.resolve(config.sampler.pipeline).is_file():
-            report("sampler.pipeline", f"no such pipeline config: {config.resolve(config.sampler.pipeline)}")
+        if config.sampler.pipeline is not None:
+            for problem in _pipeline_problems(config.resolve(config.sampler.pipeline)):
+                report("sampler.pipeline", problem)
     if errors.errors or config is None:
         raise ConfigError(errors.errors, source, "sample config")
     return config

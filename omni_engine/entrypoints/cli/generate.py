@@ -34,9 +34,12 @@ def run(args: argparse.Namespace) -> int:
     import uvloop
 
     from omni_engine.config import ConfigError, load_pipeline_config
+    from omni_engine.pipeline.stage_specs import prepare_models
 
     try:
-        config = load_pipeline_config(args.config)
+        # Models are checked (and recipes prepared) before anything heavy is imported:
+        # the chat template below is read from the checked model.
+        config = prepare_models(load_pipeline_config(args.config), say)
     except ConfigError as exc:
         say(str(exc))
         return 2
@@ -44,23 +47,31 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _chat_prompt(config, question: str) -> str:
+    """``question`` in the text stage's chat template (its tokenizer, as vLLM's server would load it)."""
     from transformers import AutoTokenizer
 
-    llm = next((s for s in config.stage_args if s.stage_type == "llm"), None)
+    from omni_engine.models.check import ModelError
+
+    index, llm = next(((i, s) for i, s in enumerate(config.stage_args) if s.stage_type == "llm"), (0, None))
     if llm is None:
         return question
-    tokenizer = AutoTokenizer.from_pretrained(llm.engine_args["model"])
-    return tokenizer.apply_chat_template([{"role": "user", "content": question}], tokenize=False,
-                                         add_generation_prompt=True)
+    field = "tokenizer" if llm.engine_args.get("tokenizer") else "model"
+    name = llm.engine_args[field]
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(name)
+        return tokenizer.apply_chat_template([{"role": "user", "content": question}], tokenize=False,
+                                             add_generation_prompt=True)
+    except (OSError, ValueError) as exc:
+        source = config.source_path or "<dict>"
+        raise ModelError([f"{source}: stage {llm.stage_id} ({llm.stage_type}): stage_args[{index}].engine_args."
+                          f"{field}: cannot put the prompt in {name}'s chat template: {exc}; --raw sends the "
+                          "prompt as it is"], source) from exc
 
 
 async def _generate(args: argparse.Namespace, config) -> int:
     from omni_engine.audio import write_wav
     from omni_engine.entrypoints.multi_stage_engine_client import MultiStageEngineClient
     from omni_engine.entrypoints.signals import cancel_on_signals
-    from omni_engine.pipeline.stage_specs import prepare_models
-
-    config = prepare_models(config, say)  # the chat template is read from the prepared model
     prompt = args.prompt if args.raw else _chat_prompt(config, args.prompt)
     # SIGTERM/SIGINT: unwind through `async with` so every stage is shut down.
     cancel_on_signals()

@@ -15,6 +15,7 @@ import os
 import signal
 import time
 from collections.abc import Sequence
+from pathlib import Path
 
 from omni_engine.entrypoints.cli.common import say, set_stage_env_defaults
 
@@ -34,31 +35,59 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
 
 def main(argv: Sequence[str]) -> int:
     """``omni-engine serve PIPELINE_CONFIG [vllm serve flags] [omni-engine flags]``."""
+    from omni_engine.config import ConfigError
     from omni_engine.entrypoints.cli.serve_args import ServeArgsError, parse_serve_args
 
     try:
+        # The config and its models first: vLLM's parser imports vLLM (seconds), and a
+        # wrong model must not wait for that.
+        config = _load_checked(Path(argv[0])) if argv and Path(argv[0]).is_file() else None
         args = parse_serve_args(argv)
-    except ServeArgsError as exc:
+    except (ConfigError, ServeArgsError) as exc:
         say(str(exc))
         return 2
-    return run(args)
+    return run(args, config if config is not None and Path(argv[0]) == args.pipeline_config else None)
 
 
-def run(args: argparse.Namespace) -> int:
+def _load_checked(path: Path):
+    """The pipeline config at ``path``, validated, with its models checked and prepared.
+
+    The text stage keeps the name its YAML gives its model (a recipe name such as
+    ``smollm2``, not the prepared directory) as the name the API serves by default.
+    """
+    from omni_engine.config import ConfigError, load_pipeline_config
+    from omni_engine.entrypoints.openai.engine_config import (
+        default_served_model_name,
+        text_stage_of,
+        with_served_model_name,
+    )
+    from omni_engine.pipeline.stage_specs import prepare_models
+
+    config = load_pipeline_config(path)
+    try:
+        text_stage = text_stage_of(config)
+    except ValueError as exc:
+        raise ConfigError([f"{path}: {exc}"], str(path)) from None
+    if "served_model_name" not in text_stage.engine_args:
+        config = with_served_model_name(config, [default_served_model_name(text_stage)])
+    return prepare_models(config, say)
+
+
+def run(args: argparse.Namespace, config=None) -> int:
+    """Serve ``args.pipeline_config`` (``config``: that file already loaded by ``_load_checked``)."""
     set_stage_env_defaults()
     # A dead stage makes /health 503 (for a supervisor to act on); the server itself keeps answering.
     os.environ.setdefault("VLLM_KEEP_ALIVE_ON_ENGINE_DEATH", "1")
     import uvloop
 
-    from omni_engine.config import ConfigError, load_pipeline_config
-    from omni_engine.entrypoints.openai.engine_config import text_stage_of
+    from omni_engine.config import ConfigError
 
-    try:
-        config = load_pipeline_config(args.pipeline_config)
-        text_stage_of(config)
-    except (ConfigError, ValueError) as exc:
-        say(str(exc))
-        return 2
+    if config is None:
+        try:
+            config = _load_checked(args.pipeline_config)
+        except ConfigError as exc:
+            say(str(exc))
+            return 2
 
     # Until uvicorn's handlers are in place, SIGTERM interrupts start-up (as in
     # vLLM's run_server); stage processes die with us (PDEATHSIG).
@@ -107,7 +136,6 @@ async def _serve(args: argparse.Namespace, config) -> int:
         with_served_model_name,
     )
     from omni_engine.entrypoints.openai.metrics import register_pipeline_metrics
-    from omni_engine.pipeline.stage_specs import prepare_models
 
     # Our audio routes (/v1/audio/speech, chat with audio) and the API key on every route,
     # on the app build_and_serve builds.
@@ -116,7 +144,7 @@ async def _serve(args: argparse.Namespace, config) -> int:
     started = time.monotonic()
     served_names = list(args.served_model_name or [default_served_model_name(text_stage_of(config))])
     # The text stage's vLLM labels its vllm:* metrics with the name the API serves, as under `vllm serve`.
-    config = with_served_model_name(prepare_models(config, say), served_names)
+    config = with_served_model_name(config, served_names)
     text_stage = text_stage_of(config)
     server_args = server_args_for(args, str(text_stage.engine_args["model"]), served_names)
     # Bind the port before anything starts: a port in use fails at once.
