@@ -115,6 +115,12 @@ class TransferQueueOutput(_Base):
     url: str | None = None  # HTTP (slime's /buffer/write)
     rpc_address: str | None = None  # ZMQ RPC (BatchWrite); used when given
     timeout: Annotated[float, msgspec.Meta(gt=0)] = 60.0  # seconds per call
+    # HTTP: the queue's API key, or the variable holding it (default $OMNI_ENGINE_TRANSFER_QUEUE_API_KEY).
+    api_key: str | None = None
+    api_key_env: str | None = None
+    # RPC with CURVE: the server's public key file (.key) and this client's keypair (.key_secret).
+    curve_server_key: str | None = None
+    curve_client_key: str | None = None
 
 
 class SampleConfig(_Base):
@@ -200,6 +206,28 @@ def _check_plugins(config: SampleConfig, report: cv.Report) -> None:
             report(f"{path}.{exc.field}", str(exc))
 
 
+def _check_queue(config: SampleConfig, queue: TransferQueueOutput, report: cv.Report) -> None:
+    """The ``transfer_queue`` section: where, and the credentials (key files loaded now)."""
+    from omni_engine.stage_engine.security import KeyFileError, KeyPair
+    from omni_engine.transfer_queue.security import load_public_key
+
+    if queue.url is None and queue.rpc_address is None:
+        report("transfer_queue", "give url (HTTP) and/or rpc_address (ZMQ RPC) of the queue to write to")
+    if queue.api_key is not None and queue.api_key_env is not None:
+        report("transfer_queue.api_key", "give api_key or api_key_env, not both")
+    if (queue.curve_server_key is None) != (queue.curve_client_key is None):
+        report("transfer_queue.curve_client_key" if queue.curve_client_key is None else "transfer_queue.curve_server_key",
+               "CURVE needs both curve_server_key (the server's public key file) and curve_client_key (this "
+               "client's .key_secret file)")
+    for field, load in (("curve_server_key", load_public_key), ("curve_client_key", KeyPair.load)):
+        if getattr(queue, field) is not None:
+            setattr(queue, field, str(config.resolve(getattr(queue, field))))
+            try:
+                load(getattr(queue, field))
+            except KeyFileError as exc:
+                report(f"transfer_queue.{field}", str(exc))
+
+
 def _pipeline_problems(path: Path) -> list[str]:
     """What is wrong with the pipeline an engine or Ray sampler would start: its config and
     its models, found now rather than after the sampler's workers have started."""
@@ -228,8 +256,8 @@ def parse_sample_config(data: Any, source: str = "<dict>", base_dir: str | Path 
         _check_rounds(config, report)
         _check_plugins(config, report)
         queue = config.transfer_queue
-        if queue is not None and queue.url is None and queue.rpc_address is None:
-            report("transfer_queue", "give url (HTTP) and/or rpc_address (ZMQ RPC) of the queue to write to")
+        if queue is not None:
+            _check_queue(config, queue, report)
         if not config.resolve(config.input.path).is_file():
             report("input.path", f"no such file: {config.resolve(config.input.path)}")
         if config.sampler.pipeline is not None:

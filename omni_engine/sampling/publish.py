@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 from typing import Any
 
 from omni_engine.sampling.config import TransferQueueOutput
@@ -44,6 +45,24 @@ def trajectory(run_id: str, item: dict[str, Any], index: int, rollout: dict[str,
                            "metadata": item.get("metadata", {})}}
 
 
+def _api_key(cfg: TransferQueueOutput) -> str | None:
+    """``api_key``, else the variable ``api_key_env`` names (which must be set), else the client's default."""
+    if cfg.api_key is not None or cfg.api_key_env is None:
+        return cfg.api_key
+    key = os.environ.get(cfg.api_key_env)
+    if not key:
+        raise PublishError(f"transfer_queue.api_key_env: environment variable {cfg.api_key_env} is not set")
+    return key
+
+
+def _curve(cfg: TransferQueueOutput) -> Any:
+    if cfg.curve_server_key is None or cfg.curve_client_key is None:
+        return None
+    from omni_engine.transfer_queue.security import client_curve_keys
+
+    return client_curve_keys(cfg.curve_server_key, cfg.curve_client_key)
+
+
 class RolloutPublisher:
     """Writes finished items to the queue ``config`` names; ``start`` checks it answers."""
 
@@ -64,7 +83,8 @@ class RolloutPublisher:
 
         cfg = self.config
         self.run_id = run_id
-        self._client = AsyncTransferQueueClient(url=cfg.url, rpc_address=cfg.rpc_address, timeout=cfg.timeout)
+        self._client = AsyncTransferQueueClient(url=cfg.url, rpc_address=cfg.rpc_address, timeout=cfg.timeout,
+                                                api_key=_api_key(cfg), curve=_curve(cfg))
         try:
             await asyncio.wait_for(self._client.status(), min(cfg.timeout, STARTUP_TIMEOUT_S))
         except Exception as exc:  # noqa: BLE001 - whatever the transport raised, the queue is not usable

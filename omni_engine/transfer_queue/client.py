@@ -24,6 +24,7 @@ from typing import Any
 import msgspec
 import zmq
 
+from omni_engine.stage_engine.security import StageCurveKeys
 from omni_engine.stage_engine.socket_reader import SocketReader
 from omni_engine.transfer_queue.data_model import (
     BatchReadResult,
@@ -45,6 +46,7 @@ from omni_engine.transfer_queue.rpc_protocol import (
     SubscribeRequest,
     encode,
 )
+from omni_engine.transfer_queue.security import api_key_from_env, secure_rpc_client
 from omni_engine.transfer_queue.service import WriteResult
 
 logger = logging.getLogger(__name__)
@@ -152,15 +154,27 @@ def _read_args(max_groups: int | None, block: bool, timeout: float | None) -> di
 
 
 class _Endpoints:
-    def __init__(self, url: str | None, rpc_address: str | None) -> None:
+    """Where the queue is, and the credentials for it: ``api_key`` for HTTP (default:
+    ``$OMNI_ENGINE_TRANSFER_QUEUE_API_KEY``), ``curve`` keys for RPC (``client_curve_keys``)."""
+
+    def __init__(self, url: str | None, rpc_address: str | None, api_key: str | None = None,
+                 curve: StageCurveKeys | None = None) -> None:
         if url is None and rpc_address is None:
             raise ValueError("TransferQueueClient: give url (HTTP) and/or rpc_address (ZMQ)")
         self.url = url.rstrip("/") if url else None
         self.rpc_address = rpc_address
         self._ids = itertools.count(1)
+        api_key = api_key or api_key_from_env()
+        self._headers = {"authorization": f"Bearer {api_key}"} if api_key else {}
+        self._curve = curve
 
     def next_id(self) -> int:
         return next(self._ids)
+
+    def no_reply_hint(self) -> str:
+        if self._curve is None:
+            return " (a queue with CURVE on answers only clients with admitted keys)"
+        return " (with CURVE: is this client's key admitted by the server, and its server key right?)"
 
     def need_url(self, what: str) -> str:
         if self.url is None:
@@ -172,8 +186,9 @@ class _Endpoints:
 class TransferQueueClient(_Endpoints):
     """Blocking client; not thread-safe (one per thread)."""
 
-    def __init__(self, url: str | None = None, rpc_address: str | None = None, timeout: float = 60.0) -> None:
-        super().__init__(url, rpc_address)
+    def __init__(self, url: str | None = None, rpc_address: str | None = None, timeout: float = 60.0, *,
+                 api_key: str | None = None, curve: StageCurveKeys | None = None) -> None:
+        super().__init__(url, rpc_address, api_key, curve)
         self.timeout = timeout
         self._http = None
         # One context (one I/O thread) per process for every client, as pyzmq intends.
@@ -198,12 +213,13 @@ class TransferQueueClient(_Endpoints):
         import httpx
 
         if self._http is None:
-            self._http = httpx.Client(base_url=self.need_url(path), timeout=self.timeout)
+            self._http = httpx.Client(base_url=self.need_url(path), timeout=self.timeout, headers=self._headers)
         return _http_check(self._http.request(method, path, json=json), path)
 
     def _dealer(self) -> zmq.Socket:
         sock = self._ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
+        secure_rpc_client(sock, self._curve)
         sock.connect(self.rpc_address)
         return sock
 
@@ -217,7 +233,8 @@ class TransferQueueClient(_Endpoints):
                 # The reply may still come; a fresh socket keeps it from answering a later call.
                 self._sock.close(linger=0)
                 self._sock = None
-                raise TransferQueueError(f"{rtype.name}: no reply from {self.rpc_address} within {wait_ms} ms")
+                raise TransferQueueError(f"{rtype.name}: no reply from {self.rpc_address} within {wait_ms} ms"
+                                         f"{self.no_reply_hint()}")
             frames = self._sock.recv_multipart()
             call_id = msgspec.msgpack.decode(frames[1])[0]
             if call_id == header.call_id:
@@ -315,8 +332,9 @@ class TransferQueueClient(_Endpoints):
 class AsyncTransferQueueClient(_Endpoints):
     """The same calls as ``TransferQueueClient``, awaitable; many may run at once on one socket."""
 
-    def __init__(self, url: str | None = None, rpc_address: str | None = None, timeout: float = 60.0) -> None:
-        super().__init__(url, rpc_address)
+    def __init__(self, url: str | None = None, rpc_address: str | None = None, timeout: float = 60.0, *,
+                 api_key: str | None = None, curve: StageCurveKeys | None = None) -> None:
+        super().__init__(url, rpc_address, api_key, curve)
         self.timeout = timeout
         self._http = None
         # Replies are read by a SocketReader (every waiting reply in one loop callback) and sends
@@ -356,7 +374,7 @@ class AsyncTransferQueueClient(_Endpoints):
         import httpx
 
         if self._http is None:
-            self._http = httpx.AsyncClient(base_url=self.need_url(path), timeout=self.timeout)
+            self._http = httpx.AsyncClient(base_url=self.need_url(path), timeout=self.timeout, headers=self._headers)
         return _http_check(await self._http.request(method, path, json=json), path)
 
     def _send(self, frames: list[bytes]) -> None:
@@ -364,6 +382,7 @@ class AsyncTransferQueueClient(_Endpoints):
             sock = self._sock = self._ctx.socket(zmq.DEALER)
             sock.setsockopt(zmq.LINGER, 0)
             sock.setsockopt(zmq.SNDHWM, 0)
+            secure_rpc_client(sock, self._curve)
             sock.connect(self.rpc_address)
             self._reader = SocketReader(asyncio.get_running_loop(), sock, self._on_reply, self._on_reader_failed,
                                         copy=True)
@@ -391,7 +410,7 @@ class AsyncTransferQueueClient(_Endpoints):
         self._calls[header.call_id] = future
         # A timer on the future itself: cheaper than asyncio.wait_for's wrapper and its callbacks.
         timer = loop.call_later(timeout if timeout is not None else self.timeout, _expire, future,
-                                f"{rtype.name}: no reply from {self.rpc_address} in time")
+                                f"{rtype.name}: no reply from {self.rpc_address} in time{self.no_reply_hint()}")
         try:
             self._send([rtype.value, encode(header), *payloads])
             return await future

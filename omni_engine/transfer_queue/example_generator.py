@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import re
 import threading
@@ -23,20 +24,31 @@ import urllib.request
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 
+# The queue's key, as the server reads it (omni_engine.transfer_queue.security.API_KEY_ENV;
+# not imported, so that this script runs with the standard library alone).
+API_KEY_ENV = "OMNI_ENGINE_TRANSFER_QUEUE_API_KEY"
 PROBLEMS = [(f"What is {a} + {b}? Answer with the number only.", str(a + b))
             for a, b in [(2, 3), (7, 5), (12, 30), (9, 9), (41, 1), (100, 23), (6, 7), (15, 15)]]
 
 
-def send_data_to_buffer(buffer_url: str, data: dict, attempts: int = 2) -> bool:
-    """slime's ``send_data_to_buffer``: POST the trajectory, retry on failure."""
+def send_data_to_buffer(buffer_url: str, data: dict, attempts: int = 2, api_key: str | None = None) -> bool:
+    """slime's ``send_data_to_buffer``: POST the trajectory, retry on failure. ``api_key``
+    (default ``$OMNI_ENGINE_TRANSFER_QUEUE_API_KEY``) goes as a bearer token; a refused
+    key is not retried."""
     body = json.dumps(data).encode()
+    headers = {"Content-Type": "application/json"}
+    if api_key := api_key or os.environ.get(API_KEY_ENV):
+        headers["Authorization"] = f"Bearer {api_key}"
     for _ in range(attempts):
-        req = urllib.request.Request(buffer_url.rstrip("/") + "/buffer/write", body,
-                                     {"Content-Type": "application/json"})
+        req = urllib.request.Request(buffer_url.rstrip("/") + "/buffer/write", body, headers)
         try:
             with urllib.request.urlopen(req, timeout=30) as resp:
                 if resp.status == 200:
                     return True
+        except urllib.error.HTTPError as exc:
+            print(f"send data to buffer failed, error: {exc}")
+            if exc.code == 401:
+                return False
         except (urllib.error.URLError, OSError) as exc:
             print(f"send data to buffer failed, error: {exc}")
     return False

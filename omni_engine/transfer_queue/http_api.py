@@ -31,6 +31,7 @@ from omni_engine.transfer_queue.data_model import (
     payload_as,
 )
 from omni_engine.transfer_queue.metrics import metrics_registry, render
+from omni_engine.transfer_queue.security import OPEN_PATHS, authorized
 from omni_engine.transfer_queue.service import ServiceUnavailable, TransferQueueService
 
 logger = logging.getLogger(__name__)
@@ -58,8 +59,12 @@ def _error_body(message: str) -> bytes:
 class TransferQueueHttpApp:
     """ASGI application over a ``TransferQueueService``."""
 
-    def __init__(self, service: TransferQueueService) -> None:
+    def __init__(self, service: TransferQueueService, api_key: str | None = None,
+                 open_paths: frozenset[str] = OPEN_PATHS) -> None:
         self.service = service
+        # With a key, every route but ``open_paths`` needs it (``security.py``).
+        self._api_key = api_key
+        self._open_paths = open_paths
         self.registry = metrics_registry(service)
         # Every handler takes (body, receive): a waiting read listens for the client hanging up.
         self._routes = {
@@ -81,6 +86,7 @@ class TransferQueueHttpApp:
             return
         headers = _JSON
         try:
+            self._check_key(scope)
             body = await _read_body(receive)
             status, payload, headers = await self._dispatch(scope["method"], scope["path"], body, receive)
         except HttpError as exc:
@@ -93,6 +99,15 @@ class TransferQueueHttpApp:
         await send({"type": "http.response.start", "status": status,
                     "headers": [*headers, (b"content-length", str(len(payload)).encode())]})
         await send({"type": "http.response.body", "body": payload})
+
+    def _check_key(self, scope: dict) -> None:
+        """401 before the body is read, unless the request carries the key or the route is open."""
+        if self._api_key is None or scope["path"] in self._open_paths:
+            return
+        header = next((v for k, v in scope["headers"] if k == b"authorization"), None)
+        if not authorized(header, self._api_key):
+            raise HttpError(401, f"{scope['method']} {scope['path']}: unauthorized: this queue needs "
+                                 "'Authorization: Bearer <api key>'", [(b"www-authenticate", b"Bearer")])
 
     async def _dispatch(self, method: str, path: str, body: bytes, receive: Any) -> tuple[int, bytes, list]:
         handler = self._routes.get((method, path))

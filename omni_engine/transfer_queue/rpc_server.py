@@ -16,6 +16,7 @@ from typing import Any
 import msgspec
 import zmq
 
+from omni_engine.stage_engine.security import CurveKeys
 from omni_engine.stage_engine.socket_reader import SocketReader
 from omni_engine.transfer_queue.data_model import (
     InvalidTrajectory,
@@ -35,6 +36,7 @@ from omni_engine.transfer_queue.rpc_protocol import (
     encode,
     pack_batch,
 )
+from omni_engine.transfer_queue.security import secure_rpc_server
 from omni_engine.transfer_queue.service import Delivery, DeliveryExpired, ServiceUnavailable, TransferQueueService
 
 logger = logging.getLogger(__name__)
@@ -57,10 +59,12 @@ class _Subscription:
 
 
 class TransferQueueRpcServer:
-    def __init__(self, service: TransferQueueService, address: str) -> None:
+    def __init__(self, service: TransferQueueService, address: str, curve: CurveKeys | None = None) -> None:
         self.service = service
         self._ctx = zmq.Context()
         self._sock = self._ctx.socket(zmq.ROUTER)
+        # CURVE: only admitted client keys complete the handshake (nothing else is read or sent).
+        self._auth = secure_rpc_server(self._ctx, self._sock, curve) if curve is not None else None
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
         self._sock.setsockopt(zmq.SNDHWM, 0)  # a reply is never dropped or blocked on; readers bound it
@@ -82,6 +86,8 @@ class TransferQueueRpcServer:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         self._sock.close(linger=0)
+        if self._auth is not None:
+            self._auth.stop()
         self._ctx.term()
 
     # --------------------------------------------------------------- input

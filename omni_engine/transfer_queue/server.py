@@ -19,11 +19,16 @@ import uvicorn
 
 from omni_engine.transfer_queue.http_api import TransferQueueHttpApp
 from omni_engine.transfer_queue.rpc_server import TransferQueueRpcServer
+from omni_engine.transfer_queue.security import QueueSecurity
 from omni_engine.transfer_queue.service import TransferQueueService
 
 logger = logging.getLogger(__name__)
 
 READY_PREFIX = "transfer queue ready "
+
+
+class InsecureBindError(OSError):
+    """An API would listen on a non-loopback address without its protection."""
 
 
 class _UvicornServer(uvicorn.Server):
@@ -35,8 +40,9 @@ class _UvicornServer(uvicorn.Server):
 
 class TransferQueueServer:
     def __init__(self, service: TransferQueueService, host: str = "127.0.0.1", port: int = 8889,
-                 rpc_address: str | None = "tcp://127.0.0.1:8890") -> None:
+                 rpc_address: str | None = "tcp://127.0.0.1:8890", security: QueueSecurity | None = None) -> None:
         self.service = service
+        self.security = security or QueueSecurity()
         self.host, self.port = host, port
         self.rpc_address = rpc_address
         self.rpc: TransferQueueRpcServer | None = None
@@ -49,11 +55,18 @@ class TransferQueueServer:
         return f"http://{self.host}:{self.port}"
 
     async def start(self) -> None:
+        problems = self.security.exposure_problems(self.host, self.rpc_address)
+        if problems and not self.security.insecure:
+            raise InsecureBindError("refusing to start: " + "; ".join(problems)
+                                    + " (--insecure starts it anyway)")
+        for problem in problems:
+            logger.warning("transfer queue: INSECURE (--insecure): %s", problem)
         await self.service.start()
         if self.rpc_address is not None:
-            self.rpc = TransferQueueRpcServer(self.service, self.rpc_address)
+            self.rpc = TransferQueueRpcServer(self.service, self.rpc_address, self.security.curve)
             self.rpc.start()
-        config = uvicorn.Config(TransferQueueHttpApp(self.service), host=self.host, port=self.port, loop="none",
+        app = TransferQueueHttpApp(self.service, self.security.api_key, self.security.open_paths())
+        config = uvicorn.Config(app, host=self.host, port=self.port, loop="none",
                                 http="httptools", lifespan="off", log_level="warning", access_log=False,
                                 timeout_keep_alive=30, backlog=4096)
         self._http = _UvicornServer(config)
@@ -67,6 +80,7 @@ class TransferQueueServer:
 
     def ready_line(self) -> str:
         info = {"http": self.http_url, "rpc": self.rpc.address if self.rpc else None,
+                "api_key": self.security.api_key is not None, "curve": self.security.curve is not None,
                 "recovered_records": self.service.recovered_records,
                 "recovery_seconds": round(self.service.recovery_seconds, 3)}
         return READY_PREFIX + json.dumps(info)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import sys
 
 NAME = "transfer-queue"
 
@@ -35,13 +36,30 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     serve.add_argument("--no-uid-dedup", dest="uid_dedup", action="store_false", default=None)
     serve.add_argument("--group-timeout-seconds", type=float, default=None)
     serve.add_argument("--group-timeout-policy", choices=["deliver_partial", "drop"], default=None)
+    security = serve.add_argument_group(
+        "security", "Who may use the queue. Listening on a non-loopback address needs --api-key for HTTP and "
+                    "CURVE keys for RPC, or --insecure.")
+    security.add_argument("--api-key", default=None,
+                          help="bearer key every HTTP route but /health requires (default: "
+                               "$OMNI_ENGINE_TRANSFER_QUEUE_API_KEY)")
+    security.add_argument("--public-metrics", action="store_true", help="serve /metrics without the key")
+    security.add_argument("--curve-server-key", default=None, metavar="FILE",
+                          help="the RPC server's CURVE keypair (a zmq.auth .key_secret file): turns CURVE on")
+    security.add_argument("--curve-client-key", default=None, metavar="FILE",
+                          help="a client keypair the clients share (.key_secret); its public key is admitted")
+    security.add_argument("--curve-allowed-key", action="append", default=[], metavar="FILE",
+                          help="a client's public key file (.key) to admit; repeatable")
+    security.add_argument("--insecure", action="store_true",
+                          help="listen on a non-loopback address without protection (warns at start)")
     serve.add_argument("--log-level", default="INFO")
     serve.set_defaults(handler=run_serve)
     parser.set_defaults(handler=lambda args: parser.print_help() or 2)
 
 
 def run_serve(args: argparse.Namespace) -> int:
+    from omni_engine.stage_engine.security import KeyFileError
     from omni_engine.transfer_queue.data_model import BufferConfig
+    from omni_engine.transfer_queue.security import QueueSecurity, api_key_from_env
     from omni_engine.transfer_queue.server import TransferQueueServer, run
     from omni_engine.transfer_queue.service import TransferQueueService
 
@@ -51,6 +69,13 @@ def run_serve(args: argparse.Namespace) -> int:
     if problems:
         print("transfer-queue serve: " + "; ".join(problems))
         return 2
+    try:
+        security = QueueSecurity.from_files(args.api_key or api_key_from_env(), args.curve_server_key,
+                                            args.curve_client_key, tuple(args.curve_allowed_key),
+                                            args.public_metrics, args.insecure)
+    except KeyFileError as exc:
+        print(f"transfer-queue serve: {exc}", file=sys.stderr)
+        return 2
     service = TransferQueueService(updates, args.data_dir, args.durability, ack_timeout_s=args.ack_timeout_seconds)
     rpc = None if args.rpc_address.lower() == "none" else args.rpc_address
-    return run(TransferQueueServer(service, args.host, args.port, rpc))
+    return run(TransferQueueServer(service, args.host, args.port, rpc, security))
