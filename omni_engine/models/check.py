@@ -18,8 +18,8 @@ from the file system and, for hub ids only, one quick look at the network:
 
 Every problem names the file, the stage and the field, and all of them are
 raised together as one :class:`ModelError` (a ``ConfigError``), like the rest
-of the config's checks. Only the standard library is imported here, so that
-the check costs milliseconds, not vLLM's import.
+of the config's checks. Nothing heavy is imported here (the hub library only
+for a hub id), so that the check costs milliseconds, not vLLM's import.
 """
 
 from __future__ import annotations

@@ -208,8 +208,7 @@ def _check_plugins(config: SampleConfig, report: cv.Report) -> None:
 
 def _check_queue(config: SampleConfig, queue: TransferQueueOutput, report: cv.Report) -> None:
     """The ``transfer_queue`` section: where, and the credentials (key files loaded now)."""
-    from omni_engine.stage_engine.security import KeyFileError, KeyPair
-    from omni_engine.transfer_queue.security import load_public_key
+    from omni_engine.stage_engine.security import KeyFileError, KeyPair, load_public_key
 
     if queue.url is None and queue.rpc_address is None:
         report("transfer_queue", "give url (HTTP) and/or rpc_address (ZMQ RPC) of the queue to write to")

@@ -63,12 +63,7 @@ class KeyPair:
     def load(cls, path: str | Path) -> KeyPair:
         """Read a ``zmq.auth.create_certificates`` secret file (``*.key_secret``)."""
         path = Path(path)
-        if not path.is_file():
-            raise KeyFileError(f"key file {path} not found")
-        try:
-            public, secret = zmq.auth.load_certificate(path)
-        except (OSError, ValueError, UnicodeDecodeError) as exc:
-            raise KeyFileError(f"key file {path} is not a ZMQ certificate: {exc}") from None
+        public, secret = _read_certificate(path)
         if not secret:
             raise KeyFileError(f"key file {path} has no secret key (the .key file holds only the public "
                                "key; name the .key_secret file)")
@@ -77,6 +72,24 @@ class KeyPair:
         if path.stat().st_mode & 0o077:
             logger.warning("secret key file %s is readable by other users; chmod 600 it", path)
         return cls(public, secret)
+
+
+def load_public_key(path: str | Path) -> bytes:
+    """The public key of a ZMQ certificate file (``.key``, or the ``.key_secret`` beside it)."""
+    path = Path(path).expanduser()
+    public, _secret = _read_certificate(path)
+    if not _valid_z85_key(public):
+        raise KeyFileError(f"key file {path} does not hold a 40-character z85 CURVE public key")
+    return public
+
+
+def _read_certificate(path: Path) -> tuple[bytes | None, bytes | None]:
+    if not path.is_file():
+        raise KeyFileError(f"key file {path} not found")
+    try:
+        return zmq.auth.load_certificate(path)
+    except (OSError, ValueError, UnicodeDecodeError) as exc:
+        raise KeyFileError(f"key file {path} is not a ZMQ certificate: {exc}") from None
 
 
 def _valid_z85_key(key: bytes | None) -> bool:

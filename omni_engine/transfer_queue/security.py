@@ -29,7 +29,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import zmq
-import zmq.auth
 from zmq.auth.thread import ThreadAuthenticator
 
 from omni_engine.stage_engine.security import (
@@ -38,6 +37,7 @@ from omni_engine.stage_engine.security import (
     KeyFileError,
     KeyPair,
     StageCurveKeys,
+    load_public_key,
     make_client,
     make_server,
 )
@@ -54,20 +54,6 @@ REFUSAL_LOG_INTERVAL_S = 60.0
 
 def api_key_from_env() -> str | None:
     return os.environ.get(API_KEY_ENV) or None
-
-
-def load_public_key(path: str | Path) -> bytes:
-    """The public key of a ZMQ certificate file (``.key`` or ``.key_secret``)."""
-    path = Path(path).expanduser()
-    if not path.is_file():
-        raise KeyFileError(f"key file {path} not found")
-    try:
-        public, _secret = zmq.auth.load_certificate(path)
-    except (OSError, ValueError, UnicodeDecodeError) as exc:
-        raise KeyFileError(f"key file {path} is not a ZMQ certificate: {exc}") from None
-    if not public:
-        raise KeyFileError(f"key file {path} holds no public key")
-    return public
 
 
 @dataclass(frozen=True)

@@ -16,8 +16,12 @@ import signal
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from omni_engine.entrypoints.cli.common import say, set_stage_env_defaults
+
+if TYPE_CHECKING:
+    from omni_engine.config import PipelineConfig
 
 NAME = "serve"
 # main() hands this subcommand its raw arguments: vLLM's parser reads them.
@@ -49,7 +53,7 @@ def main(argv: Sequence[str]) -> int:
     return run(args, config if config is not None and Path(argv[0]) == args.pipeline_config else None)
 
 
-def _load_checked(path: Path):
+def _load_checked(path: Path) -> PipelineConfig:
     """The pipeline config at ``path``, validated, with its models checked and prepared.
 
     The text stage keeps the name its YAML gives its model (a recipe name such as
@@ -73,7 +77,7 @@ def _load_checked(path: Path):
     return prepare_models(config, say)
 
 
-def run(args: argparse.Namespace, config=None) -> int:
+def run(args: argparse.Namespace, config: PipelineConfig | None = None) -> int:
     """Serve ``args.pipeline_config`` (``config``: that file already loaded by ``_load_checked``)."""
     set_stage_env_defaults()
     # A dead stage makes /health 503 (for a supervisor to act on); the server itself keeps answering.
