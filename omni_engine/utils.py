@@ -8,6 +8,7 @@ import importlib
 import logging
 import os
 import signal
+import subprocess
 import socket
 import sys
 from collections.abc import Callable
@@ -103,6 +104,30 @@ def guard_process_group() -> int | None:
         os.killpg(pgid, signal.SIGKILL)
     finally:
         os._exit(0)
+
+
+def start_resource_tracker_apart() -> None:
+    """Start this process's ``multiprocessing`` resource tracker in a process group of its own.
+
+    The tracker unlinks the named semaphores (``/dev/shm/sem.mp-*``) that this
+    process and its children (vLLM's engine core, spawned) create, once all of
+    them are gone, however they went. Started by ``multiprocessing`` on first
+    use, it would be in this process's group, and a stage's end (its group
+    SIGKILLed by its client or its watchdog) would kill it before it could do
+    that. Apart, it sees the group die and cleans up. Call it once, early, while
+    the process has one thread.
+    """
+    from multiprocessing import resource_tracker, util
+
+    def spawn_in_own_group(path: str, args: list[str], passfds: list[int]) -> int:
+        return subprocess.Popen(args, executable=path, pass_fds=passfds, process_group=0).pid
+
+    original = util.spawnv_passfds
+    util.spawnv_passfds = spawn_in_own_group  # what ensure_running starts the tracker with
+    try:
+        resource_tracker.ensure_running()
+    finally:
+        util.spawnv_passfds = original
 
 
 def tail_file(path: Path | None, max_lines: int = 40, max_bytes: int = 16384) -> str:

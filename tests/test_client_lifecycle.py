@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from omni_engine.connectors.shm import list_segments
+from tests.leak_helpers import leftover_semaphores, semaphore_names
 from tests.helpers import process_exists
 
 REPO = Path(__file__).resolve().parents[1]
@@ -64,7 +65,12 @@ EXITS = [("exit", "tensor", True), ("exit", "text", False), ("exit", "text", Tru
 
 
 @pytest.fixture(scope="module")
-def children(smollm2_path):
+def semaphores_before() -> set[str]:
+    return semaphore_names()
+
+
+@pytest.fixture(scope="module")
+def children(smollm2_path, semaphores_before):
     """Every scenario's program, run a few at a time (each spends most of its time importing vLLM)."""
     with ThreadPoolExecutor(3) as pool:
         futures = {case: pool.submit(run_child, *case, timeout=300) for case in SHUTDOWNS + EXITS}
@@ -98,3 +104,11 @@ def test_a_program_that_never_shuts_down_exits_promptly_and_leaves_nothing(child
     assert_nothing_left(result)
     returned_at = next(r["returned_at"] for r in reports(result) if "returned_at" in r)
     assert ended_at - returned_at < SHUTDOWN_BOUND_S, result.stderr[-2000:]
+
+
+def test_no_way_of_ending_leaves_a_semaphore(children, semaphores_before):
+    """Of every program above (its stages shut down or killed with it, on both architectures), no
+    named semaphore (/dev/shm/sem.mp-*) is left once the trackers have done their work."""
+    for future in children.values():
+        future.result()
+    assert not leftover_semaphores(semaphores_before)

@@ -79,3 +79,36 @@ async def test_an_output_written_into_shared_memory_is_sent_without_a_copy():
     finally:
         await client.shutdown_async()
     assert not list_segments(source.shm_prefix)
+
+
+async def test_an_abort_reaches_a_downstream_stage_that_is_still_working():
+    """Stage 0 is done; stage 1 holds the request (its sink waits 60 s). The abort must reach
+    stage 1's process, not only the stage the request started in: it lets go at once, the
+    stage counts the abort, and no stage, nor the orchestrator, holds anything of it."""
+    client = await MultiStageEngineClient.from_config(tensor_pipeline_config())
+    sink = client.stage_contexts[1].client.replicas[0]
+    try:
+        stream = client.generate({"nbytes": 1024, "sink_delay": 60}, None, "held")
+        outputs = asyncio.create_task(_collect(stream))
+        async with asyncio.timeout(30):
+            while not (client.metrics.stage(0).finished == 1
+                       and await sink.call_utility_async("num_unfinished_requests") == 1):
+                await asyncio.sleep(0.05)
+        await client.abort("held")
+        async with asyncio.timeout(10):  # not the sink's 60 s
+            finals = [o for o in await outputs if o.finished]
+            while await sink.call_utility_async("num_unfinished_requests"):
+                await asyncio.sleep(0.05)
+        assert [o.stage_id for o in finals] == [1]
+        assert client.metrics.stage(1).aborted == 1
+        counts = client.orchestrator.state_counts()
+        assert counts["requests"] == 0 and counts["routes"] == 0, counts
+        for ctx in client.stage_contexts:
+            assert ctx.client.num_unfinished_requests() == 0
+        assert (await run_once(client, "after"))["nbytes"] == NBYTES  # and the pipeline still serves
+    finally:
+        await client.shutdown_async()
+
+
+async def _collect(stream) -> list:
+    return [o async for o in stream]

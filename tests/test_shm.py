@@ -13,6 +13,8 @@ import os
 import resource
 import signal
 import threading
+import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -486,3 +488,33 @@ async def test_remove_producer_forgets_its_segments(book_env):
         third.pool.close()
     finally:
         other.pool.close()
+
+
+def test_semaphores_no_process_maps_are_removed_and_no_other(tmp_path):
+    """A named semaphore whose process died with its resource tracker (``kill -9`` of a whole
+    job) is removed by the next client; one a live process holds, or a young one, is not."""
+    import multiprocessing
+    import subprocess
+    import sys
+
+    from omni_engine.connectors.semaphores import orphan_semaphores, remove_orphan_semaphores
+
+    name = f"mp-omnitest{os.getpid()}"
+    # A process that makes the semaphore and dies without unlinking it (no tracker: it is killed too).
+    subprocess.run([sys.executable, "-c", f"import _multiprocessing; s = _multiprocessing.SemLock(1, 1, 1, "
+                                          f"'/{name}', False); import os; os._exit(0)"], check=True)
+    orphan = Path(f"/dev/shm/sem.{name}")
+    assert orphan.exists()
+    held = multiprocessing.get_context("spawn").Lock()  # this process maps it
+    held_path = Path("/dev/shm/sem" + held._semlock.name.replace("/", "."))
+    try:
+        assert orphan not in orphan_semaphores()  # young: a tracker may be about to unlink it
+        old = time.time() - 3600
+        for path in (orphan, held_path):
+            os.utime(path, (old, old))
+        found = orphan_semaphores()
+        assert orphan in found and held_path not in found
+        assert orphan.name in remove_orphan_semaphores()
+        assert not orphan.exists() and held_path.exists()
+    finally:
+        orphan.unlink(missing_ok=True)

@@ -26,6 +26,7 @@ import zmq.asyncio
 from omni_engine import envs
 from omni_engine.connectors.leases import ShmLeaseBook, lease_book_for
 from omni_engine.connectors.settings import ConnectorSettings
+from omni_engine.connectors.semaphores import remove_orphan_semaphores
 from omni_engine.connectors.shm import (
     ShmAttachments,
     default_attachments,
@@ -174,6 +175,7 @@ class StageEngineCoreClient(BaseStageClient):
         """Bind, launch the stage (if configured) and wait for its READY."""
         self._loop = asyncio.get_running_loop()
         remove_stale_segments()
+        remove_orphan_semaphores()
         if self.shm.book is None:
             self.shm.book = lease_book_for(self._loop)
         remove_stale_runtime_dirs()

@@ -19,7 +19,7 @@ import sys
 from typing import Any, BinaryIO
 
 from omni_engine.stage_engine.stage_spec import StageProcessSpec
-from omni_engine.utils import die_with_parent, guard_process_group, resolve_dotted
+from omni_engine.utils import die_with_parent, guard_process_group, resolve_dotted, start_resource_tracker_apart
 
 ZMQ_STAGE_MAIN = "omni_engine.stage_engine.stage_core_proc:serve_zmq_stage"
 
@@ -48,6 +48,8 @@ def enter_stage_process(spec: StageProcessSpec) -> None:
         os.dup2(fd, 1)
         os.dup2(fd, 2)
         os.close(fd)
+    # After the redirect: what the tracker says of semaphores a killed stage left goes to its log.
+    start_resource_tracker_apart()
     os.environ.update(spec.process_environment())
     logging.basicConfig(level=spec.log_level,
                         format=f"%(asctime)s stage{spec.stage_id} %(levelname)s %(name)s: %(message)s")
