@@ -22,6 +22,7 @@ from omni_engine.connectors.shm import list_segments
 from omni_engine.entrypoints.multi_stage_engine_client import MultiStageEngineClient
 from omni_engine.errors import StageDeadError
 from tests.helpers import process_exists, tensor_pipeline_config, wait_group_gone
+from tests.leak_helpers import leftover_semaphores, semaphore_names
 from tests.stress.checks import after_shutdown, wait_clean
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
@@ -29,6 +30,14 @@ pytestmark = pytest.mark.asyncio(loop_scope="session")
 REPO = Path(__file__).resolve().parents[1]
 NBYTES = 8 << 20
 HELD = 600.0  # seconds the sink takes for a held request: in flight until aborted or killed
+
+
+@pytest.fixture(scope="module", autouse=True)
+def no_semaphore_left():
+    """Nor does any of these ways to end leave a named semaphore (/dev/shm/sem.mp-*)."""
+    before = semaphore_names()
+    yield
+    assert not leftover_semaphores(before)
 
 
 def segments_of(pid: int | None = None) -> list[str]:
