@@ -23,9 +23,10 @@ import stat
 import time
 from pathlib import Path
 
+from omni_engine.connectors.shm import SHM_DIR
+
 logger = logging.getLogger(__name__)
 
-SHM_DIR = Path("/dev/shm")
 SEMAPHORE_GLOB = "sem.mp-*"
 # A file younger than this is left alone: its tracker may be about to unlink it.
 ORPHAN_MIN_AGE_S = 30.0

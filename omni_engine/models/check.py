@@ -37,7 +37,8 @@ from typing import Any
 from omni_engine.config import ConfigError, PipelineConfig, StageConfig
 from omni_engine.config_validation import ErrorCollector
 
-__all__ = ["ModelError", "check_models", "hub_unreachable", "model_problem", "safetensors_problem"]
+__all__ = ["ModelError", "check_models", "hub_unreachable", "model_problem", "safetensors_problem",
+           "stage_model_error"]
 
 # How long the one look at the hub's host may take before it counts as unreachable.
 HUB_PROBE_TIMEOUT_S = 3.0
@@ -68,6 +69,16 @@ def check_models(config: PipelineConfig, recipes: frozenset[str] | None = None) 
             report(f"stage_args[{index}].engine_args.{field}", problem)
     if errors.errors:
         raise ModelError(errors.errors, source)
+
+
+def stage_model_error(config: PipelineConfig, index: int, field: str, problem: str) -> ModelError:
+    """The error for one stage's model field, in the form ``check_models`` reports (file, stage, field)."""
+    source = config.source_path or "<dict>"
+    stage = config.stage_args[index]
+    errors = ErrorCollector(source)
+    errors.for_stage(f"stage {stage.stage_id} ({stage.stage_type})")(f"stage_args[{index}].engine_args.{field}",
+                                                                      problem)
+    return ModelError(errors.errors, source)
 
 
 def _stage_problems(stage: StageConfig, recipes: frozenset[str]) -> list[tuple[str, str]]:

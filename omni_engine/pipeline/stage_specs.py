@@ -33,7 +33,7 @@ def prepare_models(config: PipelineConfig, progress: Progress | None = None) -> 
     a recipe name, is left alone (vLLM resolves it). Preparing is idempotent:
     a prepared model is found in the cache and returned at once.
     """
-    from omni_engine.models.check import ModelError, check_models
+    from omni_engine.models.check import check_models, stage_model_error
     from omni_engine.models.prepare import RECIPES, prepare_model
 
     check_models(config, frozenset(RECIPES))
@@ -46,10 +46,8 @@ def prepare_models(config: PipelineConfig, progress: Progress | None = None) -> 
             try:
                 path = prepare_model(model, progress=progress)
             except (RuntimeError, OSError) as exc:
-                source = config.source_path or "<dict>"
-                raise ModelError([f"{source}: stage {stage.stage_id} ({stage.stage_type}): "
-                                  f"stage_args[{index}].engine_args.model: cannot prepare model {model!r}: {exc}; "
-                                  f"`omni-engine prepare-model {model}` shows the whole attempt"], source) from exc
+                raise stage_model_error(config, index, "model", f"cannot prepare model {model!r}: {exc}; "
+                                        f"`omni-engine prepare-model {model}` shows the whole attempt") from exc
             stage = stage.replace(engine_args={**stage.engine_args, "model": str(path)})
         stages.append(stage)
     return config.replace(stage_args=stages)

@@ -50,7 +50,7 @@ def _chat_prompt(config, question: str) -> str:
     """``question`` in the text stage's chat template (its tokenizer, as vLLM's server would load it)."""
     from transformers import AutoTokenizer
 
-    from omni_engine.models.check import ModelError
+    from omni_engine.models.check import stage_model_error
 
     index, llm = next(((i, s) for i, s in enumerate(config.stage_args) if s.stage_type == "llm"), (0, None))
     if llm is None:
@@ -62,10 +62,8 @@ def _chat_prompt(config, question: str) -> str:
         return tokenizer.apply_chat_template([{"role": "user", "content": question}], tokenize=False,
                                              add_generation_prompt=True)
     except (OSError, ValueError) as exc:
-        source = config.source_path or "<dict>"
-        raise ModelError([f"{source}: stage {llm.stage_id} ({llm.stage_type}): stage_args[{index}].engine_args."
-                          f"{field}: cannot put the prompt in {name}'s chat template: {exc}; --raw sends the "
-                          "prompt as it is"], source) from exc
+        raise stage_model_error(config, index, field, f"cannot put the prompt in {name}'s chat template: {exc}; "
+                                "--raw sends the prompt as it is") from exc
 
 
 async def _generate(args: argparse.Namespace, config) -> int:
