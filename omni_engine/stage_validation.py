@@ -11,6 +11,7 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 from omni_engine.config_validation import Report, check_dotted
+from omni_engine.logits.check import check_logits_processors
 from omni_engine.stage_engine.stage_sockets import check_host
 
 RESTART_POLICIES = ("no", "on-failure")
@@ -93,6 +94,9 @@ def _check_engine(stage: StageConfig, path: str, report: Report) -> None:
     if stage.stage_type == "llm" and not (isinstance(model, str) and model):
         report(f"{path}.engine_args.model",
                f"missing or not a string (got {model!r}); an llm stage needs a model name or path")
+    if stage.stage_type == "llm":
+        check_logits_processors(stage.engine_args.get("logits_processors"),
+                                f"{path}.engine_args.logits_processors", report)
     if stage.stage_type == "generation":
         if "model_factory" not in stage.engine_args:
             report(f"{path}.engine_args.model_factory",

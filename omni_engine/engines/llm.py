@@ -17,6 +17,7 @@ from vllm.sampling_params import RequestOutputKind
 
 from omni_engine.engines.base import StageEngine, StageEngineError
 from omni_engine.inputs import OmniTextPrompt
+from omni_engine.logits.slot_table import tag_request
 from omni_engine.outputs import OmniRequestOutput
 from omni_engine.prometheus_snapshot import snapshot_families
 
@@ -105,7 +106,9 @@ class LLMStageEngine(StageEngine):
     async def generate(self, request_id: str, prompt: Any, sampling_params: Any) -> AsyncIterator[OmniRequestOutput]:
         from vllm.v1.engine.exceptions import EngineDeadError
 
-        params = to_sampling_params(sampling_params)
+        # The pipeline's request id travels in the params: logits processors get the
+        # params of each request, never its id (omni_engine.logits keys state by it).
+        params = tag_request(to_sampling_params(sampling_params), request_id)
         if isinstance(prompt, OmniTextPrompt):
             prompt = prompt.to_vllm()
         versions: list[str] = []

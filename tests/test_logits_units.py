@@ -1,0 +1,220 @@
+"""Request-keyed logits processors without an engine: the slot table under vLLM's V1
+batch updates, the same processor class driven through Model Runner V2's interface
+(its loader, its params validator, its ``add_request`` / ``apply(logits, ctx)`` with rows
+reordered every step and slots recycled without notice), and config-time checks of
+``engine_args.logits_processors``. V2 cannot run on these CPUs (it needs Triton's CPU
+backend), so its runner's slot and row bookkeeping is replayed here step by step."""
+
+from __future__ import annotations
+
+import random
+from types import SimpleNamespace
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+import yaml
+from vllm import SamplingParams
+from vllm.exceptions import VLLMValidationError
+from vllm.v1.sample.logits_processor import _load_logitsprocs_by_fqcns
+from vllm.v1.sample.logits_processor.interface import BatchUpdate, MoveDirectionality
+from vllm.v1.worker.gpu.sample.logits_processor import (
+    LogitsContext,
+    build_custom_logits_processors,
+    build_custom_logits_processors_params_validator,
+)
+from vllm.v1.worker.gpu.sample.logits_processor.interface import LogitsProcessor as V2LogitsProcessor
+
+from omni_engine.config import ConfigError, load_pipeline_config
+from omni_engine.logits import REQUEST_ID_KEY, LiveRequest, SlotTable, tag_request
+from tests.logits_processors import Fingerprint, fingerprint_token
+
+FINGERPRINT = "tests.logits_processors:Fingerprint"
+VOCAB = 64  # fingerprint tokens are in [1000, 21000): the V2 replay uses a big enough vocab below
+
+
+def params(rid: str, mode: str | None = "request") -> SamplingParams:
+    p = SamplingParams(max_tokens=8, extra_args={"fingerprint": mode} if mode else None)
+    return tag_request(p, rid)
+
+
+# ------------------------------------------------------------ the slot table (V1 updates)
+def test_slot_table_applies_removed_added_moved_in_vllms_order():
+    released: list[str] = []
+    table = SlotTable(release=lambda r: released.append(r.request_id))
+
+    def admit(row, p, prompt, output):
+        return LiveRequest(p.extra_args[REQUEST_ID_KEY], p, prompt, output, state=True)
+
+    def update(removed=(), added=(), moved=()):
+        table.apply_batch_update(BatchUpdate(batch_size=0, removed=list(removed), moved=list(moved),
+                                             added=[(i, params(rid), [1], []) for i, rid in added]), admit)
+
+    def rows():
+        return {row: r.request_id for row, r in table.items()}
+
+    update(added=[(0, "a"), (1, "b"), (2, "c")])
+    assert rows() == {0: "a", 1: "b", 2: "c"}
+    # "a" finished and "d" took its row in the same step: vLLM reports row 0 only as added.
+    update(added=[(0, "d")])
+    assert rows() == {0: "d", 1: "b", 2: "c"} and released == ["a"]
+    # "b" finished, nothing new: condense moves the last row (2) into the hole (1).
+    update(removed=[1], moved=[(2, 1, MoveDirectionality.UNIDIRECTIONAL)])
+    assert rows() == {0: "d", 1: "c"} and released == ["a", "b"]
+    # An attention backend's reorder swaps rows.
+    update(moved=[(0, 1, MoveDirectionality.SWAP)])
+    assert rows() == {0: "c", 1: "d"}
+    # Removed then re-added in one update: the old holder is released once, the new one stays.
+    update(removed=[0], added=[(0, "e")])
+    assert rows() == {0: "e", 1: "d"} and released == ["a", "b", "c"]
+    assert table.stats.as_dict() == dict(admitted=5, released=3, reused=2, moved=1, swapped=1)
+
+
+def test_tag_request_copies_the_params_it_tags():
+    shared = SamplingParams(max_tokens=4, extra_args={"theta_prompt": "x"})
+    a, b = tag_request(shared, "a"), tag_request(shared, "b")
+    assert (a.extra_args[REQUEST_ID_KEY], b.extra_args[REQUEST_ID_KEY]) == ("a", "b")
+    assert shared.extra_args == {"theta_prompt": "x"} and a.extra_args["theta_prompt"] == "x"
+
+
+# ------------------------------------------------------------ Model Runner V2, replayed
+class V2SlotRowFingerprint(V2LogitsProcessor):
+    """The seed's assumption on V2: the logits row of a request is its slot index."""
+
+    def __init__(self, vllm_config: Any, req_states: Any) -> None:
+        self.req_states, self.rids = req_states, {}
+
+    def add_request(self, req_idx: int, sampling_params: Any) -> bool:
+        self.rids[req_idx] = sampling_params.extra_args[REQUEST_ID_KEY]
+        return True
+
+    def apply(self, logits: torch.Tensor, ctx: LogitsContext) -> torch.Tensor:
+        for slot, rid in self.rids.items():
+            if slot < logits.shape[0]:
+                n = int(self.req_states.total_len.np[slot] - self.req_states.prompt_len.np[slot])
+                logits[slot] = float("-inf")
+                logits[slot, fingerprint_token(rid, n)] = 0.0
+        return logits
+
+
+def replay_v2(processor_names: list[Any], seed: int, max_num_reqs: int = 4, n_requests: int = 24) -> dict[str, Any]:
+    """Run a V2-shaped schedule: slots from a free list (no removal notice), rows in a new
+    order every step, committed tokens in the runner's buffer. Returns mismatches and counts."""
+    rng = random.Random(seed)
+    vocab, max_len = 21000, 64
+    states = SimpleNamespace(
+        device=torch.device("cpu"), max_num_reqs=max_num_reqs, vocab_size=vocab,
+        all_token_ids=SimpleNamespace(gpu=torch.zeros(max_num_reqs, max_len, dtype=torch.int32)),
+        prompt_len=SimpleNamespace(np=np.zeros(max_num_reqs, dtype=np.int32)),
+        prefill_len=SimpleNamespace(np=np.zeros(max_num_reqs, dtype=np.int32)),
+        total_len=SimpleNamespace(np=np.zeros(max_num_reqs, dtype=np.int32)))
+    procs = build_custom_logits_processors(SimpleNamespace(), states, False, processor_names)
+    waiting = [(f"r{seed}-{i}", rng.randint(3, 6), rng.randint(1, 20)) for i in range(n_requests)]
+    free, live = list(range(max_num_reqs)), {}  # slot -> [rid, max_tokens, generated]
+    mismatches = steps = reused = 0
+    used: set[int] = set()
+    while waiting or live:
+        while waiting and free and rng.random() < 0.7:
+            rid, prompt_len, max_tokens = waiting.pop(0)
+            slot = free.pop(rng.randrange(len(free)))
+            reused += slot in used
+            used.add(slot)
+            states.all_token_ids.gpu[slot, :prompt_len] = torch.arange(prompt_len) + 1
+            states.prompt_len.np[slot] = prompt_len
+            states.total_len.np[slot] = prompt_len
+            for p in procs:
+                p.add_request(slot, tag_request(SamplingParams(max_tokens=max_tokens,
+                                                               extra_args={"fingerprint": "request"}), rid))
+            live[slot] = [rid, max_tokens, 0]
+        if not live:
+            continue
+        for p in procs:
+            p.apply_staged_writes()
+        order = list(live)
+        rng.shuffle(order)  # V2 lays rows out anew every step
+        ctx = LogitsContext(
+            expanded_idx_mapping=torch.tensor(order), idx_mapping=torch.tensor(order),
+            idx_mapping_np=np.array(order), expanded_local_pos=torch.zeros(len(order), dtype=torch.int32),
+            input_ids=torch.zeros(len(order), dtype=torch.int32), pos=torch.zeros(len(order), dtype=torch.int32),
+            seq_lens_upper_bound_np=np.array([states.total_len.np[s] for s in order]))
+        logits = torch.randn(len(order), vocab)
+        for p in procs:
+            logits = p.apply(logits, ctx)
+        steps += 1
+        for row, slot in enumerate(order):
+            rid, max_tokens, n = live[slot]
+            token = int(logits[row].argmax())
+            mismatches += token != fingerprint_token(rid, n)
+            states.all_token_ids.gpu[slot, states.total_len.np[slot]] = token
+            states.total_len.np[slot] += 1
+            live[slot][2] += 1
+            if live[slot][2] == max_tokens:  # finished: the slot goes back, the processor is not told
+                del live[slot]
+                free.append(slot)
+    return dict(mismatches=mismatches, steps=steps, reused=reused, processors=procs)
+
+
+def test_the_same_class_runs_on_model_runner_v2_with_rows_reordered_and_slots_recycled():
+    for seed in (1, 2, 3):
+        run = replay_v2([FINGERPRINT], seed)
+        assert run["reused"] >= 15 and run["steps"] > 30, run
+        assert run["mismatches"] == 0, f"seed {seed}: {run['mismatches']} rows forced for another request"
+        (proc,) = run["processors"]
+        assert isinstance(proc, Fingerprint) and proc.runner == "v2"
+
+
+def test_v2_tokens_are_read_from_the_runners_buffer():
+    run = replay_v2([FINGERPRINT], 7, n_requests=3)
+    (proc,) = run["processors"]
+    # The last holder of each used slot is still held (V2 gives no removal notice).
+    for slot, request in proc.table.items():
+        generated = list(request.output_token_ids)
+        assert generated == [fingerprint_token(request.request_id, k) for k in range(len(generated))]
+        assert list(request.prompt_token_ids) == list(range(1, len(request.prompt_token_ids) + 1))
+
+
+def test_on_v2_the_slot_index_as_row_lookup_forces_other_requests_tokens():
+    assert replay_v2([V2SlotRowFingerprint], 1)["mismatches"] > 0
+
+
+def test_both_runners_loaders_and_validators_accept_the_class():
+    assert _load_logitsprocs_by_fqcns([FINGERPRINT]) == [Fingerprint]
+    validate = build_custom_logits_processors_params_validator([FINGERPRINT])
+    validate(SamplingParams(extra_args={"fingerprint": "request"}))
+    with pytest.raises((VLLMValidationError, ValueError), match="vllm_xargs.fingerprint"):
+        validate(SamplingParams(extra_args={"fingerprint": "bogus"}))
+
+
+# ------------------------------------------------------------ config-time checks
+def stage_with(tmp_path, processors: Any) -> list[str]:
+    config = {"stage_args": [{"stage_id": 0, "stage_type": "llm", "final_output": True, "final_output_type": "text",
+                              "engine_args": {"model": "/some/model", "logits_processors": processors}}]}
+    path = tmp_path / "pipe.yaml"
+    path.write_text(yaml.safe_dump(config))
+    with pytest.raises(ConfigError) as info:
+        load_pipeline_config(path)
+    for err in info.value.errors:
+        assert err.startswith(f"{path}: stage 0: stage_args[0].engine_args.logits_processors"), err
+    return info.value.errors
+
+
+@pytest.mark.parametrize("processors, needle", [
+    (["no_such_pkg.mod:Thing"], "cannot import module 'no_such_pkg.mod'"),
+    (["tests.logits_processors:NoSuchClass"], "has no 'NoSuchClass'"),
+    (["tests.logits_processors:fingerprint_token"], "is not a vLLM logits processor class"),
+    (["tests.logits_processors.Fingerprint"], "is not of the form 'pkg.module:Class'"),
+    ("tests.logits_processors:Fingerprint", "expected a list"),
+])
+def test_a_bad_processor_name_is_refused_at_config_load(tmp_path, processors, needle):
+    (error,) = stage_with(tmp_path, processors)
+    assert needle in error
+
+
+def test_good_processor_names_load(tmp_path):
+    path = tmp_path / "pipe.yaml"
+    path.write_text(yaml.safe_dump({"stage_args": [{
+        "stage_id": 0, "stage_type": "llm", "final_output": True, "final_output_type": "text",
+        "engine_args": {"model": "/some/model", "logits_processors": [
+            FINGERPRINT, "tests.logits_processors:SeedSlotFingerprint"]}}]}))
+    assert load_pipeline_config(path).stage_args[0].engine_args["logits_processors"][0] == FINGERPRINT
