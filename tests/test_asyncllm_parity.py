@@ -76,12 +76,26 @@ async def test_abort_of_some_ends_their_streams_with_partial_outputs_and_the_res
             started[rid].set()
 
     readers = [asyncio.create_task(read(rid)) for rid in streams]
+    witness_tokens = 0
+    witnessed = asyncio.Event()
+
+    async def witness() -> None:
+        # FINAL_ONLY streams show nothing before the end. A streaming request submitted after
+        # them runs in the same batch (max_num_seqs 16): once it has 3 tokens, every earlier
+        # request has some (a synchronization, where a sleep would only be a guess).
+        nonlocal witness_tokens
+        async for out in client.generate(prompt, params(max_tokens, DELTA), f"witness-{kind.name}"):
+            witness_tokens += len(out.outputs[0].token_ids)
+            if witness_tokens >= 3:
+                witnessed.set()
+
+    watcher = asyncio.create_task(witness()) if kind is FINAL_ONLY else None
     async with asyncio.timeout(120):
         await asyncio.gather(*(started[rid].wait() for rid in aborted_ids))
-        if kind is FINAL_ONLY:
-            await asyncio.sleep(1.0)  # some tokens generated (a point in time, not a synchronization)
-        await client.abort(list(aborted_ids) + ["no-such-request"])
-        await asyncio.gather(*readers)  # every stream ends; none raises
+        if watcher is not None:
+            await witnessed.wait()
+        await client.abort(list(aborted_ids) + ["no-such-request"] + ([f"witness-{kind.name}"] if watcher else []))
+        await asyncio.gather(*readers, *([watcher] if watcher else []))  # every stream ends; none raises
     for rid, outputs in streams.items():
         last = outputs[-1]
         assert last.finished and not any(o.finished for o in outputs[:-1]), rid
