@@ -217,6 +217,24 @@ class StageRuntimeConfig(_Base):
         return ids[replica * per:(replica + 1) * per]
 
 
+class MixingConfig(_Base):
+    """Two-model mixing on an llm stage (the teacher): at every decoding step its logits row
+    becomes log q ∝ (1-α)·log π_θ + α·log π_t, with π_θ from the llm stage ``theta_stage``
+    scoring the request's own theta prompt plus the tokens generated so far."""
+
+    theta_stage: int
+    alpha: str = "fixed"  # or "kl_symmetry": per row, the α where KL(q‖π_θ) = KL(q‖π_t)
+    alpha_value: float | None = None  # α for "fixed"
+    # JSONL file: one line per request when it leaves the batch (its α per step).
+    alpha_history: str | None = None
+    # Theta's prompt goes through theta's chat template as one user message.
+    theta_chat_template: bool = True
+    # Seconds the teacher waits for theta's rows of one step before it decodes those rows alone.
+    theta_timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 60.0
+    # Debugging and tests: a directory where every step's π_θ, π_t, α and log q rows are saved.
+    record_rows: str | None = None
+
+
 class StageConfig(_Base):
     """One stage: what engine it runs, on what, and which stages feed it."""
 
@@ -231,13 +249,20 @@ class StageConfig(_Base):
     final_output_type: str | None = None
     default_sampling_params: dict[str, Any] = msgspec.field(default_factory=dict)
     env: dict[str, str] = msgspec.field(default_factory=dict)
+    mixing: MixingConfig | None = None
 
     def engine_args_for_engine(self) -> dict[str, Any]:
         """``engine_args`` as the engine takes them: an llm stage's ``runtime.max_batch_size``
-        is vLLM's ``max_num_seqs`` (validation refuses the two when they differ)."""
+        is vLLM's ``max_num_seqs`` (validation refuses the two when they differ); a mixing
+        teacher's processor is among its logits processors (so the server's frontend
+        validates each request's theta prompt)."""
         args = dict(self.engine_args)
         if self.stage_type == "llm" and self.runtime.max_batch_size is not None:
             args.setdefault("max_num_seqs", self.runtime.max_batch_size)
+        if self.mixing is not None:
+            from omni_engine.logits.mixing_wiring import MIXING_PROCESSOR
+
+            args["logits_processors"] = [*(args.get("logits_processors") or ()), MIXING_PROCESSOR]
         return args
 
     def replace(self, **changes: Any) -> StageConfig:
@@ -322,6 +347,10 @@ def parse_pipeline_config(data: Any, source: str = "<dict>") -> PipelineConfig:
                                "over inproc://, which nothing outside this process can reach: CURVE "
                                "(runtime.security.curve) does not apply to it; run it as a process or turn "
                                "CURVE off", f"stage {stage.stage_id}")
+    if all_ids is not None:
+        from omni_engine.logits.check import check_mixing
+
+        check_mixing(converted, errors)
     if raw_stages and len(converted) == len(raw_stages) and len(first_index) == len(converted):
         cv.check_graph(converted, errors)
     if errors.errors or shell is None:

@@ -218,3 +218,73 @@ def test_good_processor_names_load(tmp_path):
         "engine_args": {"model": "/some/model", "logits_processors": [
             FINGERPRINT, "tests.logits_processors:SeedSlotFingerprint"]}}]}))
     assert load_pipeline_config(path).stage_args[0].engine_args["logits_processors"][0] == FINGERPRINT
+
+
+# ------------------------------------------------------------ mixing config
+def mixing_config(tmp_path, mixing: dict, theta: dict | None = None) -> list[str]:
+    stages = [{"stage_id": 0, "stage_type": "llm", "final_output": True, "final_output_type": "text",
+               "engine_args": {"model": "/some/model"}, "mixing": mixing},
+              theta or {"stage_id": 1, "stage_type": "llm", "engine_args": {"model": "/some/model"}}]
+    path = tmp_path / "mix.yaml"
+    path.write_text(yaml.safe_dump({"stage_args": stages}))
+    with pytest.raises(ConfigError) as info:
+        load_pipeline_config(path)
+    return info.value.errors
+
+
+@pytest.mark.parametrize("mixing, theta, needle", [
+    ({"theta_stage": 5, "alpha": "kl_symmetry"}, None, "stage_args[0].mixing.theta_stage: stage 5 does not exist"),
+    ({"theta_stage": 0, "alpha": "kl_symmetry"}, None, "cannot mix in its own distribution"),
+    ({"theta_stage": 1, "alpha": "kl_symmetry"},
+     {"stage_id": 1, "stage_type": "generation", "engine_args": {"model_factory": "omni_engine.engines.tts:make_espeak_tts"}},
+     "stage 1 is a 'generation' stage; theta must be an llm stage"),
+    ({"theta_stage": 1, "alpha": "fixed", "alpha_value": 1.5}, None, "mixing.alpha_value: 1.5 is outside [0, 1]"),
+    ({"theta_stage": 1, "alpha": "fixed"}, None, "alpha: fixed needs a value in [0, 1]"),
+    ({"theta_stage": 1, "alpha": "median"}, None, "unknown alpha method 'median'"),
+])
+def test_a_bad_mixing_section_is_refused_at_config_load(tmp_path, mixing, theta, needle):
+    errors = mixing_config(tmp_path, mixing, theta)
+    assert len(errors) == 1 and needle in errors[0] and "stage 0" in errors[0], errors
+
+
+def test_mixing_wires_teacher_and_theta():
+    from omni_engine.logits.mixing_wiring import CAPTURE_PROCESSOR, MIXING_KEY, MIXING_PROCESSOR, THETA_KEY
+    from omni_engine.pipeline.stage_specs import build_stage_specs
+
+    config = load_pipeline_config("stage_configs/smollm2_mixing.yaml")
+    specs = build_stage_specs(config)
+    teacher, theta = specs[0][0].engine_args, specs[1][0].engine_args
+    assert MIXING_PROCESSOR in teacher["logits_processors"]
+    assert teacher["additional_config"][MIXING_KEY]["theta"] == [theta[THETA_KEY]["address"]]
+    assert CAPTURE_PROCESSOR in theta["logits_processors"] and theta["enable_prefix_caching"]
+
+
+@pytest.mark.parametrize("xargs, needle", [
+    ({}, "needs its theta prompt"),
+    ({"theta_prompt": "q", "mixing_alpha": "median"}, "mixing_alpha must be one of"),
+    ({"theta_prompt": "q", "mixing_alpha": "fixed"}, "needs vllm_xargs.mixing_alpha_value"),
+    ({"theta_prompt": "q", "mixing_alpha_value": 2}, "must be a number in [0, 1]"),
+    ({"theta_messages": "[not json"}, "theta_messages is not valid JSON"),
+    ({"theta_messages": "[1, 2]"}, "must be a JSON list of chat messages"),
+])
+def test_mixing_requests_are_validated_in_the_frontend(xargs, needle):
+    from omni_engine.logits.mixing_wiring import MIXING_PROCESSOR
+
+    validate = build_custom_logits_processors_params_validator([MIXING_PROCESSOR])
+    validate(SamplingParams(extra_args={"theta_prompt": "What is 2+2?"}))
+    with pytest.raises((VLLMValidationError, ValueError)) as info:
+        validate(SamplingParams(extra_args=xargs))
+    assert needle in str(info.value)
+
+
+def test_kl_symmetry_alpha_balances_the_two_kls():
+    from omni_engine.logits.alpha import kl_symmetry_alpha, mix
+
+    gen = torch.Generator().manual_seed(0)
+    a = torch.log_softmax(torch.randn(5, 300, generator=gen, dtype=torch.float64) * 3, -1)
+    b = torch.log_softmax(torch.randn(5, 300, generator=gen, dtype=torch.float64) * 3, -1)
+    alpha = kl_symmetry_alpha(a, b)
+    log_q = mix(a, b, alpha)
+    q = log_q.exp()
+    gap = (q * (log_q - a)).sum(-1) - (q * (log_q - b)).sum(-1)
+    assert gap.abs().max() < 1e-6 and ((alpha > 0) & (alpha < 1)).all()

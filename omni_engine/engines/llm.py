@@ -17,6 +17,7 @@ from vllm.sampling_params import RequestOutputKind
 
 from omni_engine.engines.base import StageEngine, StageEngineError
 from omni_engine.inputs import OmniTextPrompt
+from omni_engine.logits.mixing_wiring import THETA_KEY
 from omni_engine.logits.slot_table import tag_request
 from omni_engine.outputs import OmniRequestOutput
 from omni_engine.prometheus_snapshot import snapshot_families
@@ -39,11 +40,15 @@ class LLMStageEngine(StageEngine):
         "pause_generation", "resume_generation", "is_paused", "sleep", "wake_up", "is_sleeping",
         "reset_prefix_cache", "collective_rpc", "get_supported_tasks", "reset_mm_cache",
         "reset_encoder_cache", "start_profile", "stop_profile", "add_lora", "engine_metrics",
+        "theta_requests",
     } | WEIGHT_METHODS
 
     def __init__(self, stage_id: int, engine_args: dict[str, Any], final_output_type: str = "text") -> None:
         super().__init__(stage_id)
         self.engine_args = dict(engine_args)
+        # A theta stage of two-model mixing serves its teachers' score batches (logits/theta.py).
+        self.theta_settings: dict[str, Any] | None = self.engine_args.pop(THETA_KEY, None)
+        self.theta_scorer: Any = None
         self.final_output_type = final_output_type
         self.engine: Any = None
         # The version the engine labels new tokens with (vLLM's own starts as "default"); outputs
@@ -65,6 +70,16 @@ class LLMStageEngine(StageEngine):
         except TypeError as exc:
             raise ValueError(f"stage {self.stage_id}: invalid engine_args for vLLM: {exc}") from exc
         self.engine = AsyncLLM.from_engine_args(args)
+        if self.theta_settings is not None:
+            from omni_engine.logits.theta import ThetaScorer
+
+            self.theta_scorer = ThetaScorer(self.engine, self.theta_settings["address"],
+                                            bool(self.theta_settings.get("chat_template", True)))
+            self.theta_scorer.start()
+
+    def theta_requests(self) -> dict[str, list[int]]:
+        """A theta stage's token lists by teacher request (prompt + tokens so far); {} elsewhere."""
+        return {rid: list(tokens) for rid, tokens in self.theta_scorer.tokens.items()} if self.theta_scorer else {}
 
     @property
     def output_type(self) -> str:
@@ -157,6 +172,9 @@ class LLMStageEngine(StageEngine):
         return self.engine.output_processor.get_num_unfinished_requests()
 
     async def shutdown(self) -> None:
+        if self.theta_scorer is not None:
+            await self.theta_scorer.close()
+            self.theta_scorer = None
         if self.engine is not None:
             self.engine.shutdown()
             self.engine = None

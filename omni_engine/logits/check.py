@@ -52,3 +52,40 @@ def _processor_bases() -> tuple[type, ...]:
     from vllm.v1.worker.gpu.sample.logits_processor.interface import LogitsProcessor as V2LogitsProcessor
 
     return V1LogitsProcessor, V2LogitsProcessor
+
+
+def check_mixing(stages: list[tuple[int, Any]], errors: Any) -> None:
+    """Each ``mixing`` section: its stage is an llm stage, its theta stage an existing llm stage
+    other than itself, its α method known and its ``alpha_value`` in [0, 1] where needed."""
+    from omni_engine.logits.mixing_wiring import ALPHA_METHODS
+
+    by_id = {stage.stage_id: stage for _, stage in stages}
+    for i, stage in stages:
+        mixing = stage.mixing
+        if mixing is None:
+            continue
+        path, label = f"stage_args[{i}].mixing", f"stage {stage.stage_id}"
+
+        def report(field: str, problem: str) -> None:
+            errors.add(f"{path}.{field}" if field else path, problem, label)
+
+        if stage.stage_type != "llm":
+            report("", f"mixing applies to llm stages (this stage is {stage.stage_type!r})")
+        theta = by_id.get(mixing.theta_stage)
+        if theta is None:
+            report("theta_stage", f"stage {mixing.theta_stage} does not exist (stage ids: {sorted(by_id)})")
+        elif theta is stage:
+            report("theta_stage", "a stage cannot mix in its own distribution; name another llm stage")
+        elif theta.stage_type != "llm":
+            report("theta_stage", f"stage {theta.stage_id} is a {theta.stage_type!r} stage; theta must be an llm stage")
+        elif theta.final_output or theta.engine_input_source:
+            report("theta_stage", f"stage {theta.stage_id} takes part in the request graph (final_output or "
+                                  "engine_input_source); a theta stage only scores for its teacher")
+        elif theta.runtime.transport != "ipc" or not theta.runtime.process:
+            report("theta_stage", f"stage {theta.stage_id} must be a stage process on this host (transport: ipc)")
+        if mixing.alpha not in ALPHA_METHODS:
+            report("alpha", f"unknown alpha method {mixing.alpha!r}; expected one of {list(ALPHA_METHODS)}")
+        elif mixing.alpha == "fixed" and mixing.alpha_value is None:
+            report("alpha_value", "missing; alpha: fixed needs a value in [0, 1]")
+        if mixing.alpha_value is not None and not 0.0 <= mixing.alpha_value <= 1.0:
+            report("alpha_value", f"{mixing.alpha_value} is outside [0, 1]")

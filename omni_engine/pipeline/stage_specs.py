@@ -19,6 +19,7 @@ from pathlib import Path
 from omni_engine import envs
 from omni_engine.config import ConfigError, PipelineConfig, StageConfig
 from omni_engine.connectors.settings import ConnectorSettings
+from omni_engine.logits.mixing_wiring import wire_mixing
 from omni_engine.stage_engine.stage_spec import DeviceAssignment, StageProcessSpec
 
 Progress = Callable[[str], None]
@@ -126,10 +127,13 @@ def build_stage_specs(config: PipelineConfig,
     needs_devices = any(stage.runtime.devices is not None for stage in config.stage_args)
     variable = device_control_variable() if needs_devices else None
     weighted = set(config.weight_stage_ids())
+    mixing = wire_mixing(config.stage_args)
     specs = {}
     for stage in config.stage_args:
         if stage.stage_id in weighted:
             stage = stage.replace(engine_args={**stage.engine_args, **weight_engine_args(config.weights.backend)})
         specs[stage.stage_id] = [stage_process_spec(stage, connectors, variable, source, replica)
                                  for replica in range(stage.runtime.num_replicas)]
+        for replica, spec in enumerate(specs[stage.stage_id]):
+            spec.engine_args.update(mixing.get((stage.stage_id, replica), {}))
     return specs

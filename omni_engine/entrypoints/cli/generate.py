@@ -25,8 +25,23 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     parser.add_argument("--output-dir", type=Path, default=Path("out"))
     parser.add_argument("--raw", action="store_true", help="send the prompt as is, without the chat template")
     parser.add_argument("--max-tokens", type=int, default=None, help="override the text stage's max_tokens")
+    parser.add_argument("--extra-args", type=_json_object, default=None, metavar="JSON",
+                        help="the request's extra_args (vllm_xargs) for logits processors, as a JSON object; "
+                             "e.g. a mixing pipeline's '{\"theta_prompt\": \"...\"}'")
     parser.set_defaults(handler=run)
     return parser
+
+
+def _json_object(text: str) -> dict:
+    import json
+
+    try:
+        value = json.loads(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"not valid JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object, got {type(value).__name__}")
+    return value
 
 
 def run(args: argparse.Namespace) -> int:
@@ -77,7 +92,7 @@ async def _generate(args: argparse.Namespace, config) -> int:
     say(f"starting {len(config.stage_args)} stage(s) from {args.config}")
     async with await MultiStageEngineClient.from_config(config, progress=say) as client:
         say(f"pipeline ready in {time.monotonic() - started:.1f} s ({config.runtime.execution_mode})")
-        params = _entry_params(config, args.max_tokens)
+        params = _entry_params(config, args.max_tokens, args.extra_args)
         text: list[str] = []
         audio: list[np.ndarray] = []
         rate = 0
@@ -99,7 +114,7 @@ async def _generate(args: argparse.Namespace, config) -> int:
     return _write_outputs(args.output_dir, "".join(text).strip(), audio, rate, write_wav)
 
 
-def _entry_params(config, max_tokens: int | None) -> dict | None:
+def _entry_params(config, max_tokens: int | None, extra_args: dict | None = None) -> dict | None:
     """Sampling params for the entry stage. An LLM entry stage is asked for DELTA
     text, which this command prints and joins as it arrives, whatever the config's
     default kind (vLLM's default is CUMULATIVE)."""
@@ -109,6 +124,8 @@ def _entry_params(config, max_tokens: int | None) -> dict | None:
     params = dict(entry.default_sampling_params, output_kind="delta")
     if max_tokens is not None:
         params["max_tokens"] = max_tokens
+    if extra_args:
+        params["extra_args"] = {**(params.get("extra_args") or {}), **extra_args}
     return params
 
 

@@ -1,0 +1,62 @@
+"""What a mixing teacher and its theta stage send each other (msgpack; rows as a raw frame)."""
+
+from __future__ import annotations
+
+import msgspec
+import numpy as np
+
+# The key in a theta scoring request's extra_args: where its row goes and for which step.
+CAPTURE_KEY = "omni_theta_capture"
+
+
+class ScoreItem(msgspec.Struct, array_like=True):
+    """One request's tokens since its last step. A prompt (text or chat messages as JSON)
+    comes with a request's first step, and after a preemption: theta then starts it anew."""
+
+    request_id: str
+    new_tokens: list[int]
+    theta_prompt: str | None = None
+    theta_messages: str | None = None
+
+
+class ScoreBatch(msgspec.Struct, tag=True, array_like=True):
+    """One teacher step's requests for one theta replica; rows go to ``reply``."""
+
+    step: int
+    reply: str
+    items: list[ScoreItem]
+
+
+class ReleaseRequests(msgspec.Struct, tag=True, array_like=True):
+    """These requests left the teacher: theta forgets their tokens."""
+
+    request_ids: list[str]
+
+
+class ThetaRows(msgspec.Struct, array_like=True):
+    """Theta's log-probabilities for ``request_ids`` (the rows of the frame that follows, float32
+    [n, vocab]) at teacher step ``step``; ``errors``: requests theta could not score, and why."""
+
+    step: int
+    request_ids: list[str]
+    vocab: int
+    errors: dict[str, str] = {}
+    # The theta prompt's token ids of requests that started at this step (for the α history).
+    prompts: dict[str, list[int]] = {}
+
+
+TO_THETA = msgspec.msgpack.Decoder(ScoreBatch | ReleaseRequests)
+ROWS = msgspec.msgpack.Decoder(ThetaRows)
+encode = msgspec.msgpack.encode
+
+
+def rows_frames(step: int, request_ids: list[str], rows: np.ndarray, errors: dict[str, str] | None = None,
+                prompts: dict[str, list[int]] | None = None) -> list:
+    return [encode(ThetaRows(step, request_ids, int(rows.shape[-1]) if rows.size else 0, errors or {}, prompts or {})),
+            np.ascontiguousarray(rows, dtype=np.float32)]
+
+
+def read_rows(frames: list) -> tuple[ThetaRows, np.ndarray]:
+    header = ROWS.decode(frames[0])
+    rows = np.frombuffer(frames[1], dtype=np.float32)
+    return header, rows.reshape(len(header.request_ids), header.vocab) if header.request_ids else rows

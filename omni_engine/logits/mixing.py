@@ -1,0 +1,228 @@
+"""The teacher side of two-model mixing (the seed's optimal sampling): a logits processor
+in the teacher's vLLM engine core that writes log q ∝ (1-α)·log π_θ + α·log π_t into each
+live request's row.
+
+Per step it sends one ``ScoreBatch`` per theta replica (every live request's tokens
+since the last step; a request stays on one replica, picked from its id), waits for
+the rows, mixes, and records each request's α. Theta's prompt is the request's own
+(``extra_args`` / ``vllm_xargs``: ``theta_prompt``, or ``theta_messages`` as a JSON list
+of chat messages), never a list shared across requests. When a request leaves the batch
+its α history is appended to the JSONL file as one line, and theta forgets its tokens.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import tempfile
+import time
+import zlib
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import zmq
+
+from omni_engine.logits.alpha import choose_alpha, log_softmax, mix
+from omni_engine.logits.messages import ReleaseRequests, ScoreBatch, ScoreItem, encode, read_rows
+from omni_engine.logits.mixing_wiring import MIXING_KEY
+from omni_engine.logits.request_keyed import RequestKeyedLogitsProcessor
+from omni_engine.logits.slot_table import LiveRequest
+
+logger = logging.getLogger(__name__)
+
+@dataclass
+class MixState:
+    """One request's mixing: its theta prompt, its replica, what theta has seen, its α so far."""
+
+    theta_prompt: str | None
+    theta_messages: str | None
+    replica: int
+    method: str
+    alpha_value: float | None
+    record: bool = False
+    sent: int = 0  # output tokens theta has been sent
+    alphas: list[float] = field(default_factory=list)
+    errors: list[str] = field(default_factory=list)
+
+
+def mixing_params_problem(extra: dict[str, Any]) -> str | None:
+    """What is wrong with a request's mixing arguments (``extra_args`` / ``vllm_xargs``), or None."""
+    from omni_engine.logits.mixing_wiring import ALPHA_METHODS
+
+    method, value = extra.get("mixing_alpha"), extra.get("mixing_alpha_value")
+    if method is not None and method not in ALPHA_METHODS:
+        return f"vllm_xargs.mixing_alpha must be one of {list(ALPHA_METHODS)}, got {method!r}"
+    if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 1):
+        return f"vllm_xargs.mixing_alpha_value must be a number in [0, 1], got {value!r}"
+    if method == "fixed" and value is None:
+        return "vllm_xargs.mixing_alpha 'fixed' needs vllm_xargs.mixing_alpha_value (in [0, 1])"
+    prompt, messages = extra.get("theta_prompt"), extra.get("theta_messages")
+    if prompt is None and messages is None:
+        return ("a mixing request needs its theta prompt: vllm_xargs (extra_args) theta_prompt (text) or "
+                "theta_messages (a JSON list of chat messages)")
+    if prompt is not None and not isinstance(prompt, str):
+        return f"vllm_xargs.theta_prompt must be a string, got {type(prompt).__name__}"
+    if messages is not None:
+        try:
+            parsed = json.loads(messages) if isinstance(messages, str) else None
+        except ValueError as exc:
+            return f"vllm_xargs.theta_messages is not valid JSON: {exc}"
+        if not (isinstance(parsed, list) and parsed and all(isinstance(m, dict) and "role" in m for m in parsed)):
+            return "vllm_xargs.theta_messages must be a JSON list of chat messages ({\"role\": ..., \"content\": ...})"
+    return None
+
+
+def append_line(path: str, record: dict[str, Any]) -> None:
+    """One JSON line, in one write to a file opened for appending: lines of concurrent
+    writers (replicas of the teacher) never interleave, and nothing is overwritten."""
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        os.write(fd, (json.dumps(record) + "\n").encode())
+    finally:
+        os.close(fd)
+
+
+class ThetaMixingProcessor(RequestKeyedLogitsProcessor):
+    @classmethod
+    def validate_params(cls, sampling_params: Any) -> None:
+        if (problem := mixing_params_problem(sampling_params.extra_args or {})) is not None:
+            raise ValueError(problem)
+
+    def __init__(self, vllm_config: Any, *runner_args: Any) -> None:
+        super().__init__(vllm_config, *runner_args)
+        settings = (getattr(vllm_config, "additional_config", None) or {}).get(MIXING_KEY)
+        if not settings:
+            raise ValueError(f"ThetaMixingProcessor needs additional_config[{MIXING_KEY!r}] (a pipeline stage's "
+                             "mixing section sets it)")
+        self.method, self.alpha_value = settings["alpha"], settings.get("alpha_value")
+        self.timeout_ms = int(float(settings.get("timeout_s", 60.0)) * 1000)
+        self.history = settings.get("alpha_history")
+        self.record = Path(settings["record_rows"]) if settings.get("record_rows") else None
+        self.step = 0
+        self._theta_prompts: dict[str, list[int]] = {}  # theta's prompt tokens, by request
+        self._ctx = zmq.Context()
+        self.reply = f"ipc://{tempfile.gettempdir()}/omni-{os.getpid()}-mixreply-{id(self):x}"
+        self._pull = self._ctx.socket(zmq.PULL)
+        self._pull.setsockopt(zmq.LINGER, 0)
+        self._pull.bind(self.reply)
+        self._thetas = []
+        for address in settings["theta"]:
+            sock = self._ctx.socket(zmq.PUSH)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.connect(address)
+            self._thetas.append(sock)
+
+    # ------------------------------------------------------------ hooks
+    def new_state(self, request: LiveRequest) -> MixState | None:
+        extra = request.params.extra_args or {}
+        replica = zlib.crc32(request.request_id.encode()) % len(self._thetas)
+        method = extra.get("mixing_alpha") or self.method
+        value = extra.get("mixing_alpha_value", self.alpha_value if method == self.method else None)
+        return MixState(extra.get("theta_prompt"), extra.get("theta_messages"), replica, method, value,
+                        record=bool(extra.get("mixing_record")) and self.record is not None)
+
+    def release(self, request: LiveRequest) -> None:
+        state: MixState = request.state
+        self._thetas[state.replica].send(encode(ReleaseRequests([request.request_id])))
+        theta_prompt = self._theta_prompts.pop(request.request_id, None)
+        if self.history:
+            append_line(self.history, {"request_id": request.request_id, "alpha_method": state.method,
+                                       "steps": len(state.alphas), "alpha": state.alphas,
+                                       "theta_prompt_token_ids": theta_prompt,
+                                       **({"errors": state.errors} if state.errors else {})})
+
+    def apply_rows(self, logits: torch.Tensor, rows: Sequence[int], requests: Sequence[LiveRequest]) -> torch.Tensor:
+        self.step += 1
+        theta, errors = self._theta_rows(requests)
+        rows_t = torch.tensor(list(rows), dtype=torch.long, device=logits.device)
+        log_teacher = log_softmax(logits[rows_t])
+        if theta.shape[-1] != log_teacher.shape[-1]:
+            raise ValueError(f"theta's vocabulary has {theta.shape[-1]} entries, the teacher's {log_teacher.shape[-1]}: "
+                             "mixing needs one tokenizer")
+        log_theta = torch.from_numpy(theta).to(log_teacher.device)
+        alpha = self._alphas(requests, log_theta, log_teacher)
+        # A request theta could not score this step decodes from the teacher alone (α = 1).
+        for i, request in enumerate(requests):
+            if request.request_id in errors:
+                alpha[i] = 1.0
+                request.state.errors.append(f"step {len(request.output_token_ids)}: {errors[request.request_id]}")
+        log_q = mix(log_theta, log_teacher, alpha)
+        logits[rows_t] = log_q.to(logits.dtype)
+        for request, a in zip(requests, alpha.tolist()):
+            request.state.alphas.append(a)
+        if any(request.state.record for request in requests):
+            self._record(requests, log_theta, log_teacher, alpha, log_q)
+        return logits
+
+    def _alphas(self, requests: Sequence[LiveRequest], log_theta: torch.Tensor,
+                log_teacher: torch.Tensor) -> torch.Tensor:
+        """Each row's α by its request's method (one vectorized call per method in use)."""
+        alpha = torch.empty(len(requests), dtype=log_theta.dtype, device=log_theta.device)
+        by_method: dict[tuple[str, float | None], list[int]] = {}
+        for i, request in enumerate(requests):
+            by_method.setdefault((request.state.method, request.state.alpha_value), []).append(i)
+        for (method, value), picks in by_method.items():
+            index = torch.tensor(picks, dtype=torch.long, device=log_theta.device)
+            alpha[index] = choose_alpha(method, value, log_theta[index], log_teacher[index])
+        return alpha
+
+    # ------------------------------------------------------------ theta
+    def _theta_rows(self, requests: Sequence[LiveRequest]) -> tuple[np.ndarray, dict[str, str]]:
+        """One batch per replica out, every row back (or an error per missing request)."""
+        batches: dict[int, list[ScoreItem]] = {}
+        for request in requests:
+            state: MixState = request.state
+            output = request.output_token_ids
+            first = state.sent == 0
+            item = ScoreItem(request.request_id, list(output[state.sent:]),
+                             state.theta_prompt if first else None, state.theta_messages if first else None)
+            state.sent = len(output)
+            batches.setdefault(state.replica, []).append(item)
+        for replica, items in batches.items():
+            self._thetas[replica].send(encode(ScoreBatch(self.step, self.reply, items)))
+        wanted = {request.request_id for request in requests}
+        got: dict[str, np.ndarray] = {}
+        errors: dict[str, str] = {}
+        deadline = time.monotonic() + self.timeout_ms / 1000
+        while wanted - got.keys() - errors.keys():
+            left_ms = int((deadline - time.monotonic()) * 1000)
+            if left_ms <= 0 or not self._pull.poll(left_ms):
+                for rid in wanted - got.keys() - errors.keys():
+                    errors[rid] = f"no row from theta within {self.timeout_ms / 1000:g} s"
+                break
+            header, rows = read_rows(self._pull.recv_multipart(copy=False))
+            self._theta_prompts.update(header.prompts)
+            if header.step != self.step:
+                continue  # a late answer to a step that already gave up on it
+            got.update(zip(header.request_ids, rows))
+            errors.update(header.errors)
+        if errors:
+            logger.error("mixing step %d: %s", self.step, "; ".join(errors.values()))
+        vocab = next((len(r) for r in got.values()), None) or self._vocab()
+        return np.stack([got.get(r.request_id, np.zeros(vocab, np.float32)) for r in requests]), errors
+
+    def _vocab(self) -> int:
+        return int(self.vllm_config.model_config.get_vocab_size())
+
+    def _record(self, requests: Sequence[LiveRequest], log_theta: torch.Tensor, log_teacher: torch.Tensor,
+                alpha: torch.Tensor, log_q: torch.Tensor) -> None:
+        self.record.mkdir(parents=True, exist_ok=True)
+        for i, request in enumerate(requests):
+            if not request.state.record:
+                continue
+            path = self.record / f"{request.request_id}.step{len(request.output_token_ids)}.npz"
+            np.savez(path, log_theta=log_theta[i].cpu().numpy(), log_teacher=log_teacher[i].cpu().numpy(),
+                     alpha=float(alpha[i]), log_q=log_q[i].cpu().numpy())
+
+    def __del__(self) -> None:
+        try:
+            self._pull.close(0)
+            for sock in self._thetas:
+                sock.close(0)
+        except Exception:  # noqa: BLE001 - interpreter shutdown
+            pass
