@@ -256,7 +256,7 @@ def test_mixing_wires_teacher_and_theta():
     teacher, theta = specs[0][0].engine_args, specs[1][0].engine_args
     assert MIXING_PROCESSOR in teacher["logits_processors"]
     assert teacher["additional_config"][MIXING_KEY]["theta"] == [theta[THETA_KEY]["address"]]
-    assert CAPTURE_PROCESSOR in theta["logits_processors"] and theta["enable_prefix_caching"]
+    assert CAPTURE_PROCESSOR in theta["logits_processors"] and theta["enable_chunked_prefill"] is False
 
 
 @pytest.mark.parametrize("xargs, needle", [
@@ -288,3 +288,17 @@ def test_kl_symmetry_alpha_balances_the_two_kls():
     q = log_q.exp()
     gap = (q * (log_q - a)).sum(-1) - (q * (log_q - b)).sum(-1)
     assert gap.abs().max() < 1e-6 and ((alpha > 0) & (alpha < 1)).all()
+
+
+def test_theta_needs_a_session_for_every_request_the_teacher_decodes(tmp_path):
+    stages = [{"stage_id": 0, "stage_type": "llm", "final_output": True, "final_output_type": "text",
+               "runtime": {"max_batch_size": 8}, "engine_args": {"model": "/some/model"},
+               "mixing": {"theta_stage": 1, "alpha": "kl_symmetry"}},
+              {"stage_id": 1, "stage_type": "llm", "runtime": {"max_batch_size": 4}, "engine_args": {"model": "/m"}}]
+    path = tmp_path / "mix.yaml"
+    path.write_text(yaml.safe_dump({"stage_args": stages}))
+    with pytest.raises(ConfigError, match="holds 4 sessions .* fewer than the 8 requests"):
+        load_pipeline_config(path)
+    stages[1]["runtime"]["num_replicas"] = 2
+    path.write_text(yaml.safe_dump({"stage_args": stages}))
+    assert load_pipeline_config(path).stage_args[0].mixing.theta_stage == 1

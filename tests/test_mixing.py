@@ -35,7 +35,8 @@ async def mixing(tmp_path_factory, smollm2_path):
     for stage in config["stage_args"]:
         stage["runtime"]["max_batch_size"] = 4  # few rows: reused and moved
         stage["engine_args"].update(model=str(smollm2_path), max_model_len=512)
-    config["stage_args"][0]["mixing"].update(alpha_history=str(tmp / "alpha.jsonl"), record_rows=str(tmp / "rows"))
+    config["stage_args"][0]["mixing"].update(alpha_history=str(tmp / "alpha.jsonl"), record_rows=str(tmp / "rows"),
+                                             theta_timeout_s=10)
     path = tmp / "mixing.yaml"
     path.write_text(yaml.safe_dump(config))
     client = await MultiStageEngineClient.from_config(path)
@@ -217,3 +218,37 @@ async def test_a_request_without_a_theta_prompt_is_refused_naming_it(mixing):
     assert "no-theta" in str(info.value) or "theta_prompt" in str(info.value)
     # The pipeline serves on.
     assert await ask(client, tok, "after-refusal", QUESTIONS[0], 3)
+
+
+async def test_when_theta_dies_the_teacher_decodes_alone_and_says_so(mixing):
+    """Last in the module: it kills the theta stage."""
+    import os
+    import signal
+
+    client, tok = mixing["client"], mixing["tokenizer"]
+    tokens: list[int] = []
+    first = asyncio.Event()
+
+    async def long_request() -> None:
+        params = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True, extra_args={"theta_prompt": QUESTIONS[0]})
+        async for out in client.generate({"prompt_token_ids": teacher_ids(tok, QUESTIONS[0])}, params, "theta-dies"):
+            tokens[:] = out.outputs[0].token_ids
+            first.set()
+
+    task = asyncio.create_task(long_request())
+    await first.wait()
+    os.kill(client.stage_contexts[1].client.process.pid, signal.SIGKILL)
+    async with asyncio.timeout(120):
+        await task
+        # A request that starts after theta is gone is not held up by it at all.
+        assert len(await ask(client, tok, "after-theta", QUESTIONS[1], 5)) == 5
+    assert len(tokens) == 30
+
+    async def lines() -> dict:
+        return history(mixing)
+
+    done = await settled(lines, lambda h: "theta-dies" in h and "after-theta" in h)
+    died, after = done["theta-dies"], done["after-theta"]
+    assert died["errors"] and "theta replica 0" in died["errors"][0] and died["alpha"][-1] == 1.0
+    assert all(a == 1.0 for a in after["alpha"]) and "not answering" in after["errors"][0]
+    assert after["theta_wait_s"] < 5  # no timeout waited for a replica known to be gone

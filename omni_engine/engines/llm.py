@@ -71,7 +71,7 @@ class LLMStageEngine(StageEngine):
             raise ValueError(f"stage {self.stage_id}: invalid engine_args for vLLM: {exc}") from exc
         self.engine = AsyncLLM.from_engine_args(args)
         if self.theta_settings is not None:
-            from omni_engine.logits.theta import ThetaScorer
+            from omni_engine.logits.theta_scorer import ThetaScorer
 
             self.theta_scorer = ThetaScorer(self.engine, self.theta_settings["address"],
                                             bool(self.theta_settings.get("chat_template", True)))

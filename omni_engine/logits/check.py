@@ -83,9 +83,19 @@ def check_mixing(stages: list[tuple[int, Any]], errors: Any) -> None:
                                   "engine_input_source); a theta stage only scores for its teacher")
         elif theta.runtime.transport != "ipc" or not theta.runtime.process:
             report("theta_stage", f"stage {theta.stage_id} must be a stage process on this host (transport: ipc)")
+        elif (batch := _batch_size(stage)) is not None and (theta_batch := _batch_size(theta)) is not None \
+                and theta_batch * theta.runtime.num_replicas < batch:
+            report("theta_stage", f"stage {theta.stage_id} holds {theta_batch * theta.runtime.num_replicas} sessions "
+                                  f"(max_batch_size x replicas), fewer than the {batch} requests this teacher decodes "
+                                  "at once: every live request needs one")
         if mixing.alpha not in ALPHA_METHODS:
             report("alpha", f"unknown alpha method {mixing.alpha!r}; expected one of {list(ALPHA_METHODS)}")
         elif mixing.alpha == "fixed" and mixing.alpha_value is None:
             report("alpha_value", "missing; alpha: fixed needs a value in [0, 1]")
         if mixing.alpha_value is not None and not 0.0 <= mixing.alpha_value <= 1.0:
             report("alpha_value", f"{mixing.alpha_value} is outside [0, 1]")
+
+
+def _batch_size(stage: Any) -> int | None:
+    value = stage.runtime.max_batch_size or stage.engine_args.get("max_num_seqs")
+    return int(value) if isinstance(value, int) else None

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import msgspec
 import numpy as np
 
@@ -25,6 +27,8 @@ class ScoreBatch(msgspec.Struct, tag=True, array_like=True):
     step: int
     reply: str
     items: list[ScoreItem]
+    sent_at: float = 0.0  # time.time() at the teacher: the transport's share is measured
+    replica: int = 0  # which of the teacher's theta replicas this went to (echoed in ThetaRows)
 
 
 class ReleaseRequests(msgspec.Struct, tag=True, array_like=True):
@@ -43,6 +47,10 @@ class ThetaRows(msgspec.Struct, array_like=True):
     errors: dict[str, str] = {}
     # The theta prompt's token ids of requests that started at this step (for the α history).
     prompts: dict[str, list[int]] = {}
+    # Seconds the batch took to reach theta, and time.time() when these rows left theta's engine.
+    outbound_s: float = 0.0
+    sent_at: float = 0.0
+    replica: int = 0
 
 
 TO_THETA = msgspec.msgpack.Decoder(ScoreBatch | ReleaseRequests)
@@ -51,9 +59,10 @@ encode = msgspec.msgpack.encode
 
 
 def rows_frames(step: int, request_ids: list[str], rows: np.ndarray, errors: dict[str, str] | None = None,
-                prompts: dict[str, list[int]] | None = None) -> list:
-    return [encode(ThetaRows(step, request_ids, int(rows.shape[-1]) if rows.size else 0, errors or {}, prompts or {})),
-            np.ascontiguousarray(rows, dtype=np.float32)]
+                prompts: dict[str, list[int]] | None = None, outbound_s: float = 0.0, replica: int = 0) -> list:
+    header = ThetaRows(step, request_ids, int(rows.shape[-1]) if rows.size else 0, errors or {}, prompts or {},
+                       outbound_s, time.time(), replica)
+    return [encode(header), np.ascontiguousarray(rows, dtype=np.float32)]
 
 
 def read_rows(frames: list) -> tuple[ThetaRows, np.ndarray]:

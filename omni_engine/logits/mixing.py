@@ -46,8 +46,12 @@ class MixState:
     alpha_value: float | None
     record: bool = False
     sent: int = 0  # output tokens theta has been sent
+    last_row: np.ndarray | None = None  # theta's latest row (reused by a step with no new token)
     alphas: list[float] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)
+    # Seconds its steps waited for theta's rows, and the transport's part of that wait.
+    theta_wait_s: float = 0.0
+    transport_s: float = 0.0
 
 
 def mixing_params_problem(extra: dict[str, Any]) -> str | None:
@@ -105,6 +109,7 @@ class ThetaMixingProcessor(RequestKeyedLogitsProcessor):
         self.record = Path(settings["record_rows"]) if settings.get("record_rows") else None
         self.step = 0
         self._theta_prompts: dict[str, list[int]] = {}  # theta's prompt tokens, by request
+        self._unresponsive: set[int] = set()  # theta replicas that missed a step
         self._ctx = zmq.Context()
         self.reply = f"ipc://{tempfile.gettempdir()}/omni-{os.getpid()}-mixreply-{id(self):x}"
         self._pull = self._ctx.socket(zmq.PULL)
@@ -134,16 +139,25 @@ class ThetaMixingProcessor(RequestKeyedLogitsProcessor):
             append_line(self.history, {"request_id": request.request_id, "alpha_method": state.method,
                                        "steps": len(state.alphas), "alpha": state.alphas,
                                        "theta_prompt_token_ids": theta_prompt,
+                                       "theta_wait_s": round(state.theta_wait_s, 6),
+                                       "transport_s": round(state.transport_s, 6),
                                        **({"errors": state.errors} if state.errors else {})})
 
     def apply_rows(self, logits: torch.Tensor, rows: Sequence[int], requests: Sequence[LiveRequest]) -> torch.Tensor:
         self.step += 1
-        theta, errors = self._theta_rows(requests)
+        started = time.monotonic()
+        theta, errors, transport = self._theta_rows(requests)
+        waited = time.monotonic() - started
+        for request in requests:
+            request.state.theta_wait_s += waited
+            request.state.transport_s += transport
         rows_t = torch.tensor(list(rows), dtype=torch.long, device=logits.device)
         log_teacher = log_softmax(logits[rows_t])
         if theta.shape[-1] != log_teacher.shape[-1]:
-            raise ValueError(f"theta's vocabulary has {theta.shape[-1]} entries, the teacher's {log_teacher.shape[-1]}: "
-                             "mixing needs one tokenizer")
+            problem = (f"theta's rows have {theta.shape[-1]} entries, the teacher's {log_teacher.shape[-1]}: mixing "
+                       "needs models with one vocabulary")
+            errors = {request.request_id: problem for request in requests}
+            theta = np.zeros((len(requests), log_teacher.shape[-1]), np.float32)
         log_theta = torch.from_numpy(theta).to(log_teacher.device)
         alpha = self._alphas(requests, log_theta, log_teacher)
         # A request theta could not score this step decodes from the teacher alone (α = 1).
@@ -172,39 +186,67 @@ class ThetaMixingProcessor(RequestKeyedLogitsProcessor):
         return alpha
 
     # ------------------------------------------------------------ theta
-    def _theta_rows(self, requests: Sequence[LiveRequest]) -> tuple[np.ndarray, dict[str, str]]:
-        """One batch per replica out, every row back (or an error per missing request)."""
+    def _theta_rows(self, requests: Sequence[LiveRequest]) -> tuple[np.ndarray, dict[str, str], float]:
+        """One batch per replica out, every row back (or an error per missing request), and the
+        seconds of that spent in transport (to theta, and back from theta's engine core)."""
+        known = self._send_batches(requests)
+        got, errors, transport = self._collect([r for r in requests if r.request_id not in known])
+        for request in requests:
+            if request.request_id in got:
+                request.state.last_row = got[request.request_id]
+        got.update(known)
+        if errors:
+            logger.error("mixing step %d: %s", self.step, "; ".join(sorted(set(errors.values()))))
+        vocab = next((len(r) for r in got.values()), None) or self._vocab()
+        return np.stack([got.get(r.request_id, np.zeros(vocab, np.float32)) for r in requests]), errors, transport
+
+    def _send_batches(self, requests: Sequence[LiveRequest]) -> dict[str, np.ndarray]:
+        """Send each replica its batch; the rows already known (no token since theta's last
+        row, e.g. a step of the teacher's chunked prefill) instead of asking again."""
         batches: dict[int, list[ScoreItem]] = {}
+        known: dict[str, np.ndarray] = {}
         for request in requests:
             state: MixState = request.state
             output = request.output_token_ids
-            first = state.sent == 0
+            first = state.sent == 0 and state.last_row is None
+            if not first and len(output) == state.sent and state.last_row is not None:
+                known[request.request_id] = state.last_row
+                continue
             item = ScoreItem(request.request_id, list(output[state.sent:]),
                              state.theta_prompt if first else None, state.theta_messages if first else None)
             state.sent = len(output)
             batches.setdefault(state.replica, []).append(item)
         for replica, items in batches.items():
-            self._thetas[replica].send(encode(ScoreBatch(self.step, self.reply, items)))
-        wanted = {request.request_id for request in requests}
+            self._thetas[replica].send(encode(ScoreBatch(self.step, self.reply, items, time.time(), replica)))
+        return known
+
+    def _collect(self, requests: Sequence[LiveRequest]) -> tuple[dict[str, np.ndarray], dict[str, str], float]:
+        """This step's rows until all came or the timeout passed. A replica that missed a step is
+        not waited for again until it answers (late answers still count): a dead theta costs
+        one timeout, not one per step."""
+        replica_of = {r.request_id: r.state.replica for r in requests}
+        errors = {rid: f"theta replica {rep} missed an earlier step (not answering)"
+                  for rid, rep in replica_of.items() if rep in self._unresponsive}
         got: dict[str, np.ndarray] = {}
-        errors: dict[str, str] = {}
+        transport = 0.0
         deadline = time.monotonic() + self.timeout_ms / 1000
-        while wanted - got.keys() - errors.keys():
+        while missing := set(replica_of) - got.keys() - errors.keys():
             left_ms = int((deadline - time.monotonic()) * 1000)
             if left_ms <= 0 or not self._pull.poll(left_ms):
-                for rid in wanted - got.keys() - errors.keys():
-                    errors[rid] = f"no row from theta within {self.timeout_ms / 1000:g} s"
+                for rid in missing:
+                    errors[rid] = f"no row from theta replica {replica_of[rid]} within {self.timeout_ms / 1000:g} s"
+                    self._unresponsive.add(replica_of[rid])
                 break
             header, rows = read_rows(self._pull.recv_multipart(copy=False))
+            self._unresponsive.discard(header.replica)
             self._theta_prompts.update(header.prompts)
             if header.step != self.step:
                 continue  # a late answer to a step that already gave up on it
             got.update(zip(header.request_ids, rows))
             errors.update(header.errors)
-        if errors:
-            logger.error("mixing step %d: %s", self.step, "; ".join(errors.values()))
-        vocab = next((len(r) for r in got.values()), None) or self._vocab()
-        return np.stack([got.get(r.request_id, np.zeros(vocab, np.float32)) for r in requests]), errors
+            if header.request_ids:
+                transport = max(transport, header.outbound_s + max(0.0, time.time() - header.sent_at))
+        return got, errors, transport
 
     def _vocab(self) -> int:
         return int(self.vllm_config.model_config.get_vocab_size())

@@ -39,13 +39,10 @@ def wire_mixing(stages: list[Any]) -> dict[tuple[int, int], dict[str, Any]]:
         addresses = [theta_address(run, theta.stage_id, r) for r in range(theta.runtime.num_replicas)]
         for r, address in enumerate(addresses):
             processors = [*(theta.engine_args.get("logits_processors") or ()), CAPTURE_PROCESSOR]
-            # Each step scores the whole sequence again as a prompt: the prefix cache keeps
-            # that to the tokens past the last full block; without chunking, the captured row
-            # is always the sequence's last position.
+            # Without chunked prefill a chunk is never split over steps, so every captured
+            # row is the last position of the whole sequence.
             extra[(theta.stage_id, r)] = {THETA_KEY: {"address": address, "chat_template": mixing.theta_chat_template},
-                                          "logits_processors": processors, "enable_prefix_caching": True,
-                                          "enable_chunked_prefill": False,
-                                          "block_size": theta.engine_args.get("block_size", 32)}
+                                          "logits_processors": processors, "enable_chunked_prefill": False}
         # Relative paths are the command's (the engine core may run elsewhere).
         settings = {"theta": addresses, "alpha": mixing.alpha, "alpha_value": mixing.alpha_value,
                     "alpha_history": _absolute(mixing.alpha_history), "timeout_s": mixing.theta_timeout_s,

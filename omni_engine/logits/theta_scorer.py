@@ -1,0 +1,175 @@
+"""The theta stage's side of two-model mixing: one vLLM streaming-input session per request.
+
+Each teacher step brings one ``ScoreBatch`` per theta replica. A request's first item
+opens a session on theta's ``AsyncLLM`` with its theta prompt (tokenized with theta's
+own template) plus the tokens so far; every later step appends only the tokens the
+teacher generated since. vLLM keeps a session's KV cache between chunks and discards the
+one token each chunk samples, so a step costs theta the new tokens alone, as a decode
+step would, however long the sequence. ``ThetaCaptureProcessor`` (theta.py) sends each
+chunk's row to the teacher.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import zmq
+import zmq.asyncio
+
+from omni_engine.logits.messages import CAPTURE_KEY, TO_THETA, ReleaseRequests, ScoreBatch, ScoreItem, rows_frames
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _Session:
+    """A request's open vLLM session: its chunks go in through ``inputs``."""
+
+    engine_id: str
+    tokens: list[int]
+    inputs: asyncio.Queue = field(default_factory=asyncio.Queue)
+    task: asyncio.Task | None = None
+    batch: ScoreBatch | None = None  # the step its latest chunk answers (for errors)
+
+    async def stream(self) -> AsyncIterator[Any]:
+        while (chunk := await self.inputs.get()) is not None:
+            yield chunk
+
+
+class ThetaScorer:
+    """Serves teachers' score batches from theta's ``AsyncLLM`` (runs on the stage's loop)."""
+
+    def __init__(self, engine: Any, address: str, chat_template: bool) -> None:
+        self.engine, self.address, self.chat_template = engine, address, chat_template
+        self.sessions: dict[str, _Session] = {}
+        self._opened = 0
+        self._ctx = zmq.asyncio.Context()
+        self._pull = self._ctx.socket(zmq.PULL)
+        self._pull.setsockopt(zmq.LINGER, 0)
+        self._pull.bind(address)
+        self._pushes: dict[str, zmq.asyncio.Socket] = {}
+        self._tokenizer: Any = None
+        self._task: asyncio.Task | None = None
+
+    @property
+    def tokens(self) -> dict[str, list[int]]:
+        """Each live request's sequence as theta has it (prompt + tokens so far)."""
+        return {rid: session.tokens for rid, session in self.sessions.items()}
+
+    def start(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(self._serve(), name="theta-scorer")
+
+    async def _serve(self) -> None:
+        tokenizer = self.engine.get_tokenizer()
+        self._tokenizer = await tokenizer if asyncio.iscoroutine(tokenizer) else tokenizer
+        while True:
+            try:
+                message = TO_THETA.decode(await self._pull.recv())
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # noqa: BLE001 - a malformed message must not stop scoring
+                logger.exception("theta scorer %s: malformed message dropped", self.address)
+                continue
+            if isinstance(message, ReleaseRequests):
+                for rid in message.request_ids:
+                    self._close(rid)
+            else:
+                self._score_batch(message)
+
+    # ------------------------------------------------------------ sessions
+    def _score_batch(self, batch: ScoreBatch) -> None:
+        from vllm import SamplingParams
+        from vllm.engine.protocol import StreamingInput
+
+        outbound = max(0.0, time.time() - batch.sent_at) if batch.sent_at else 0.0
+        errors: dict[str, str] = {}
+        prompts: dict[str, list[int]] = {}
+        for item in batch.items:
+            params = SamplingParams(max_tokens=1, detokenize=False, extra_args={
+                CAPTURE_KEY: [batch.reply, batch.step, item.request_id, outbound, batch.replica]})
+            try:
+                session, chunk = self._session_for(item, prompts)
+            except Exception as exc:  # noqa: BLE001 - reported to the teacher, per request
+                errors[item.request_id] = f"theta could not take request {item.request_id!r}: {exc}"
+                continue
+            session.tokens.extend(item.new_tokens)
+            session.batch = batch
+            session.inputs.put_nowait(StreamingInput({"prompt_token_ids": chunk}, params))
+        if errors or prompts:
+            self._send(batch, errors, prompts)
+
+    def _session_for(self, item: ScoreItem, prompts: dict[str, list[int]]) -> tuple[_Session, list[int]]:
+        """The request's session and this step's chunk; a prompt (re)opens the session."""
+        if item.theta_prompt is None and item.theta_messages is None:
+            session = self.sessions.get(item.request_id)
+            if session is None:
+                raise ValueError("no theta prompt was sent with its first step")
+            return session, list(item.new_tokens)
+        self._close(item.request_id)
+        prompt = self._encode_prompt(item)
+        prompts[item.request_id] = prompt
+        self._opened += 1
+        session = _Session(f"theta-{item.request_id}-{self._opened}", list(prompt))
+        session.task = asyncio.get_running_loop().create_task(self._run(item.request_id, session))
+        self.sessions[item.request_id] = session
+        return session, prompt + list(item.new_tokens)
+
+    async def _run(self, rid: str, session: _Session) -> None:
+        from vllm import SamplingParams
+
+        base = SamplingParams(max_tokens=1, detokenize=False)
+        try:
+            async for _ in self.engine.generate(session.stream(), base, session.engine_id):
+                pass
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - reported to the teacher for the step it failed
+            if session.batch is not None:
+                self._send(session.batch, {rid: f"theta failed to score request {rid!r}: {type(exc).__name__}: {exc}"})
+        finally:
+            if self.sessions.get(rid) is session:
+                del self.sessions[rid]
+
+    def _close(self, rid: str) -> None:
+        session = self.sessions.pop(rid, None)
+        if session is not None:
+            session.inputs.put_nowait(None)  # vLLM ends the session and frees its KV cache
+
+    def _encode_prompt(self, item: ScoreItem) -> list[int]:
+        if item.theta_messages is not None:
+            messages = json.loads(item.theta_messages)
+        elif self.chat_template:
+            messages = [{"role": "user", "content": item.theta_prompt}]
+        else:
+            return list(self._tokenizer.encode(item.theta_prompt))
+        return list(self._tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                                        return_dict=False))
+
+    def _send(self, batch: ScoreBatch, errors: dict[str, str], prompts: dict[str, list[int]] | None = None) -> None:
+        """Errors and opened prompts, to the teacher that sent ``batch`` (rows come from the engine core)."""
+        sock = self._pushes.get(batch.reply)
+        if sock is None:
+            sock = self._pushes[batch.reply] = self._ctx.socket(zmq.PUSH)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.connect(batch.reply)
+        sock.send_multipart(rows_frames(batch.step, [], np.zeros((0, 0), np.float32), errors, prompts,
+                                        replica=batch.replica))
+
+    async def close(self) -> None:
+        for rid in list(self.sessions):
+            self._close(rid)
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        self._pull.close(0)
+        for sock in self._pushes.values():
+            sock.close(0)
