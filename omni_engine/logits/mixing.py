@@ -110,6 +110,9 @@ class ThetaMixingProcessor(RequestKeyedLogitsProcessor):
         self.step = 0
         self._theta_prompts: dict[str, list[int]] = {}  # theta's prompt tokens, by request
         self._unresponsive: set[int] = set()  # theta replicas that missed a step
+        # Sent before the forward pass (V1): request id -> output length theta was sent.
+        self._in_flight: dict[str, int] = {}
+        self._known: dict[str, np.ndarray] = {}
         self._ctx = zmq.Context()
         self.reply = f"ipc://{tempfile.gettempdir()}/omni-{os.getpid()}-mixreply-{id(self):x}"
         self._pull = self._ctx.socket(zmq.PULL)
@@ -143,9 +146,19 @@ class ThetaMixingProcessor(RequestKeyedLogitsProcessor):
                                        "transport_s": round(state.transport_s, 6),
                                        **({"errors": state.errors} if state.errors else {})})
 
-    def apply_rows(self, logits: torch.Tensor, rows: Sequence[int], requests: Sequence[LiveRequest]) -> torch.Tensor:
+    def batch_ready(self, requests: Sequence[LiveRequest]) -> None:
+        """Ask theta now, so theta's step runs while the teacher's forward pass does."""
         self.step += 1
+        self._known = self._send_batches(requests)
+        self._in_flight = {r.request_id: len(r.output_token_ids) for r in requests}
+
+    def apply_rows(self, logits: torch.Tensor, rows: Sequence[int], requests: Sequence[LiveRequest]) -> torch.Tensor:
         started = time.monotonic()
+        if any(self._in_flight.get(r.request_id) != len(r.output_token_ids) for r in requests):
+            # Not asked before the forward pass (Model Runner V2), or the tokens changed since.
+            self.step += 1
+            self._known = self._send_batches(requests)
+        self._in_flight = {}
         theta, errors, transport = self._theta_rows(requests)
         waited = time.monotonic() - started
         for request in requests:
@@ -189,7 +202,7 @@ class ThetaMixingProcessor(RequestKeyedLogitsProcessor):
     def _theta_rows(self, requests: Sequence[LiveRequest]) -> tuple[np.ndarray, dict[str, str], float]:
         """One batch per replica out, every row back (or an error per missing request), and the
         seconds of that spent in transport (to theta, and back from theta's engine core)."""
-        known = self._send_batches(requests)
+        known = self._known
         got, errors, transport = self._collect([r for r in requests if r.request_id not in known])
         for request in requests:
             if request.request_id in got:

@@ -56,13 +56,20 @@ class RequestKeyedLogitsProcessor(V1LogitsProcessor, V2LogitsProcessor):
     def release(self, request: LiveRequest) -> None:
         """The request left the batch; free what its state holds."""
 
+    def batch_ready(self, requests: Sequence[LiveRequest]) -> None:
+        """V1 only: this step's batch is known, before the forward pass (e.g. to start work
+        that ``apply_rows`` will need, overlapped with the model)."""
+
     # ------------------------------------------------------------ V1 runner
     def is_argmax_invariant(self) -> bool:
         return self.argmax_invariant
 
     def update_state(self, batch_update: BatchUpdate | None) -> None:
+        # vLLM calls this before every forward pass (batch_update None: same requests).
         if batch_update is not None:
             self.table.apply_batch_update(batch_update, self._admit)
+        if len(self.table):
+            self.batch_ready([request for _, request in self.table.items()])
 
     def _admit(self, row: int, params: Any, prompt: Sequence[int] | None, output: Sequence[int]) -> LiveRequest | None:
         request = LiveRequest(request_id_of(params), params, prompt, output)
