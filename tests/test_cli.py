@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import wave
@@ -31,19 +32,24 @@ def test_generate_writes_the_answer_and_a_playable_wav(tmp_path, smollm2_path):
 
 
 @pytest.mark.llm
-def test_generate_text_only_pipeline_writes_the_answer_once(tmp_path, smollm2_path):
-    """The text pipeline's config leaves vLLM's default (CUMULATIVE) output kind: the
-    command still prints and saves each piece of text once."""
+def test_generate_runs_a_mixing_pipeline_and_writes_its_text_answer_once(tmp_path, smollm2_path):
+    """The example mixing pipeline (a teacher and a theta stage; its theta prompt from
+    --extra-args) is text only and leaves vLLM's default (CUMULATIVE) output kind: the
+    command still prints and saves each piece of text once, and the α history is written
+    where the command runs."""
     result = subprocess.run(
-        [*CLI, "generate", "--config", "stage_configs/smollm2_text.yaml", "--max-tokens", "24",
-         "--prompt", "What is the capital of France?", "--output-dir", str(tmp_path)],
-        capture_output=True, text=True, timeout=300,
+        [*CLI, "generate", "--config", str(Path("stage_configs/smollm2_mixing.yaml").resolve()), "--max-tokens", "24",
+         "--prompt", "What is the capital of France? (Reference answer: Paris.)",
+         "--extra-args", '{"theta_prompt": "What is the capital of France?"}', "--output-dir", str(tmp_path / "out")],
+        capture_output=True, text=True, timeout=300, cwd=tmp_path,
     )
     assert result.returncode == 0, result.stderr[-3000:]
-    answer = (tmp_path / "answer.txt").read_text().strip()
-    assert "Paris" in answer and answer.count("capital of France") == 1, answer
+    answer = (tmp_path / "out" / "answer.txt").read_text().strip()
+    assert "Paris" in answer and answer.count("capital of France") <= 1, answer
     assert result.stdout.strip() == answer
-    assert not (tmp_path / "answer.wav").exists()
+    assert not (tmp_path / "out" / "answer.wav").exists()
+    (line,) = [json.loads(text) for text in (tmp_path / "alpha_history.jsonl").read_text().splitlines()]
+    assert line["request_id"] == "cli-0" and line["steps"] == len(line["alpha"]) > 0
 
 
 def test_generate_rejects_a_bad_config_before_starting_anything(tmp_path):

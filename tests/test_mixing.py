@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import random
+import signal
 
 import numpy as np
 import pytest
@@ -19,6 +21,7 @@ import yaml
 from vllm import SamplingParams
 
 from omni_engine.entrypoints.multi_stage_engine_client import MultiStageEngineClient
+from omni_engine.logits.mixing import replica_for
 
 pytestmark = [pytest.mark.llm, pytest.mark.asyncio(loop_scope="module")]
 
@@ -35,6 +38,7 @@ async def mixing(tmp_path_factory, smollm2_path):
     for stage in config["stage_args"]:
         stage["runtime"]["max_batch_size"] = 4  # few rows: reused and moved
         stage["engine_args"].update(model=str(smollm2_path), max_model_len=512)
+    config["stage_args"][1]["runtime"]["num_replicas"] = 2  # a request's steps stay on one
     config["stage_args"][0]["mixing"].update(alpha_history=str(tmp / "alpha.jsonl"), record_rows=str(tmp / "rows"),
                                              theta_timeout_s=10)
     path = tmp / "mixing.yaml"
@@ -173,6 +177,33 @@ async def test_each_request_scores_theta_with_its_own_prompt(mixing):
         assert lines[rid]["theta_prompt_token_ids"] == chat_ids(tok, QUESTIONS[i]), rid
 
 
+def replica_of(rid: str, replicas: int = 2) -> int:
+    """The teacher's choice of theta replica for a request (a hash of its id)."""
+    return replica_for(rid, replicas)
+
+
+async def test_each_request_stays_on_one_theta_replica_with_its_own_prompt(mixing):
+    client, tok = mixing["client"], mixing["tokenizer"]
+    rids = [f"split-{i}" for i in range(4)]
+    assert {replica_of(rid) for rid in rids} == {0, 1}  # these ids use both replicas
+    first = {rid: asyncio.Event() for rid in rids}
+
+    async def one(i: int, rid: str) -> None:
+        params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, extra_args={"theta_prompt": QUESTIONS[i]})
+        async for _ in client.generate({"prompt_token_ids": teacher_ids(tok, QUESTIONS[i])}, params, rid):
+            first[rid].set()
+
+    tasks = [asyncio.create_task(one(i, rid)) for i, rid in enumerate(rids)]
+    await asyncio.gather(*(e.wait() for e in first.values()))
+    held = await client.stage_contexts[1].client.call_each_replica_async("theta_requests")
+    await asyncio.gather(*tasks)
+    for i, rid in enumerate(rids):
+        holders = [r for r, sessions in held.items() if rid in sessions]
+        assert holders == [replica_of(rid)], (rid, holders)
+        prompt = chat_ids(tok, QUESTIONS[i])
+        assert held[holders[0]][rid][:len(prompt)] == prompt  # its own prompt, then its tokens
+
+
 async def test_alpha_history_has_one_line_per_request_and_aborts_release_theta(mixing):
     client, tok = mixing["client"], mixing["tokenizer"]
     before = len(mixing["history"].read_text().splitlines()) if mixing["history"].exists() else 0
@@ -200,13 +231,13 @@ async def test_alpha_history_has_one_line_per_request_and_aborts_release_theta(m
         return [json.loads(line) for line in text[before:]]
 
     async def theta_holds() -> dict:
-        return await client.stage_contexts[1].client.call_utility_async("theta_requests")
+        return await client.stage_contexts[1].client.call_each_replica_async("theta_requests")
 
     new = await settled(new_lines, lambda lines: len(lines) >= len(rids))
     assert sorted(line["request_id"] for line in new) == sorted(rids)  # 24 lines, one per request, none lost
     assert all(line["steps"] == len(line["alpha"]) > 0 for line in new)
     # Released on every way out, aborts included: theta holds no request's tokens.
-    assert await settled(theta_holds, lambda held: held == {}) == {}
+    assert await settled(theta_holds, lambda held: not any(held.values())) == {0: {}, 1: {}}
 
 
 async def test_a_request_without_a_theta_prompt_is_refused_naming_it(mixing):
@@ -221,11 +252,10 @@ async def test_a_request_without_a_theta_prompt_is_refused_naming_it(mixing):
 
 
 async def test_when_theta_dies_the_teacher_decodes_alone_and_says_so(mixing):
-    """Last in the module: it kills the theta stage."""
-    import os
-    import signal
-
+    """Last in the module: it kills a theta replica."""
     client, tok = mixing["client"], mixing["tokenizer"]
+    victim = replica_of("theta-dies")
+    later = next(f"after-theta-{i}" for i in range(100) if replica_of(f"after-theta-{i}") == victim)
     tokens: list[int] = []
     first = asyncio.Event()
 
@@ -237,18 +267,18 @@ async def test_when_theta_dies_the_teacher_decodes_alone_and_says_so(mixing):
 
     task = asyncio.create_task(long_request())
     await first.wait()
-    os.kill(client.stage_contexts[1].client.process.pid, signal.SIGKILL)
+    os.kill(client.stage_contexts[1].client.replicas[victim].process.pid, signal.SIGKILL)
     async with asyncio.timeout(120):
         await task
-        # A request that starts after theta is gone is not held up by it at all.
-        assert len(await ask(client, tok, "after-theta", QUESTIONS[1], 5)) == 5
+        # A request that starts after its replica is gone is not held up by it at all.
+        assert len(await ask(client, tok, later, QUESTIONS[1], 5)) == 5
     assert len(tokens) == 30
 
     async def lines() -> dict:
         return history(mixing)
 
-    done = await settled(lines, lambda h: "theta-dies" in h and "after-theta" in h)
-    died, after = done["theta-dies"], done["after-theta"]
-    assert died["errors"] and "theta replica 0" in died["errors"][0] and died["alpha"][-1] == 1.0
+    done = await settled(lines, lambda h: "theta-dies" in h and later in h)
+    died, after = done["theta-dies"], done[later]
+    assert died["errors"] and f"theta replica {victim}" in died["errors"][0] and died["alpha"][-1] == 1.0
     assert all(a == 1.0 for a in after["alpha"]) and "not answering" in after["errors"][0]
     assert after["theta_wait_s"] < 5  # no timeout waited for a replica known to be gone

@@ -7,6 +7,7 @@ when streaming) and ``n`` are honoured by vLLM itself.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 from collections.abc import AsyncIterator, Sequence
@@ -175,9 +176,19 @@ class LLMStageEngine(StageEngine):
         if self.theta_scorer is not None:
             await self.theta_scorer.close()
             self.theta_scorer = None
+        if self.engine is not None and self.engine_args.get("logits_processors"):
+            await self._release_logits_requests()
         if self.engine is not None:
             self.engine.shutdown()
             self.engine = None
+
+    async def _release_logits_requests(self) -> None:
+        """Let request-keyed processors release what they hold (α history lines) before the
+        engine stops: vLLM would tell them only at a next step that never comes."""
+        try:
+            await asyncio.wait_for(self.engine.collective_rpc("omni_release_logits_requests"), 10)
+        except Exception as exc:  # noqa: BLE001 - shutting down regardless
+            logger.debug("stage %s: logits processors not released at shutdown: %s", self.stage_id, exc)
 
     def __getattr__(self, name: str) -> Any:
         # Utility methods (pause_generation, sleep, collective_rpc, ...) are

@@ -12,12 +12,11 @@ its α history is appended to the JSONL file as one line, and theta forgets its 
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
-import tempfile
 import time
-import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -81,6 +80,12 @@ def mixing_params_problem(extra: dict[str, Any]) -> str | None:
     return None
 
 
+def replica_for(request_id: str, replicas: int) -> int:
+    """The theta replica of a request: fixed by its id, spread evenly even over ids that
+    differ in one character (crc32's low bit alternates over "req-0", "req-1", ...)."""
+    return int.from_bytes(hashlib.blake2b(request_id.encode(), digest_size=8).digest(), "little") % replicas
+
+
 def append_line(path: str, record: dict[str, Any]) -> None:
     """One JSON line, in one write to a file opened for appending: lines of concurrent
     writers (replicas of the teacher) never interleave, and nothing is overwritten."""
@@ -107,6 +112,8 @@ class ThetaMixingProcessor(RequestKeyedLogitsProcessor):
         self.timeout_ms = int(float(settings.get("timeout_s", 60.0)) * 1000)
         self.history = settings.get("alpha_history")
         self.record = Path(settings["record_rows"]) if settings.get("record_rows") else None
+        overlap = settings.get("overlap", "auto")
+        self.overlap = self.device.type != "cpu" if overlap == "auto" else bool(overlap)
         self.step = 0
         self._theta_prompts: dict[str, list[int]] = {}  # theta's prompt tokens, by request
         self._unresponsive: set[int] = set()  # theta replicas that missed a step
@@ -114,7 +121,7 @@ class ThetaMixingProcessor(RequestKeyedLogitsProcessor):
         self._in_flight: dict[str, int] = {}
         self._known: dict[str, np.ndarray] = {}
         self._ctx = zmq.Context()
-        self.reply = f"ipc://{tempfile.gettempdir()}/omni-{os.getpid()}-mixreply-{id(self):x}"
+        self.reply = f"ipc://{settings['socket_dir']}/reply-{os.getpid()}-{id(self):x}"
         self._pull = self._ctx.socket(zmq.PULL)
         self._pull.setsockopt(zmq.LINGER, 0)
         self._pull.bind(self.reply)
@@ -128,7 +135,7 @@ class ThetaMixingProcessor(RequestKeyedLogitsProcessor):
     # ------------------------------------------------------------ hooks
     def new_state(self, request: LiveRequest) -> MixState | None:
         extra = request.params.extra_args or {}
-        replica = zlib.crc32(request.request_id.encode()) % len(self._thetas)
+        replica = replica_for(request.request_id, len(self._thetas))
         method = extra.get("mixing_alpha") or self.method
         value = extra.get("mixing_alpha_value", self.alpha_value if method == self.method else None)
         return MixState(extra.get("theta_prompt"), extra.get("theta_messages"), replica, method, value,
@@ -136,7 +143,7 @@ class ThetaMixingProcessor(RequestKeyedLogitsProcessor):
 
     def release(self, request: LiveRequest) -> None:
         state: MixState = request.state
-        self._thetas[state.replica].send(encode(ReleaseRequests([request.request_id])))
+        self._send(state.replica, ReleaseRequests([request.request_id]))
         theta_prompt = self._theta_prompts.pop(request.request_id, None)
         if self.history:
             append_line(self.history, {"request_id": request.request_id, "alpha_method": state.method,
@@ -147,7 +154,10 @@ class ThetaMixingProcessor(RequestKeyedLogitsProcessor):
                                        **({"errors": state.errors} if state.errors else {})})
 
     def batch_ready(self, requests: Sequence[LiveRequest]) -> None:
-        """Ask theta now, so theta's step runs while the teacher's forward pass does."""
+        """Ask theta now, so theta's step runs while the teacher's forward pass does (on
+        accelerators; on CPUs the two would share the cores, which measured 2x slower)."""
+        if not self.overlap:
+            return
         self.step += 1
         self._known = self._send_batches(requests)
         self._in_flight = {r.request_id: len(r.output_token_ids) for r in requests}
@@ -230,8 +240,15 @@ class ThetaMixingProcessor(RequestKeyedLogitsProcessor):
             state.sent = len(output)
             batches.setdefault(state.replica, []).append(item)
         for replica, items in batches.items():
-            self._thetas[replica].send(encode(ScoreBatch(self.step, self.reply, items, time.time(), replica)))
+            self._send(replica, ScoreBatch(self.step, self.reply, items, time.time(), replica))
         return known
+
+    def _send(self, replica: int, message: Any) -> None:
+        """Never blocks: a replica whose queue is full (gone for a long time) is not answering."""
+        try:
+            self._thetas[replica].send(encode(message), zmq.NOBLOCK)
+        except zmq.Again:
+            self._unresponsive.add(replica)
 
     def _collect(self, requests: Sequence[LiveRequest]) -> tuple[dict[str, np.ndarray], dict[str, str], float]:
         """This step's rows until all came or the timeout passed. A replica that missed a step is

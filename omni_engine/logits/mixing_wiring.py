@@ -8,10 +8,13 @@ answers the teacher directly.
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
 import tempfile
-import uuid
 from typing import Any
+
+from omni_engine.weights import WORKER_EXTENSION
 
 ALPHA_METHODS = ("fixed", "kl_symmetry")
 MIXING_PROCESSOR = "omni_engine.logits.mixing:ThetaMixingProcessor"
@@ -22,13 +25,17 @@ MIXING_KEY = "omni_mixing"
 THETA_KEY = "omni_theta"
 
 
-def theta_address(run: str, stage_id: int, replica: int) -> str:
-    return f"ipc://{tempfile.gettempdir()}/omni-{os.getpid()}-theta-{run}-s{stage_id}-r{replica}"
+def socket_dir(stage_id: int) -> str:
+    """A private (0700) directory for one mixing pair's ipc sockets: only this user can
+    send theta a batch or a teacher a row. Removed when this process exits; a directory of
+    a process killed with -9 matches the stale-runtime-directory sweep (``omni-<pid>-...-s...``)."""
+    path = tempfile.mkdtemp(prefix=f"omni-{os.getpid()}-mix-s{stage_id}-")
+    atexit.register(shutil.rmtree, path, True)
+    return path
 
 
 def wire_mixing(stages: list[Any]) -> dict[tuple[int, int], dict[str, Any]]:
     """Engine args to add, by (stage id, replica), for every teacher and theta stage."""
-    run = uuid.uuid4().hex[:8]
     by_id = {stage.stage_id: stage for stage in stages}
     extra: dict[tuple[int, int], dict[str, Any]] = {}
     for stage in stages:
@@ -36,7 +43,8 @@ def wire_mixing(stages: list[Any]) -> dict[tuple[int, int], dict[str, Any]]:
         if mixing is None:
             continue
         theta = by_id[mixing.theta_stage]
-        addresses = [theta_address(run, theta.stage_id, r) for r in range(theta.runtime.num_replicas)]
+        sockets = socket_dir(stage.stage_id)
+        addresses = [f"ipc://{sockets}/theta-r{r}" for r in range(theta.runtime.num_replicas)]
         for r, address in enumerate(addresses):
             processors = [*(theta.engine_args.get("logits_processors") or ()), CAPTURE_PROCESSOR]
             # Without chunked prefill a chunk is never split over steps, so every captured
@@ -44,13 +52,14 @@ def wire_mixing(stages: list[Any]) -> dict[tuple[int, int], dict[str, Any]]:
             extra[(theta.stage_id, r)] = {THETA_KEY: {"address": address, "chat_template": mixing.theta_chat_template},
                                           "logits_processors": processors, "enable_chunked_prefill": False}
         # Relative paths are the command's (the engine core may run elsewhere).
-        settings = {"theta": addresses, "alpha": mixing.alpha, "alpha_value": mixing.alpha_value,
+        settings = {"theta": addresses, "socket_dir": sockets, "alpha": mixing.alpha, "alpha_value": mixing.alpha_value,
                     "alpha_history": _absolute(mixing.alpha_history), "timeout_s": mixing.theta_timeout_s,
-                    "record_rows": _absolute(mixing.record_rows)}
+                    "record_rows": _absolute(mixing.record_rows), "overlap": mixing.overlap}
         for r in range(stage.runtime.num_replicas):
             additional = dict(stage.engine_args.get("additional_config") or {})
             additional[MIXING_KEY] = settings
-            extra[(stage.stage_id, r)] = {"additional_config": additional}
+            # The worker extension releases held requests at shutdown (their α lines).
+            extra[(stage.stage_id, r)] = {"additional_config": additional, "worker_extension_cls": WORKER_EXTENSION}
     return extra
 
 

@@ -50,9 +50,12 @@ class ThetaCaptureProcessor(RequestKeyedLogitsProcessor):
             by_reply[(reply, step)].append(i)
         for (reply, step), picks in by_reply.items():
             outbound = max(requests[i].state[3] for i in picks)
-            self._push(reply).send_multipart(rows_frames(step, [requests[i].state[2] for i in picks],
-                                                         pick_rows(logprobs, picks), outbound_s=outbound,
-                                                         replica=requests[picks[0]].state[4]), copy=False)
+            frames = rows_frames(step, [requests[i].state[2] for i in picks], pick_rows(logprobs, picks),
+                                 outbound_s=outbound, replica=requests[picks[0]].state[4])
+            try:  # never block theta's engine on a teacher that is gone
+                self._push(reply).send_multipart(frames, zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                logger.warning("theta rows for step %d dropped: teacher %s is not reading", step, reply)
         return logits
 
     def _push(self, address: str) -> zmq.Socket:

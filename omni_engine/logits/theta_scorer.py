@@ -55,7 +55,9 @@ class ThetaScorer:
         self._pull = self._ctx.socket(zmq.PULL)
         self._pull.setsockopt(zmq.LINGER, 0)
         self._pull.bind(address)
-        self._pushes: dict[str, zmq.asyncio.Socket] = {}
+        # Plain sockets, sent with NOBLOCK: a teacher that is gone must not hold theta up.
+        self._push_ctx = zmq.Context()
+        self._pushes: dict[str, zmq.Socket] = {}
         self._tokenizer: Any = None
         self._task: asyncio.Task | None = None
 
@@ -157,11 +159,14 @@ class ThetaScorer:
         """Errors and opened prompts, to the teacher that sent ``batch`` (rows come from the engine core)."""
         sock = self._pushes.get(batch.reply)
         if sock is None:
-            sock = self._pushes[batch.reply] = self._ctx.socket(zmq.PUSH)
+            sock = self._pushes[batch.reply] = self._push_ctx.socket(zmq.PUSH)
             sock.setsockopt(zmq.LINGER, 0)
             sock.connect(batch.reply)
-        sock.send_multipart(rows_frames(batch.step, [], np.zeros((0, 0), np.float32), errors, prompts,
-                                        replica=batch.replica))
+        try:
+            sock.send_multipart(rows_frames(batch.step, [], np.zeros((0, 0), np.float32), errors, prompts,
+                                            replica=batch.replica), zmq.NOBLOCK)
+        except zmq.Again:
+            logger.warning("theta scorer: teacher %s is not reading; dropped %s", batch.reply, errors or prompts)
 
     async def close(self) -> None:
         for rid in list(self.sessions):

@@ -20,6 +20,7 @@ from omni_engine import envs
 from omni_engine.config import ConfigError, PipelineConfig, StageConfig
 from omni_engine.connectors.settings import ConnectorSettings
 from omni_engine.logits.mixing_wiring import wire_mixing
+from omni_engine.weights import WORKER_EXTENSION
 from omni_engine.stage_engine.stage_spec import DeviceAssignment, StageProcessSpec
 
 Progress = Callable[[str], None]
@@ -108,8 +109,6 @@ def stage_process_spec(stage: StageConfig, connectors: ConnectorSettings, device
     )
 
 
-# vLLM's worker gets the weight-update methods the pipeline client calls (``omni_check_staged`` ...).
-WORKER_EXTENSION = "omni_engine.weights.worker_extension.WeightUpdateExtension"
 
 
 def weight_engine_args(backend: str) -> dict[str, object]:

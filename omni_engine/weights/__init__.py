@@ -5,7 +5,11 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["OmniHTTPWeightSyncClient", "WeightSender"]
+__all__ = ["WORKER_EXTENSION", "OmniHTTPWeightSyncClient", "WeightSender"]
+
+# vLLM's worker gets the weight-update methods the pipeline client calls (``omni_check_staged`` ...)
+# and the logits processors' (``omni_release_logits_requests``): vLLM takes one extension class.
+WORKER_EXTENSION = "omni_engine.weights.worker_extension.WeightUpdateExtension"
 
 
 def __getattr__(name: str) -> Any:

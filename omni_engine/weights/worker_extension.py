@@ -14,14 +14,16 @@ from __future__ import annotations
 
 from typing import Any
 
+from omni_engine.logits.worker_extension import LogitsWorkerExtension
 from omni_engine.weights.expected import check_tensor
 from omni_engine.weights.staging_engine import StagedWeightTransferEngine, register_backends
 
 register_backends()
 
 
-class WeightUpdateExtension:
-    """Mixed into vLLM's worker (``self`` is the worker)."""
+class WeightUpdateExtension(LogitsWorkerExtension):
+    """Mixed into vLLM's worker (``self`` is the worker); vLLM takes one extension class, so
+    the logits processors' methods come with it."""
 
     def _omni_staging_engine(self) -> StagedWeightTransferEngine:
         engine: Any = getattr(self, "weight_transfer_engine", None)
