@@ -128,9 +128,8 @@ async def test_fixed_alpha_mixing_matches_an_independent_reference(mixing, refer
             ref_q = torch.log_softmax((1 - alpha) * ref_theta + alpha * ref_t, dim=-1)
             rec = recorded(mixing, rid, k)
             assert rec["alpha"] == pytest.approx(alpha)
-            # Judge where a token can matter: log q above -20 (float32 noise grows in the far tail).
-            live = ref_q > -20
-            worst = max(worst, float((torch.from_numpy(rec["log_q"]).double() - ref_q)[live].abs().max()))
+            # Over the whole vocabulary (measured: 7.6e-5 at most, far tail included).
+            worst = max(worst, float((torch.from_numpy(rec["log_q"]).double() - ref_q).abs().max()))
             top2 = torch.topk(ref_q, 2).values
             if float(top2[0] - top2[1]) > 1e-3:
                 assert token == int(ref_q.argmax()), f"{rid} step {k}: chose {token}, reference {int(ref_q.argmax())}"
