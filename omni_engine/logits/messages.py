@@ -6,6 +6,7 @@ import time
 
 import msgspec
 import numpy as np
+import zmq
 
 # The key in a theta scoring request's extra_args: where its row goes and for which step.
 CAPTURE_KEY = "omni_theta_capture"
@@ -69,3 +70,26 @@ def read_rows(frames: list) -> tuple[ThetaRows, np.ndarray]:
     header = ROWS.decode(frames[0])
     rows = np.frombuffer(frames[1], dtype=np.float32)
     return header, rows.reshape(len(header.request_ids), header.vocab) if header.request_ids else rows
+
+
+class PushSockets:
+    """PUSH sockets by address, made on first use, never lingering at close: every sender
+    of mixing (teacher to theta, theta's scorer and engine core to a teacher) uses these and
+    sends with NOBLOCK, so a peer that is gone never holds the sender up."""
+
+    def __init__(self) -> None:
+        self._ctx = zmq.Context()
+        self._sockets: dict[str, zmq.Socket] = {}
+
+    def get(self, address: str) -> zmq.Socket:
+        sock = self._sockets.get(address)
+        if sock is None:
+            sock = self._sockets[address] = self._ctx.socket(zmq.PUSH)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.connect(address)
+        return sock
+
+    def close(self) -> None:
+        for sock in self._sockets.values():
+            sock.close(0)
+        self._sockets.clear()

@@ -27,7 +27,7 @@ import torch
 import zmq
 
 from omni_engine.logits.alpha import choose_alpha, log_softmax, mix
-from omni_engine.logits.messages import ReleaseRequests, ScoreBatch, ScoreItem, encode, read_rows
+from omni_engine.logits.messages import PushSockets, ReleaseRequests, ScoreBatch, ScoreItem, encode, read_rows
 from omni_engine.logits.mixing_wiring import MIXING_KEY
 from omni_engine.logits.request_keyed import RequestKeyedLogitsProcessor
 from omni_engine.logits.slot_table import LiveRequest
@@ -125,12 +125,8 @@ class ThetaMixingProcessor(RequestKeyedLogitsProcessor):
         self._pull = self._ctx.socket(zmq.PULL)
         self._pull.setsockopt(zmq.LINGER, 0)
         self._pull.bind(self.reply)
-        self._thetas = []
-        for address in settings["theta"]:
-            sock = self._ctx.socket(zmq.PUSH)
-            sock.setsockopt(zmq.LINGER, 0)
-            sock.connect(address)
-            self._thetas.append(sock)
+        self._pushes = PushSockets()
+        self._thetas = [self._pushes.get(address) for address in settings["theta"]]
 
     # ------------------------------------------------------------ hooks
     def new_state(self, request: LiveRequest) -> MixState | None:
@@ -294,7 +290,6 @@ class ThetaMixingProcessor(RequestKeyedLogitsProcessor):
     def __del__(self) -> None:
         try:
             self._pull.close(0)
-            for sock in self._thetas:
-                sock.close(0)
+            self._pushes.close()
         except Exception:  # noqa: BLE001 - interpreter shutdown
             pass

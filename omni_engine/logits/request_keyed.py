@@ -68,7 +68,7 @@ class RequestKeyedLogitsProcessor(V1LogitsProcessor, V2LogitsProcessor):
         # vLLM calls this before every forward pass (batch_update None: same requests).
         if batch_update is not None:
             self.table.apply_batch_update(batch_update, self._admit)
-        if len(self.table):
+        if len(self.table) and type(self).batch_ready is not RequestKeyedLogitsProcessor.batch_ready:
             self.batch_ready([request for _, request in self.table.items()])
 
     def _admit(self, row: int, params: Any, prompt: Sequence[int] | None, output: Sequence[int]) -> LiveRequest | None:

@@ -17,10 +17,7 @@ import torch
 import zmq
 
 from omni_engine.logits.alpha import log_softmax
-from omni_engine.logits.messages import (
-    CAPTURE_KEY,
-    rows_frames,
-)
+from omni_engine.logits.messages import CAPTURE_KEY, PushSockets, rows_frames
 from omni_engine.logits.request_keyed import RequestKeyedLogitsProcessor
 from omni_engine.logits.slot_table import LiveRequest
 
@@ -34,8 +31,7 @@ class ThetaCaptureProcessor(RequestKeyedLogitsProcessor):
 
     def __init__(self, vllm_config: Any, *runner_args: Any) -> None:
         super().__init__(vllm_config, *runner_args)
-        self._ctx = zmq.Context()
-        self._pushes: dict[str, zmq.Socket] = {}
+        self._pushes = PushSockets()
 
     def new_state(self, request: LiveRequest) -> Any | None:
         capture = (request.params.extra_args or {}).get(CAPTURE_KEY)
@@ -53,22 +49,13 @@ class ThetaCaptureProcessor(RequestKeyedLogitsProcessor):
             frames = rows_frames(step, [requests[i].state[2] for i in picks], pick_rows(logprobs, picks),
                                  outbound_s=outbound, replica=requests[picks[0]].state[4])
             try:  # never block theta's engine on a teacher that is gone
-                self._push(reply).send_multipart(frames, zmq.NOBLOCK, copy=False)
+                self._pushes.get(reply).send_multipart(frames, zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 logger.warning("theta rows for step %d dropped: teacher %s is not reading", step, reply)
         return logits
 
-    def _push(self, address: str) -> zmq.Socket:
-        sock = self._pushes.get(address)
-        if sock is None:
-            sock = self._pushes[address] = self._ctx.socket(zmq.PUSH)
-            sock.setsockopt(zmq.LINGER, 0)
-            sock.connect(address)
-        return sock
-
     def __del__(self) -> None:
-        for sock in self._pushes.values():
-            sock.close(0)
+        self._pushes.close()
 
 
 def pick_rows(logprobs: np.ndarray, picks: list[int]) -> np.ndarray:

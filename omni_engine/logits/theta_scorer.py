@@ -24,7 +24,15 @@ import numpy as np
 import zmq
 import zmq.asyncio
 
-from omni_engine.logits.messages import CAPTURE_KEY, TO_THETA, ReleaseRequests, ScoreBatch, ScoreItem, rows_frames
+from omni_engine.logits.messages import (
+    CAPTURE_KEY,
+    TO_THETA,
+    PushSockets,
+    ReleaseRequests,
+    ScoreBatch,
+    ScoreItem,
+    rows_frames,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -56,8 +64,7 @@ class ThetaScorer:
         self._pull.setsockopt(zmq.LINGER, 0)
         self._pull.bind(address)
         # Plain sockets, sent with NOBLOCK: a teacher that is gone must not hold theta up.
-        self._push_ctx = zmq.Context()
-        self._pushes: dict[str, zmq.Socket] = {}
+        self._pushes = PushSockets()
         self._tokenizer: Any = None
         self._task: asyncio.Task | None = None
 
@@ -157,13 +164,8 @@ class ThetaScorer:
 
     def _send(self, batch: ScoreBatch, errors: dict[str, str], prompts: dict[str, list[int]] | None = None) -> None:
         """Errors and opened prompts, to the teacher that sent ``batch`` (rows come from the engine core)."""
-        sock = self._pushes.get(batch.reply)
-        if sock is None:
-            sock = self._pushes[batch.reply] = self._push_ctx.socket(zmq.PUSH)
-            sock.setsockopt(zmq.LINGER, 0)
-            sock.connect(batch.reply)
         try:
-            sock.send_multipart(rows_frames(batch.step, [], np.zeros((0, 0), np.float32), errors, prompts,
+            self._pushes.get(batch.reply).send_multipart(rows_frames(batch.step, [], np.zeros((0, 0), np.float32), errors, prompts,
                                             replica=batch.replica), zmq.NOBLOCK)
         except zmq.Again:
             logger.warning("theta scorer: teacher %s is not reading; dropped %s", batch.reply, errors or prompts)
@@ -176,5 +178,4 @@ class ThetaScorer:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
         self._pull.close(0)
-        for sock in self._pushes.values():
-            sock.close(0)
+        self._pushes.close()
