@@ -10,7 +10,7 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from omni_engine.config_validation import Report
+from omni_engine.config.convert import Report
 
 FORM = "'pkg.module:Class'"
 

@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from omni_engine.config import ConfigError, PipelineConfig, StageConfig
-from omni_engine.config_validation import ErrorCollector
+from omni_engine.config.convert import ErrorCollector
 
 __all__ = ["ModelError", "check_models", "hub_unreachable", "model_problem", "safetensors_problem",
            "stage_model_error"]

@@ -23,7 +23,7 @@ from typing import Annotated, Any
 
 import msgspec
 
-from omni_engine import config_validation as cv
+from omni_engine.config import convert as cv
 from omni_engine.config import ConfigError, read_yaml
 
 PositiveInt = Annotated[int, msgspec.Meta(ge=1)]

@@ -26,7 +26,7 @@ from typing import Annotated, Any
 
 import msgspec
 
-from omni_engine import config_validation as cv
+from omni_engine.config import convert as cv
 from omni_engine.config import ConfigError, load_pipeline_config, read_yaml
 
 SAMPLER_KINDS = ("openai", "engine", "ray")

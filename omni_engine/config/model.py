@@ -24,14 +24,9 @@ Example::
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, ClassVar, Literal
 
 import msgspec
-import yaml
-
-from omni_engine import config_validation as cv
-from omni_engine import stage_validation as sv
 
 if TYPE_CHECKING:
     from omni_engine.stage_engine.security import CurveKeys
@@ -41,8 +36,16 @@ EXECUTION_MODES = ("sequential", "async_chunk")
 # there, so that reading a config never imports the engines (and with them vLLM: ~15 s cold).
 STAGE_TYPES = ("llm", "generation")
 TRANSPORTS = ("ipc", "tcp")
-RESTART_POLICIES = sv.RESTART_POLICIES
+RESTART_POLICIES = ("no", "on-failure")
+LOAD_BALANCE_POLICIES = ("least-loaded", "round-robin")
+AFFINITIES = ("none", "request")
+RETRY_POLICIES = ("before_first_output", "never")
+# Where an in-process stage's event loop runs: a thread of its own, or the client's.
+EVENT_LOOPS = ("own", "client")
 FINAL_OUTPUT_TYPES = ("text", "audio", "image", "latent", "tensor")
+PLACEMENT_BACKENDS = ("local", "ray")
+# Ray's placement-group strategies: how one stage's replicas are laid out over nodes.
+PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
 
 
 class ConfigError(ValueError):
@@ -206,7 +209,7 @@ class StageRuntimeConfig(_Base):
         """``devices`` as a tuple of ids (None: not set); validation has checked their shape."""
         if self.devices is None:
             return None
-        return tuple(str(part).strip() for part in sv.device_parts(self.devices))
+        return tuple(str(part).strip() for part in device_parts(self.devices))
 
     def replica_device_ids(self, replica: int) -> tuple[str, ...] | None:
         """The devices of one replica: ``devices`` shared out in equal consecutive parts."""
@@ -302,117 +305,6 @@ class PipelineConfig(_Base):
         return msgspec.structs.replace(self, **changes)
 
 
-def parse_pipeline_config(data: Any, source: str = "<dict>") -> PipelineConfig:
-    """Validate an already-loaded YAML mapping; raise one ConfigError with every problem."""
-    errors = cv.ErrorCollector(source)
-    report = errors.pipeline()
-    if not isinstance(data, dict):
-        got = "null (empty file?)" if data is None else type(data).__name__
-        raise ConfigError([f"{source}: expected a mapping with 'stage_args' at the top level, got {got}"], source)
-    shell = cv.convert_struct({k: v for k, v in data.items() if k != "stage_args"} | {"stage_args": []},
-                              PipelineConfig, "", report)
-    raw_stages = data.get("stage_args")
-    if not isinstance(raw_stages, list) or not raw_stages:
-        report("stage_args", "missing or empty; expected a non-empty list of stages"
-               if raw_stages in (None, []) else f"expected a list of stages, got {type(raw_stages).__name__}")
-        raw_stages = []
-    converted: list[tuple[int, StageConfig]] = []
-    placed = shell is not None and shell.runtime.placement.backend == "ray"
-    for i, raw in enumerate(raw_stages):
-        stage = cv.convert_struct(raw, StageConfig, f"stage_args[{i}]", errors.for_stage(cv.stage_label(i, raw)))
-        if stage is not None:
-            if placed and stage.runtime.process and "transport" not in (raw.get("runtime") or {}):
-                # A stage placed through Ray is reached over the network: tcp is its default.
-                stage.runtime.transport = "tcp"
-            converted.append((i, stage))
-    # Ids of every stage, converted or not, so references are not misreported as missing.
-    valid_ids = [r["stage_id"] for r in raw_stages if isinstance(r, dict) and type(r.get("stage_id")) is int]
-    all_ids = set(valid_ids) if len(valid_ids) == len(raw_stages) else None
-    first_index: dict[int, int] = {}
-    for i, stage in converted:
-        label = f"stage {stage.stage_id}"
-        if stage.stage_id in first_index:
-            errors.add(f"stage_args[{i}].stage_id", f"duplicate stage_id {stage.stage_id} (also "
-                       f"stage_args[{first_index[stage.stage_id]}]); stage ids must be unique", label)
-        first_index.setdefault(stage.stage_id, i)
-        sv.check_stage(stage, f"stage_args[{i}]", errors.for_stage(label), all_ids,
-                       STAGE_TYPES, TRANSPORTS, FINAL_OUTPUT_TYPES)
-    if shell is not None:
-        sources = {s.stage_id: list(s.engine_input_source) for _, s in converted}
-        cv.check_runtime(shell.runtime, report, sources, all_ids, EXECUTION_MODES)
-        cv.check_security(shell.runtime.security, report, _config_dir(source))
-        cv.check_placement(shell, converted, errors)
-        cv.check_weights(shell.weights, [s for _, s in converted], report, WEIGHT_BACKENDS)
-        if shell.runtime.security.curve:
-            for i, stage in converted:
-                if not stage.runtime.process:
-                    errors.add(f"stage_args[{i}].runtime.process", "an in-process stage (process: false) is reached "
-                               "over inproc://, which nothing outside this process can reach: CURVE "
-                               "(runtime.security.curve) does not apply to it; run it as a process or turn "
-                               "CURVE off", f"stage {stage.stage_id}")
-    if all_ids is not None:
-        from omni_engine.logits.check import check_mixing
-
-        check_mixing(converted, errors)
-    if raw_stages and len(converted) == len(raw_stages) and len(first_index) == len(converted):
-        cv.check_graph(converted, errors)
-    if errors.errors or shell is None:
-        raise ConfigError(errors.errors, source)
-    return PipelineConfig(stage_args=[s for _, s in converted], runtime=shell.runtime, weights=shell.weights)
-
-
-def _config_dir(source: str) -> Path:
-    """Where relative paths in a config point from: its file's directory, else the cwd."""
-    path = Path(source)
-    return path.parent if path.is_file() else Path.cwd()
-
-
-def read_yaml(path: str | Path, what: str) -> Any:
-    """The YAML of a config file (``what``: "pipeline config", ...), not yet validated."""
-    path = Path(path)
-    try:
-        text = path.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise ConfigError([f"{path}: {what} file not found"], str(path)) from None
-    except (OSError, UnicodeDecodeError) as exc:
-        raise ConfigError([f"{path}: cannot read {what}: {exc}"], str(path)) from None
-    try:
-        return yaml.safe_load(text)
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark is not None else ""
-        problem = ", ".join(p for p in (getattr(exc, "context", None), getattr(exc, "problem", None)) if p)
-        raise ConfigError([f"{path}: {where}YAML syntax error: {problem or exc}"], str(path)) from None
-
-
-def read_pipeline_yaml(path: str | Path) -> Any:
-    """The YAML of a pipeline config file, not yet validated (callers may adjust it first)."""
-    return read_yaml(path, "pipeline config")
-
-
-def load_pipeline_config(path: str | Path) -> PipelineConfig:
-    """Read and validate a pipeline YAML file; ``source_path`` records where it came from."""
-    config = parse_pipeline_config(read_pipeline_yaml(path), str(path))
-    config.source_path = str(path)
-    return config
-
-
-__all__ = [
-    "EXECUTION_MODES",
-    "FINAL_OUTPUT_TYPES",
-    "RESTART_POLICIES",
-    "STAGE_TYPES",
-    "TRANSPORTS",
-    "ConfigError",
-    "ConnectorsConfig",
-    "EdgeConfig",
-    "PipelineConfig",
-    "PipelineRuntimeConfig",
-    "SecurityConfig",
-    "StageConfig",
-    "StageRuntimeConfig",
-    "load_pipeline_config",
-    "parse_pipeline_config",
-    "read_pipeline_yaml",
-    "read_yaml",
-]
+def device_parts(devices: str | int | list[int | str]) -> list[int | str]:
+    """``runtime.devices`` as written ("0,1", 0 or [0, 1]) as a list of its entries."""
+    return devices.split(",") if isinstance(devices, str) else devices if isinstance(devices, list) else [devices]

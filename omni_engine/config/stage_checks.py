@@ -1,28 +1,28 @@
 """Checks of one stage of a pipeline config: its runtime, its engine, its inputs.
 
-The per-stage half of :mod:`omni_engine.config_validation` (which converts the
-data and checks what needs the whole pipeline: the graph, edges, security,
-placement). Like it, everything here reports problems instead of raising.
+The per-stage half of the checks (``pipeline_checks`` has what needs the whole
+pipeline: the graph, edges, security, placement). Everything here reports
+problems instead of raising.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from omni_engine.config_validation import Report, check_dotted
+from omni_engine.config.convert import Report, check_dotted
+from omni_engine.config.model import (
+    AFFINITIES,
+    EVENT_LOOPS,
+    LOAD_BALANCE_POLICIES,
+    RESTART_POLICIES,
+    RETRY_POLICIES,
+    StageConfig,
+    StageRuntimeConfig,
+    device_parts,
+)
 from omni_engine.logits.check import check_logits_processors
 from omni_engine.stage_engine.stage_sockets import check_host
-
-RESTART_POLICIES = ("no", "on-failure")
-LOAD_BALANCE_POLICIES = ("least-loaded", "round-robin")
-AFFINITIES = ("none", "request")
-RETRY_POLICIES = ("before_first_output", "never")
-# Where an in-process stage's event loop runs: a thread of its own, or the client's.
-EVENT_LOOPS = ("own", "client")
-
-if TYPE_CHECKING:
-    from omni_engine.config import StageConfig, StageRuntimeConfig
 
 
 def check_stage(
@@ -173,11 +173,6 @@ def _check_replicas(stage: StageConfig, path: str, report: Report) -> None:
         if count % n:
             report(f"{path}.devices", f"{count} device(s) cannot be shared out equally over num_replicas: {n}; "
                                       f"give each replica the same number (e.g. {n} devices, one each)")
-
-
-def device_parts(devices: str | int | list[int | str]) -> list[int | str]:
-    """``runtime.devices`` as written ("0,1", 0 or [0, 1]) as a list of its entries."""
-    return devices.split(",") if isinstance(devices, str) else devices if isinstance(devices, list) else [devices]
 
 
 def _check_devices(devices: Any, field_path: str, report: Report) -> None:

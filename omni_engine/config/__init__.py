@@ -1,0 +1,50 @@
+"""Pipeline configs: the model (``model``), reading and checking them (``loader``,
+``stage_checks``, ``pipeline_checks``), and the YAML -> Struct conversion the RL and
+sampler configs share (``convert``). Importing this package never imports vLLM."""
+
+from omni_engine.config.loader import load_pipeline_config, parse_pipeline_config, read_pipeline_yaml, read_yaml
+from omni_engine.config.model import (
+    EXECUTION_MODES,
+    FINAL_OUTPUT_TYPES,
+    RESTART_POLICIES,
+    STAGE_TYPES,
+    STAGED_WEIGHT_BACKENDS,
+    TRANSPORTS,
+    WEIGHT_BACKENDS,
+    ConfigError,
+    ConnectorsConfig,
+    EdgeConfig,
+    MixingConfig,
+    PipelineConfig,
+    PipelineRuntimeConfig,
+    PlacementConfig,
+    SecurityConfig,
+    StageConfig,
+    StageRuntimeConfig,
+    WeightsConfig,
+)
+
+__all__ = [
+    "EXECUTION_MODES",
+    "FINAL_OUTPUT_TYPES",
+    "RESTART_POLICIES",
+    "STAGED_WEIGHT_BACKENDS",
+    "STAGE_TYPES",
+    "TRANSPORTS",
+    "WEIGHT_BACKENDS",
+    "ConfigError",
+    "ConnectorsConfig",
+    "EdgeConfig",
+    "MixingConfig",
+    "PipelineConfig",
+    "PipelineRuntimeConfig",
+    "PlacementConfig",
+    "SecurityConfig",
+    "StageConfig",
+    "StageRuntimeConfig",
+    "WeightsConfig",
+    "load_pipeline_config",
+    "parse_pipeline_config",
+    "read_pipeline_yaml",
+    "read_yaml",
+]
