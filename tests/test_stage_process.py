@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from omni_engine.connectors.shm import list_segments
-from omni_engine.engines.tts import SpeechParams
+from omni_engine.params import SpeechParams
 from omni_engine.errors import StageRequestError, StageStartupError
 from omni_engine.wire.protocol import StageRequestType
 from omni_engine.stage_engine.stage_core_client import StageEngineCoreClient

@@ -38,7 +38,7 @@ from omni_engine.connectors.shm import (
     new_run_prefix,
     stage_prefix,
 )
-from omni_engine.engines.tts import SpeechParams
+from omni_engine.params import SpeechParams
 from omni_engine.inputs import OmniDiffusionSamplingParams, OmniTextPrompt
 from omni_engine.outputs import REQUEST_OUTPUT_FIELDS, OmniRequestOutput
 from omni_engine.wire.protocol import (

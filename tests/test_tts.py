@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 
 from omni_engine.engines.generation_model import GenerationModel, GenerationRequest
-from omni_engine.engines.tts import EspeakSynthesizer, EspeakTTSModel, SpeechParams, make_espeak_tts
+from omni_engine.engines.tts import EspeakSynthesizer, EspeakTTSModel, make_espeak_tts
+from omni_engine.params import SpeechParams
 
 pytestmark = pytest.mark.tts
 

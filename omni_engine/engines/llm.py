@@ -13,14 +13,12 @@ import os
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
-from vllm import SamplingParams
-from vllm.sampling_params import RequestOutputKind
-
 from omni_engine.engines.base import StageEngine, StageEngineError
 from omni_engine.inputs import OmniTextPrompt
 from omni_engine.logits.mixing_wiring import THETA_KEY
 from omni_engine.logits.slot_table import tag_request
 from omni_engine.outputs import OmniRequestOutput
+from omni_engine.params import to_sampling_params
 from omni_engine.prometheus_snapshot import snapshot_families
 
 logger = logging.getLogger(__name__)
@@ -197,37 +195,3 @@ class LLMStageEngine(StageEngine):
         if name in LLMStageEngine.UTILITY_METHODS and self.__dict__.get("engine") is not None:
             return getattr(self.__dict__["engine"], name)
         raise AttributeError(name)
-
-
-def parse_output_kind(kind: Any) -> Any:
-    """A ``RequestOutputKind`` from a config value: a name ("delta", "cumulative",
-    "final_only") or a number; anything else is passed on for vLLM to judge."""
-    if isinstance(kind, str):
-        try:
-            return RequestOutputKind[kind.upper()]
-        except KeyError:
-            raise ValueError(f"invalid sampling_params.output_kind {kind!r}; use delta, cumulative "
-                             "or final_only") from None
-    if isinstance(kind, int):
-        return RequestOutputKind(kind)
-    return kind
-
-
-def to_sampling_params(value: Any) -> SamplingParams:
-    """``SamplingParams`` from what a caller or a stage config gives.
-
-    Config dicts may name the output kind ("delta", "cumulative", "final_only").
-    """
-    if value is None:
-        return SamplingParams()
-    if isinstance(value, SamplingParams):
-        return value
-    if isinstance(value, dict):
-        kwargs = dict(value)
-        if "output_kind" in kwargs:
-            kwargs["output_kind"] = parse_output_kind(kwargs["output_kind"])
-        try:
-            return SamplingParams(**kwargs)
-        except TypeError as exc:
-            raise ValueError(f"invalid sampling_params: {exc}") from exc
-    raise TypeError(f"sampling_params for an llm stage must be SamplingParams or a dict, got {type(value).__name__}")

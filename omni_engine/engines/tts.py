@@ -29,6 +29,7 @@ import numpy as np
 
 from omni_engine.engines.generation_model import GenerationRequest
 from omni_engine.inputs import prompt_text
+from omni_engine.params import SpeechParams
 
 # Constants from espeak-ng/speak_lib.h.
 _AUDIO_OUTPUT_SYNCHRONOUS, _POS_CHARACTER, _CHARS_UTF8 = 2, 1, 1
@@ -50,30 +51,6 @@ class _EspeakVoice(ctypes.Structure):
 
 class EspeakError(RuntimeError):
     """eSpeak NG reported a failure that is not the caller's fault."""
-
-
-class SpeechParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    """Per-request speech settings, shaped like OpenAI's speech API.
-
-    ``speed`` multiplies eSpeak's default 175 words/minute. eSpeak's slowest
-    rate is 80 wpm, so speeds below ~0.46 all sound the same. Unknown fields
-    are rejected so that a typo (``"sped"``) fails loudly instead of being ignored.
-    """
-
-    voice: str = "en"
-    speed: float = 1.0
-    pitch: int | None = None  # 0..100; None keeps eSpeak's default (50)
-
-    def validate(self) -> None:
-        """Raise ``ValueError`` naming the bad field; a Struct built directly is not type-checked."""
-        if not isinstance(self.voice, str) or not self.voice.strip() or "\x00" in self.voice:
-            raise ValueError(f"voice must be a non-empty string, got {self.voice!r}")
-        speed = self.speed
-        if isinstance(speed, bool) or not isinstance(speed, (int, float)) or not 0.25 <= speed <= 4.0:
-            raise ValueError(f"speed must be a number in [0.25, 4.0], got {speed!r}")
-        pitch = self.pitch
-        if pitch is not None and (isinstance(pitch, bool) or not isinstance(pitch, int) or not 0 <= pitch <= 100):
-            raise ValueError(f"pitch must be an integer in [0, 100] or null, got {pitch!r}")
 
 
 _LOCK = threading.Lock()  # guards the process-global eSpeak state and the fields below

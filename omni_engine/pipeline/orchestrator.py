@@ -23,7 +23,7 @@ from vllm import SamplingParams
 from vllm.sampling_params import RequestOutputKind
 
 from omni_engine.config import EdgeConfig
-from omni_engine.engines.llm import parse_output_kind
+from omni_engine.params import parse_output_kind
 from omni_engine.pipeline.input_processors import StageInput
 from omni_engine.pipeline.request_endings import ABORT_WAIT_S, RequestAbortedError, RequestEndings
 from omni_engine.pipeline.request_events import RequestEventRecorder

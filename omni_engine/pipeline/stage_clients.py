@@ -15,7 +15,6 @@ from typing import Any
 from omni_engine.config import StageConfig
 from omni_engine.pipeline.replica_set import StageReplicaSet
 from omni_engine.stage_engine.base_client import BaseStageClient
-from omni_engine.stage_engine.in_process import ClientLoopStageClient, InProcessStageClient
 from omni_engine.stage_engine.security import CurveKeys
 from omni_engine.stage_engine.stage_core_client import StageEngineCoreClient
 from omni_engine.stage_engine.stage_spec import StageProcessSpec
@@ -28,6 +27,9 @@ def zmq_stage_client(stage: StageConfig, spec: StageProcessSpec, replica: int, *
     """The ZMQ client of ``replica`` of ``stage`` (``placement``: a ``RayPlacement``, or None)."""
     runtime = stage.runtime
     if not runtime.process:
+        # Runs the stage's engine in this process: engine code is imported only then.
+        from omni_engine.stage_engine.in_process import ClientLoopStageClient, InProcessStageClient
+
         in_process = ClientLoopStageClient if runtime.event_loop == "client" else InProcessStageClient
         return in_process(stage.stage_id, spec)
     if placement is not None:

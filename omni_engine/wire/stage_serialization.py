@@ -45,7 +45,7 @@ from omni_engine.connectors.settings import (
     ConnectorSettings,
 )
 from omni_engine.connectors.shm import SEGMENT_INDEX, ShmAttachments, ShmPool
-from omni_engine.engines.tts import SpeechParams
+from omni_engine.params import SpeechParams
 from omni_engine.inputs import OmniDiffusionSamplingParams, OmniTextPrompt
 from omni_engine.outputs import REQUEST_OUTPUT_FIELDS, OmniRequestOutput
 from omni_engine.wire.headers import (

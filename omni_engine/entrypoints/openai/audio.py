@@ -48,7 +48,7 @@ from omni_engine.audio import (
 )
 from omni_engine.entrypoints.openai.routing import include_router_first
 from omni_engine.pipeline.input_processors import split_sentences
-from omni_engine.engines.tts import SpeechParams
+from omni_engine.params import SpeechParams
 
 router = APIRouter()
 

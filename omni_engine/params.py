@@ -1,0 +1,71 @@
+"""Per-request parameter types that the client and the stages both use.
+
+Like vLLM's ``sampling_params`` module: the client builds and checks them, the
+wire carries them, the stage's engine reads them. Kept out of ``engines/`` so
+that the client side (server, orchestrator, wire) never imports engine code.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+from vllm.sampling_params import RequestOutputKind, SamplingParams
+
+
+class SpeechParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """Per-request speech settings, shaped like OpenAI's speech API.
+
+    ``speed`` multiplies eSpeak's default 175 words/minute. eSpeak's slowest
+    rate is 80 wpm, so speeds below ~0.46 all sound the same. Unknown fields
+    are rejected so that a typo (``"sped"``) fails loudly instead of being ignored.
+    """
+
+    voice: str = "en"
+    speed: float = 1.0
+    pitch: int | None = None  # 0..100; None keeps eSpeak's default (50)
+
+    def validate(self) -> None:
+        """Raise ``ValueError`` naming the bad field; a Struct built directly is not type-checked."""
+        if not isinstance(self.voice, str) or not self.voice.strip() or "\x00" in self.voice:
+            raise ValueError(f"voice must be a non-empty string, got {self.voice!r}")
+        speed = self.speed
+        if isinstance(speed, bool) or not isinstance(speed, (int, float)) or not 0.25 <= speed <= 4.0:
+            raise ValueError(f"speed must be a number in [0.25, 4.0], got {speed!r}")
+        pitch = self.pitch
+        if pitch is not None and (isinstance(pitch, bool) or not isinstance(pitch, int) or not 0 <= pitch <= 100):
+            raise ValueError(f"pitch must be an integer in [0, 100] or null, got {pitch!r}")
+
+
+def parse_output_kind(kind: Any) -> Any:
+    """A ``RequestOutputKind`` from a config value: a name ("delta", "cumulative",
+    "final_only") or a number; anything else is passed on for vLLM to judge."""
+    if isinstance(kind, str):
+        try:
+            return RequestOutputKind[kind.upper()]
+        except KeyError:
+            raise ValueError(f"invalid sampling_params.output_kind {kind!r}; use delta, cumulative "
+                             "or final_only") from None
+    if isinstance(kind, int):
+        return RequestOutputKind(kind)
+    return kind
+
+
+def to_sampling_params(value: Any) -> SamplingParams:
+    """``SamplingParams`` from what a caller or a stage config gives.
+
+    Config dicts may name the output kind ("delta", "cumulative", "final_only").
+    """
+    if value is None:
+        return SamplingParams()
+    if isinstance(value, SamplingParams):
+        return value
+    if isinstance(value, dict):
+        kwargs = dict(value)
+        if "output_kind" in kwargs:
+            kwargs["output_kind"] = parse_output_kind(kwargs["output_kind"])
+        try:
+            return SamplingParams(**kwargs)
+        except TypeError as exc:
+            raise ValueError(f"invalid sampling_params: {exc}") from exc
+    raise TypeError(f"sampling_params for an llm stage must be SamplingParams or a dict, got {type(value).__name__}")
