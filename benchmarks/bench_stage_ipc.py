@@ -217,19 +217,36 @@ def stage_client(factory: str, shm_threshold: int | None = None, max_batch_size:
     return StageEngineCoreClient(0, process=spec, transport="ipc")
 
 
-async def echo_latency(client, cfg: dict) -> list[int]:
+async def echo_latency(client, cfg: dict, tag: str = "") -> list[int]:
     """Round trips (ns) of one tiny request at a time, after a warm-up."""
     clock = time.perf_counter_ns
     times: list[int] = []
     for i in range(cfg["lat_warmup"] + cfg["lat_n"]):
         t0 = clock()
-        await client.submit_request(f"l{i}", "ping", None)
+        await client.submit_request(f"l{tag}{i}", "ping", None)
         out = await client.get_output_async()
         t1 = clock()
         assert out.finished and out.multimodal_output["echo"] == "ping", out
         if i >= cfg["lat_warmup"]:
             times.append(t1 - t0)
     return times
+
+
+async def bare_and_replica_set_latency(client, cfg: dict, blocks: int = 4) -> tuple[list[int], list[int]]:
+    """Round trips through ``client`` and through a one-replica ``StageReplicaSet`` over it, in
+    alternating blocks of the same size."""
+    from omni_engine.pipeline.replica_set import StageReplicaSet
+
+    bare: list[int] = []
+    in_set: list[int] = []
+    block = dict(cfg, lat_n=cfg["lat_n"] // blocks)
+    for i in range(blocks):
+        block["lat_warmup"] = cfg["lat_warmup"] if i == 0 else 10
+        bare += await echo_latency(client, block, tag=f"b{i}-")
+        replica_set = StageReplicaSet(0, [client])
+        in_set += await echo_latency(replica_set, block, tag=f"s{i}-")
+        client.sink = client.on_dead = None  # the client on its own again
+    return bare, in_set
 
 
 async def started(client, what: str, log: dict) -> Any:
@@ -269,8 +286,10 @@ async def phase_echo(cfg: dict, res: dict) -> None:
     client = stage_client(ECHO_FACTORY, max_batch_size=cfg["max_batch_size"])
     try:
         await started(client, "echo", res)
-        # 1. latency, one request at a time.
-        res["latency"] = {"stage": lat_summary(await echo_latency(client, cfg))}
+        # 1. latency, one request at a time: the client alone, and behind a one-replica StageReplicaSet
+        #    (the layer every pipeline stage has), alternating blocks so noise hits both alike.
+        bare, in_set = await bare_and_replica_set_latency(client, cfg)
+        res["latency"] = {"stage": lat_summary(bare), "replica_set": lat_summary(in_set)}
         # 2. outputs/s with many requests in flight.
         res["throughput"] = []
         for window in cfg["tput_windows"]:
@@ -432,6 +451,7 @@ def print_report(res: dict) -> None:
     print(f"{'path':<40}{'n':>7}{'p50 us':>10}{'p90 us':>10}{'p99 us':>10}{'x zmq p50':>11}")
     base = lat["zmq_blocking"]["p50_us"]
     for key, label in (("stage", "stage process (StageEngineCoreClient)"),
+                       ("replica_set", "... behind a 1-replica StageReplicaSet"),
                        ("in_process", "in-process stage (thread, inproc://)"),
                        ("in_process_client_loop", "in-process stage (client's loop)"),
                        ("zmq_asyncio", "bare ZMQ, asyncio client"),
@@ -441,6 +461,8 @@ def print_report(res: dict) -> None:
               f"{s['p50_us'] / base:>11.2f}")
     for key, label in (("in_process", "thread"), ("in_process_client_loop", "client's loop")):
         print(f"in-process ({label}) / process p50: {lat[key]['p50_us'] / lat['stage']['p50_us']:.2f}")
+    print(f"replica set / client alone p50: {lat['replica_set']['p50_us'] / lat['stage']['p50_us']:.3f} "
+          f"({lat['replica_set']['p50_us'] - lat['stage']['p50_us']:+.1f} us)")
 
     print("\n2. Outputs per second through one client (tiny outputs, one per request; "
           f"stage max_batch_size={cfg['max_batch_size']})")

@@ -11,10 +11,10 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterable, Mapping, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Iterable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 from vllm.engine.protocol import EngineClient
 
@@ -25,29 +25,25 @@ from omni_engine.loop_context import LoopContext, loop_context, running_loop
 from omni_engine.metrics import OrchestratorMetrics, PipelineObserver
 from omni_engine.outputs import OmniRequestOutput
 from omni_engine.pipeline.orchestrator import PipelineOrchestrator
-from omni_engine.pipeline.replica_set import ReplicaStatus, StageReplicaSet
 from omni_engine.pipeline.stage_context import StageContext
-from omni_engine.pipeline.stage_clients import Progress, replica_set_for, start_stages, zmq_stage_client
-from omni_engine.pipeline.stage_specs import build_stage_specs, prepare_models
-from omni_engine.pipeline.stage_supervisor import StageClientMaker, StageSupervisor
+from omni_engine.pipeline.stage_clients import (
+    Placement,
+    Progress,
+    StageClientFactory,
+    StartedPipeline,
+    start_pipeline,
+)
+from omni_engine.pipeline.stage_supervisor import RestartableStage, StageSupervisor
 from omni_engine.pipeline.weight_sync import WeightSync, WeightUpdateError, check_version_order
-from omni_engine.stage_engine.base_client import BaseStageClient
-from omni_engine.stage_engine.security import CurveKeys
-from omni_engine.stage_engine.stage_spec import StageProcessSpec
+from omni_engine.stage_engine.stage_client import ReplicaStatus
+
+if TYPE_CHECKING:
+    from omni_engine.entrypoints.openai.engine_config import TextStageConfig
 
 logger = logging.getLogger(__name__)
 
 # Seconds a synchronous shutdown() takes at most by default (then the stages are killed).
 SHUTDOWN_TIMEOUT_S = 30.0
-
-StageClientFactory = Callable[[StageConfig, StageProcessSpec], BaseStageClient]
-
-
-class Placement(Protocol):
-    """Where a pipeline's stages run beyond this host (``RayPlacement``): released after the stages."""
-
-    def close(self) -> None: ...
-
 
 class MultiStageEngineClient(EngineClient):
     """A pipeline of stages that vLLM can serve as one model."""
@@ -58,14 +54,15 @@ class MultiStageEngineClient(EngineClient):
         execution_mode: str = "sequential",
         edges: Sequence[EdgeConfig] | None = None,
         config: PipelineConfig | None = None,
-        stage_makers: dict[int, StageClientMaker] | None = None,
+        restartable: Mapping[int, RestartableStage] | None = None,
         placement: Placement | None = None,
+        text_stage: TextStageConfig | None = None,
     ) -> None:
         """``edges``: per-edge overrides (default: the config's ``runtime.edges``).
-        ``stage_makers`` make a new client (and process) for a replica of a
-        stage (called with the replica's index); replicas of stages with
-        ``runtime.restart: on-failure`` are restarted with them. ``placement``
-        (Ray's) is closed after the stages stop."""
+        ``restartable``: the stages whose dead replicas are started again
+        (``runtime.restart: on-failure``), each with how to make a replica.
+        ``placement`` (Ray's) is closed after the stages stop. ``text_stage``: the
+        text stage's vLLM objects, which vLLM's serving layer reads from its engine client."""
         self.stage_contexts = list(stages)
         self.config = config
         self.placement = placement
@@ -82,75 +79,44 @@ class MultiStageEngineClient(EngineClient):
                          else [ctx.stage_id for ctx in self.stage_contexts if ctx.stage_type in (None, "llm")])
         self.weights = WeightSync([ctx for ctx in self.stage_contexts if ctx.stage_id in weight_stages], weights,
                                   self.resume_generation)
-        self.supervisor = StageSupervisor(self.stage_contexts, stage_makers or {},
-                                          prepare_replica=self.weights.prepare_replica)
+        self.supervisor = StageSupervisor(restartable or {}, prepare_replica=self.weights.prepare_replica)
         self._resumed = asyncio.Event()
         self._resumed.set()
         self._stopped = False
         self._closed = False  # every stage stopped and freed (_stopped: shutting down)
         # The loop that owns the stage sockets and tasks (a synchronous shutdown needs it).
         self._loop: asyncio.AbstractEventLoop | None = running_loop()
-        # What vLLM's serving layer reads; filled from the text stage by the server integration.
-        self.vllm_config: Any = None
-        self.model_config: Any = None
-        self.renderer: Any = None
-        self.input_processor: Any = None
+        # What vLLM's serving layer reads (None without a text stage config).
+        self.text_stage_id: int | None = text_stage.stage_id if text_stage is not None else None
+        self.vllm_config: Any = text_stage.vllm_config if text_stage is not None else None
+        self.model_config: Any = text_stage.model_config if text_stage is not None else None
+        self.renderer: Any = text_stage.renderer if text_stage is not None else None
+        self.input_processor: Any = text_stage.input_processor if text_stage is not None else None
 
     # ------------------------------------------------------------ building
     @classmethod
     async def from_config(
         cls, config: PipelineConfig | str | Path, *, progress: Progress | None = None,
-        make_stage_client: StageClientFactory | None = None,
+        make_stage_client: StageClientFactory | None = None, text_stage: bool = False,
     ) -> "MultiStageEngineClient":
         """Validate the config, prepare its models, start every stage process (in parallel), and connect.
 
         ``make_stage_client(stage_config, process_spec)`` builds the client of
         one stage; the default is a ZMQ ``StageEngineCoreClient`` (the legacy
-        architecture passes its ``multiprocessing.Queue`` one).
+        architecture passes its ``multiprocessing.Queue`` one). With ``text_stage``
+        the text stage's vLLM objects (config, renderer, input processor: what
+        vLLM's serving layer reads) load while the stages start (no engine here).
         """
         cfg = config if isinstance(config, PipelineConfig) else load_pipeline_config(config)
         say = progress or (lambda msg: None)
-        cfg = prepare_models(cfg, say)
-        specs = build_stage_specs(cfg)
-        # CURVE on: one server keypair per run; each stage process its own keypair
-        # unless the config fixes one (None: CURVE off).
-        curve = cfg.runtime.security.curve_keys()
-        placement = None
-        if cfg.runtime.placement.backend == "ray":
-            from omni_engine.placement.ray_placement import RayPlacement
+        text_stage_config = None
+        if text_stage:
+            from omni_engine.entrypoints.openai.engine_config import text_stage_of
 
-            say("joining the Ray cluster")
-            placement = RayPlacement(cfg.runtime.placement, cfg.stage_args)
-            # A placed stage is reached over the network: always with CURVE.
-            curve = curve or CurveKeys.generate()
-
-        def make_client(stage: StageConfig, replica: int) -> BaseStageClient:
-            spec = specs[stage.stage_id][replica]
-            if make_stage_client is not None:
-                return make_stage_client(stage, spec)
-            return zmq_stage_client(stage, spec, replica, placement=placement, curve=curve)
-
-        stage_sets = {stage.stage_id: replica_set_for(stage, [make_client(stage, r)
-                                                              for r in range(len(specs[stage.stage_id]))])
-                      for stage in cfg.stage_args}
-        try:
-            await start_stages(stage_sets, say)
-        except BaseException:
-            if placement is not None:
-                placement.close()
-            raise
-        contexts = [
-            StageContext(
-                stage_id=stage.stage_id,
-                stage_config=stage,
-                client=stage_sets[stage.stage_id],
-                is_final_output=stage.final_output,
-                final_output_type=stage.final_output_type or "text",
-            )
-            for stage in cfg.stage_args
-        ]
-        makers = {stage.stage_id: (lambda replica, stage=stage: make_client(stage, replica)) for stage in cfg.stage_args}
-        return cls(contexts, cfg.runtime.execution_mode, cfg.runtime.edges, cfg, makers, placement)
+            text_stage_config = text_stage_of(cfg)  # ValueError (no llm stage) before anything starts
+        pipeline, text = await _start_with_text_stage(start_pipeline(cfg, say, make_stage_client), text_stage_config)
+        return cls(pipeline.stages, cfg.runtime.execution_mode, cfg.runtime.edges, pipeline.config,
+                   pipeline.restartable, pipeline.placement, text)
 
     async def __aenter__(self) -> "MultiStageEngineClient":
         return self
@@ -264,11 +230,7 @@ class MultiStageEngineClient(EngineClient):
 
     def replica_status(self, stage_id: int) -> list[ReplicaStatus]:
         """Per replica of the stage: alive, requests in flight, requests sent to it, pid, host."""
-        client = self.orchestrator.stages[stage_id].client
-        if isinstance(client, StageReplicaSet):
-            return client.status()
-        return [ReplicaStatus(not client.is_dead, client.num_unfinished_requests(), 0,
-                              client.ready.pid if client.ready is not None else None)]
+        return self.orchestrator.stages[stage_id].client.replica_status()
 
     def replica_alive(self, stage_id: int, replica: int) -> bool:
         status = self.replica_status(stage_id)
@@ -276,8 +238,7 @@ class MultiStageEngineClient(EngineClient):
 
     def stage_retries(self) -> dict[int, int]:
         """Per stage: requests moved to another replica when theirs died (``runtime.retry``)."""
-        return {ctx.stage_id: ctx.client.resubmitted for ctx in self.stage_contexts
-                if isinstance(ctx.client, StageReplicaSet)}
+        return {ctx.stage_id: ctx.client.resubmitted for ctx in self.stage_contexts}
 
     def stage_load(self) -> dict[int, tuple[int, int]]:
         """Per stage: (waiting, running) sub-requests."""
@@ -285,7 +246,8 @@ class MultiStageEngineClient(EngineClient):
 
     def stage_restarts(self) -> dict[int, int]:
         """Per stage: how often it was restarted after dying (``runtime.restart``)."""
-        return self.supervisor.restarts
+        restarts = self.supervisor.restarts
+        return {ctx.stage_id: restarts.get(ctx.stage_id, 0) for ctx in self.stage_contexts}
 
     def state_counts(self) -> dict[str, int]:
         """What the pipeline holds for requests, summed over the orchestrator and every
@@ -557,6 +519,25 @@ class MultiStageEngineClient(EngineClient):
                 logger.exception("stage %d: shutdown failed", ctx.stage_id)
         self._close_placement()
         self._closed = True
+
+
+async def _start_with_text_stage(
+        starting: Awaitable[StartedPipeline], text_stage: StageConfig | None,
+) -> tuple[StartedPipeline, TextStageConfig | None]:
+    """Await ``starting`` while the text stage's vLLM objects load in a thread (both take
+    seconds); if those fail, the started stages are stopped again."""
+    if text_stage is None:
+        return await starting, None
+    from omni_engine.entrypoints.openai.engine_config import build_text_stage_config
+
+    pipeline, text = await asyncio.gather(
+        starting, asyncio.to_thread(build_text_stage_config, text_stage), return_exceptions=True)
+    if isinstance(pipeline, BaseException):
+        raise pipeline
+    if isinstance(text, BaseException):
+        await pipeline.stop()
+        raise text
+    return pipeline, text
 
 
 def _payload(request: Any, field: str) -> Any:

@@ -6,6 +6,6 @@ request's bookkeeping and what it means for metrics), ``stage_supervisor``
 (restarts), ``input_processors`` (edge processors), ``stage_specs`` (a
 validated config turned into what each stage process is spawned with) and
 ``stage_clients`` (which client each replica gets; starting them all). It
-talks to stages only through ``BaseStageClient``; how messages travel is the
+talks to stages only through ``StageClient`` (one replica or a ``StageReplicaSet``); how messages travel is the
 ``stage_engine`` package's business.
 """

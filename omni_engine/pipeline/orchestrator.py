@@ -46,7 +46,7 @@ from omni_engine.outputs import OmniRequestOutput
 logger = logging.getLogger(__name__)
 
 
-class PipelineOrchestrator(RequestEndings):
+class PipelineOrchestrator:
     """Runs requests through a graph of stages, each behind its own client."""
 
     def __init__(
@@ -76,6 +76,7 @@ class PipelineOrchestrator(RequestEndings):
         self._readers: dict[int, asyncio.Task] = {}
         self._idle = asyncio.Event()
         self._idle.set()
+        self.endings = RequestEndings(self.stages, self._requests, self._routes, self.events, self._on_idle)
 
     def edge_mode(self, src: int, dst: int, state: ClientRequestState | None = None) -> str:
         return self.graph.edge_mode(src, dst, state.execution_mode if state else None)
@@ -93,9 +94,9 @@ class PipelineOrchestrator(RequestEndings):
             if task is None or task.done():
                 self._readers[sid] = asyncio.create_task(self._read_stage(ctx), name=f"orchestrator-stage{sid}")
 
-    def _stop_readers_if_idle(self) -> None:
-        if self._requests:
-            return
+    def _on_idle(self) -> None:
+        """The last request ended: no reader task is left running."""
+        self._idle.set()
         current = asyncio.current_task()
         for sid, task in list(self._readers.items()):
             if task is not current:
@@ -108,7 +109,7 @@ class PipelineOrchestrator(RequestEndings):
         await asyncio.gather(*self._readers.values(), return_exceptions=True)
         self._readers.clear()
         for state in list(self._requests.values()):
-            self._finish(state, StageDeadError(-1, "pipeline is shut down"))
+            self.endings.finish(state, StageDeadError(-1, "pipeline is shut down"))
 
     def stop_now(self) -> None:
         """``stop`` without awaiting (a synchronous shutdown). Off the loop the requests' callers
@@ -117,7 +118,7 @@ class PipelineOrchestrator(RequestEndings):
         self._readers.clear()
         for state in list(self._requests.values()):
             try:
-                self._finish(state, StageDeadError(-1, "pipeline is shut down"))
+                self.endings.finish(state, StageDeadError(-1, "pipeline is shut down"))
             except RuntimeError:  # no running loop: nobody can read the stream any more
                 self._requests.pop(state.request_id, None)
                 state.ended = True
@@ -139,6 +140,10 @@ class PipelineOrchestrator(RequestEndings):
 
     def request_ids(self) -> list[str]:
         return list(self._requests)
+
+    async def abort_request(self, request_id: str | Sequence[str]) -> None:
+        """Abort requests on every stage where they are in flight (see ``RequestEndings.abort``)."""
+        await self.endings.abort(request_id)
 
     async def wait_idle(self) -> None:
         """Return once no request is in the pipeline."""
@@ -220,8 +225,8 @@ class PipelineOrchestrator(RequestEndings):
                 if state.stages[sid].sources_pending == 0:
                     await self._submit_sub_request(state, sid, StageInput(prompt))
         except BaseException as exc:
-            await self._abort_everywhere(state)
-            self._finish(state, exc)
+            await self.endings.abort_everywhere(state)
+            self.endings.finish(state, exc)
             raise
         return state
 
@@ -273,7 +278,7 @@ class PipelineOrchestrator(RequestEndings):
                 received_before = client.bytes_received
                 await self._route_batch(ctx.stage_id, await client.get_outputs_async())
             except StageDeadError as exc:
-                await self._on_stage_dead(ctx.stage_id, exc)
+                await self.endings.fail_stage(ctx.stage_id, exc)
                 return
             finally:
                 self.metrics.stage(ctx.stage_id).bytes_out += client.bytes_received - received_before
@@ -285,16 +290,16 @@ class PipelineOrchestrator(RequestEndings):
                 continue  # aborted or finished meanwhile
             try:
                 if isinstance(item, (StageRequestError, StageDeadError)):  # (lost with a replica)
-                    await self._fail(state, item)
+                    await self.endings.fail(state, item)
                 elif self._has_async_edge(sid, state):
                     await self._process_async_chunk_pipeline(state, sid, item)
                 else:
                     await self._process_sequential_pipeline(state, sid, item)
             except StageDeadError as exc:  # a stage it was forwarded to is gone
-                await self._fail(state, exc)
+                await self.endings.fail(state, exc)
             except Exception as exc:  # noqa: BLE001 - e.g. an input processor failed
                 logger.exception("request %s failed while routing stage %d output", state.request_id, sid)
-                await self._fail(state, StageRequestError(
+                await self.endings.fail(state, StageRequestError(
                     sid, state.request_id,
                     f"routing the output of stage {sid} for request {state.request_id!r} failed: "
                     f"{type(exc).__name__}: {exc}", type(exc).__name__))
@@ -368,7 +373,7 @@ class PipelineOrchestrator(RequestEndings):
         if state.queue.qsize() > self.max_undelivered_outputs and not state.overflowed:
             # The caller stopped reading: end the request rather than hold its outputs without bound.
             state.overflowed = True
-            asyncio.get_running_loop().create_task(self._fail(state, PipelineOverloadedError(
+            asyncio.get_running_loop().create_task(self.endings.fail(state, PipelineOverloadedError(
                 f"request {state.request_id!r} aborted: its caller left {state.queue.qsize()} outputs unread "
                 f"(runtime.max_undelivered_outputs is {self.max_undelivered_outputs})", state.request_id)))
 
@@ -402,7 +407,7 @@ class PipelineOrchestrator(RequestEndings):
                 if dst_track.complete and not dst_track.done:
                     await self._stage_done(state, dst)
         if all(state.stages[f].done for f in state.final_stages):
-            self._finish(state)
+            self.endings.finish(state)
 
     # ------------------------------------------------------------ streaming
     def process_pipeline(
@@ -442,8 +447,8 @@ class PipelineOrchestrator(RequestEndings):
                 yield item
         finally:
             if request_id in self._requests and self._requests[request_id] is state:
-                await self._abort_everywhere(state)
-                self._finish(state, RequestAbortedError(f"request {request_id!r} was abandoned"))
+                await self.endings.abort_everywhere(state)
+                self.endings.finish(state, RequestAbortedError(f"request {request_id!r} was abandoned"))
 
 
 def _output_kind(params: Any) -> RequestOutputKind:

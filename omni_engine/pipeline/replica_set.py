@@ -30,8 +30,9 @@ from typing import Any, Callable
 from omni_engine.errors import StageDeadError
 from omni_engine.loop_context import cancel_now
 from omni_engine.outputs import OmniRequestOutput
-from omni_engine.stage_engine.base_client import BaseStageClient, StageItem
+from omni_engine.stage_engine.base_client import BaseStageClient
 from omni_engine.stage_engine.output_queue import StageOutputQueue
+from omni_engine.stage_engine.stage_client import ReplicaStatus, StageItem
 
 logger = logging.getLogger(__name__)
 
@@ -49,17 +50,6 @@ class Affinity(enum.Enum):
 class RetryPolicy(enum.Enum):
     BEFORE_FIRST_OUTPUT = "before_first_output"
     NEVER = "never"
-
-
-@dataclass(frozen=True, slots=True)
-class ReplicaStatus:
-    """One replica as metrics and operators see it."""
-
-    alive: bool
-    in_flight: int  # requests submitted and not finished
-    submitted: int  # requests sent to it, resubmissions included
-    pid: int | None
-    host_id: str | None = None  # where it runs (its READY's: a machine, or a Ray node)
 
 
 @dataclass(slots=True)
@@ -80,7 +70,7 @@ class _Resubmission:
 
 
 class StageReplicaSet:
-    """Submit, stream outputs, abort, health and utility calls over N replicas of one stage."""
+    """A ``StageClient`` over N replicas of one stage (each a ``BaseStageClient``)."""
 
     def __init__(self, stage_id: int, replicas: Sequence[BaseStageClient], *,
                  load_balance: LoadBalance | str | None = None,
@@ -204,7 +194,7 @@ class StageReplicaSet:
     def bytes_received(self) -> int:
         return self._bytes_gone[1] + sum(r.bytes_received for r in self.replicas)
 
-    def status(self) -> list[ReplicaStatus]:
+    def replica_status(self) -> list[ReplicaStatus]:
         return [ReplicaStatus(not r.is_dead, r.num_unfinished_requests(), self.submitted[i],
                               r.ready.pid if r.ready is not None else None,
                               r.ready.host_id if r.ready is not None else None)

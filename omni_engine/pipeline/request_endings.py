@@ -1,21 +1,24 @@
 """How a request of the ``PipelineOrchestrator`` ends: aborted, failed, or finished.
 
-A mixin of the orchestrator, kept apart because ending is where the state of
-every stage, the caller's stream and the stage clients meet: ``abort_request``
-(vLLM's ``AsyncLLM.abort`` contract: the stream ends with the stages' final
-partial outputs), a request failing (``_fail``, ``_on_stage_dead``), and
-``_finish``, the one place a request's state is freed.
+The orchestrator's collaborator for the end of a request, kept apart because
+ending is where the state of every stage, the caller's stream and the stage
+clients meet: ``abort`` (vLLM's ``AsyncLLM.abort`` contract: the stream ends
+with the stages' final partial outputs), a request failing (``fail``,
+``fail_stage``), and ``finish``, the one place a request's state is freed. It
+shares the orchestrator's request table and routes (handed to its constructor).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 from omni_engine.errors import StageDeadError
 from omni_engine.outputs import aborted_output
+from omni_engine.pipeline.request_events import RequestEventRecorder
 from omni_engine.pipeline.request_state import ClientRequestState
+from omni_engine.pipeline.stage_context import StageContext
 
 logger = logging.getLogger(__name__)
 
@@ -29,10 +32,20 @@ class RequestAbortedError(asyncio.CancelledError):
 
 
 class RequestEndings:
-    """Abort, failure and the end of a request. Mixed into ``PipelineOrchestrator``, whose
-    ``_requests``, ``_routes``, ``stages``, ``events``, ``_idle`` and ``_stop_readers_if_idle`` it uses."""
+    """Abort, failure and the end of the requests of one orchestrator."""
 
-    async def abort_request(self, request_id: str | Sequence[str]) -> None:
+    def __init__(self, stages: Mapping[int, StageContext], requests: dict[str, ClientRequestState],
+                 routes: dict[int, dict[str, ClientRequestState]], events: RequestEventRecorder,
+                 on_idle: Callable[[], None]) -> None:
+        """``requests`` (request id -> state) and ``routes`` (stage -> sub-request id -> state) are the
+        orchestrator's own tables; ``on_idle`` is called when the last request ends."""
+        self.stages = stages
+        self.requests = requests
+        self.routes = routes
+        self.events = events
+        self.on_idle = on_idle
+
+    async def abort(self, request_id: str | Sequence[str]) -> None:
         """Abort the requests on every stage where they are in flight.
 
         As vLLM's ``AsyncLLM.abort``: each aborted stream ends with a final
@@ -42,18 +55,18 @@ class RequestEndings:
         from what it sent before. Unknown or finished ids are ignored.
         """
         ids = [request_id] if isinstance(request_id, str) else list(request_id)
-        states = [s for rid in dict.fromkeys(ids) if (s := self._requests.get(rid)) is not None and not s.aborting]
+        states = [s for rid in dict.fromkeys(ids) if (s := self.requests.get(rid)) is not None and not s.aborting]
         for state in states:
             state.aborting = True
-            await self._abort_everywhere(state, keep_routes=True)
+            await self.abort_everywhere(state, keep_routes=True)
         if not states:
             return
         await asyncio.wait([asyncio.ensure_future(s.ended_event.wait()) for s in states], timeout=ABORT_WAIT_S)
         for state in states:
             if not state.ended:
-                self._close_aborted(state)
+                self.close_aborted(state)
 
-    def _close_aborted(self, state: ClientRequestState) -> None:
+    def close_aborted(self, state: ClientRequestState) -> None:
         """End an aborted request whose stages did not send their final outputs in time."""
         for sid in sorted(state.final_stages):
             track = state.stages[sid]
@@ -62,11 +75,11 @@ class RequestEndings:
                                                       track.last_output))
         for sid, track in state.stages.items():
             for sub_id in track.inflight:
-                self._routes[sid].pop(sub_id, None)
+                self.routes[sid].pop(sub_id, None)
             track.inflight.clear()
-        self._finish(state)
+        self.finish(state)
 
-    async def _abort_everywhere(self, state: ClientRequestState, keep_routes: bool = False) -> None:
+    async def abort_everywhere(self, state: ClientRequestState, keep_routes: bool = False) -> None:
         """Abort the request's sub-requests in flight; ``keep_routes``: their final outputs are still routed."""
         for sid, track in state.stages.items():
             if not track.inflight:
@@ -74,7 +87,7 @@ class RequestEndings:
             sub_ids = list(track.inflight)
             if not keep_routes:
                 for sub_id in sub_ids:
-                    self._routes[sid].pop(sub_id, None)
+                    self.routes[sid].pop(sub_id, None)
                 track.inflight.clear()
             self.events.aborted(state, sid, len(sub_ids))
             client = self.stages[sid].client
@@ -84,29 +97,28 @@ class RequestEndings:
                 except Exception:  # noqa: BLE001 - the stage may be dying; its client cleans up
                     logger.debug("abort of %s on stage %d failed", sub_ids, sid, exc_info=True)
 
-    async def _fail(self, state: ClientRequestState, error: BaseException) -> None:
+    async def fail(self, state: ClientRequestState, error: BaseException) -> None:
         self.events.failed(state, error)
-        await self._abort_everywhere(state)
-        self._finish(state, error)
+        await self.abort_everywhere(state)
+        self.finish(state, error)
 
-    async def _on_stage_dead(self, sid: int, error: StageDeadError) -> None:
+    async def fail_stage(self, sid: int, error: StageDeadError) -> None:
         """Every request that needs ``sid`` and is not done with it fails, naming it."""
-        for state in list(self._requests.values()):
+        for state in list(self.requests.values()):
             track = state.stages.get(sid)
             if track is not None and not track.done:
-                await self._fail(state, error)
+                await self.fail(state, error)
 
-    def _finish(self, state: ClientRequestState, error: BaseException | None = None) -> None:
+    def finish(self, state: ClientRequestState, error: BaseException | None = None) -> None:
         """End the request: the caller's stream ends (or raises); its memory is freed."""
-        if self._requests.pop(state.request_id, None) is None:
+        if self.requests.pop(state.request_id, None) is None:
             return
         state.ended = True
-        if not self._requests:
-            self._idle.set()
-            self._stop_readers_if_idle()
+        if not self.requests:
+            self.on_idle()
         for sid, track in state.stages.items():
             for sub_id in track.inflight:
-                self._routes[sid].pop(sub_id, None)
+                self.routes[sid].pop(sub_id, None)
         self.events.done(state, error if error is not None or not state.aborting
                          else RequestAbortedError(f"request {state.request_id!r} was aborted"))
         # Sub-requests were submitted with end_on_finish=False: their stage

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from omni_engine.config import StageConfig
-from omni_engine.stage_engine.base_client import BaseStageClient
+from omni_engine.stage_engine.stage_client import StageClient
 
 
 @dataclass
@@ -19,7 +19,7 @@ class StageContext:
 
     stage_id: int
     stage_config: StageConfig | None
-    client: BaseStageClient
+    client: StageClient
     is_final_output: bool = False
     final_output_type: str = "text"
 

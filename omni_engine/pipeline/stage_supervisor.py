@@ -14,12 +14,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass
 
-from omni_engine.pipeline.replica_set import StageReplicaSet
-from omni_engine.pipeline.stage_context import StageContext
 from omni_engine.errors import StageDeadError
 from omni_engine.loop_context import cancel_now
+from omni_engine.pipeline.replica_set import StageReplicaSet
 from omni_engine.stage_engine.base_client import BaseStageClient
 
 logger = logging.getLogger(__name__)
@@ -35,31 +35,30 @@ _FIRST_DELAY_S = 0.5
 _MAX_DELAY_S = 10.0
 
 
-class StageSupervisor:
-    """Watches every replicated stage with a restart policy and a way to make a new replica."""
+@dataclass(frozen=True, slots=True)
+class RestartableStage:
+    """A stage whose replicas are restarted when they die (``runtime.restart: on-failure``)."""
 
-    def __init__(self, stages: Sequence[StageContext], makers: dict[int, StageClientMaker],
-                 prepare_replica: ReplicaPreparer | None = None) -> None:
-        self._stages = {ctx.stage_id: ctx for ctx in stages}
-        self._makers = makers
+    replicas: StageReplicaSet
+    make_replica: StageClientMaker
+    max_restarts: int = DEFAULT_MAX_RESTARTS
+
+
+class StageSupervisor:
+    """Restarts the dead replicas of the stages it is given, one by one, up to their limit."""
+
+    def __init__(self, stages: Mapping[int, RestartableStage], prepare_replica: ReplicaPreparer | None = None) -> None:
+        self._stages = dict(stages)
         self._prepare = prepare_replica
         self._replica_restarts: dict[tuple[int, int], int] = {}
         self._tasks: dict[tuple[int, int], asyncio.Task] = {}
         self._stopped = False
-        for ctx in stages:
-            if self._policy(ctx)[0] == "on-failure" and ctx.stage_id in self._makers \
-                    and isinstance(ctx.client, StageReplicaSet):
-                ctx.client.on_replica_dead = lambda replica, error, ctx=ctx: self._on_dead(ctx, replica, error)
-
-    def _policy(self, ctx: StageContext) -> tuple[str, int]:
-        runtime = ctx.stage_config.runtime if ctx.stage_config is not None else None
-        if runtime is None:
-            return "no", 0
-        return runtime.restart, DEFAULT_MAX_RESTARTS if runtime.max_restarts is None else runtime.max_restarts
+        for sid, stage in self._stages.items():
+            stage.replicas.on_replica_dead = lambda replica, error, sid=sid: self._on_dead(sid, replica, error)
 
     @property
     def restarts(self) -> dict[int, int]:
-        """Per stage: restarts of all its replicas."""
+        """Per supervised stage: restarts of all its replicas."""
         counts = {sid: 0 for sid in self._stages}
         for (sid, _), n in self._replica_restarts.items():
             counts[sid] += n
@@ -68,24 +67,23 @@ class StageSupervisor:
     def restarting(self, stage_id: int) -> bool:
         return any(sid == stage_id and not task.done() for (sid, _), task in self._tasks.items())
 
-    def _on_dead(self, ctx: StageContext, replica: int, error: StageDeadError) -> None:
-        key = (ctx.stage_id, replica)
+    def _on_dead(self, sid: int, replica: int, error: StageDeadError) -> None:
+        key = (sid, replica)
         task = self._tasks.get(key)
         if self._stopped or (task is not None and not task.done()):
             return
-        _, limit = self._policy(ctx)
         done = self._replica_restarts.get(key, 0)
-        if done >= limit:
+        if done >= self._stages[sid].max_restarts:
             logger.error("stage %d replica %d died and is not restarted: it was restarted %d time(s), the limit "
-                         "(runtime.max_restarts)", ctx.stage_id, replica, done)
+                         "(runtime.max_restarts)", sid, replica, done)
             return
         self._tasks[key] = asyncio.get_running_loop().create_task(
-            self._restart(ctx, replica, error), name=f"restart-stage{ctx.stage_id}-replica{replica}")
+            self._restart(sid, replica, error), name=f"restart-stage{sid}-replica{replica}")
 
-    async def _restart(self, ctx: StageContext, replica: int, error: StageDeadError) -> None:
-        sid, key = ctx.stage_id, (ctx.stage_id, replica)
-        replicas: StageReplicaSet = ctx.client
-        _, limit = self._policy(ctx)
+    async def _restart(self, sid: int, replica: int, error: StageDeadError) -> None:
+        key = (sid, replica)
+        stage = self._stages[sid]
+        replicas, limit = stage.replicas, stage.max_restarts
         delay = _FIRST_DELAY_S
         while not self._stopped and self._replica_restarts.get(key, 0) < limit:
             self._replica_restarts[key] = self._replica_restarts.get(key, 0) + 1
@@ -93,7 +91,7 @@ class StageSupervisor:
                            sid, replica, str(error).splitlines()[0], self._replica_restarts[key], limit)
             # Reap what is left of the old one: process group, sockets, segments.
             await replicas.replicas[replica].shutdown()
-            client = self._makers[sid](replica)
+            client = stage.make_replica(replica)
             try:
                 await client.start()
                 if self._prepare is not None:

@@ -35,6 +35,7 @@ class EngineSampler(BaseSampler):
         self.client = client
         self._owns_client = client is None
         self._renderer: Any = None
+        self._model_config: Any = None
         self._chat_params: Any = None
         self._tok_params: Any = None
         self._defaults: dict[str, Any] = {}
@@ -50,30 +51,28 @@ class EngineSampler(BaseSampler):
     async def initialize(self) -> None:
         from omni_engine.config import ConfigError
         from omni_engine.entrypoints.multi_stage_engine_client import MultiStageEngineClient
-        from omni_engine.entrypoints.openai.engine_config import (
-            apply_text_stage_config,
-            build_text_stage_config,
-            text_stage_of,
-        )
+        from omni_engine.entrypoints.openai.engine_config import build_text_stage_config, text_stage_of
 
         await super().initialize()
 
         if self.client is None:
             try:
-                self.client = await MultiStageEngineClient.from_config(self.pipeline_path())
-            except ConfigError as exc:
+                self.client = await MultiStageEngineClient.from_config(self.pipeline_path(), text_stage=True)
+            except (ConfigError, ValueError) as exc:  # ValueError: no llm stage to sample from
                 raise SamplerInitError(f"sampler.pipeline: {exc}") from exc
         try:
             text_stage = text_stage_of(self.client.config)
         except ValueError as exc:
             raise SamplerInitError(f"sampler.pipeline: {exc}") from None
-        if self.client.renderer is None:
-            apply_text_stage_config(self.client, await asyncio.to_thread(build_text_stage_config, text_stage))
+        if self.client.renderer is not None:
+            self._model_config, self._renderer = self.client.model_config, self.client.renderer
+        else:  # a client given without its text stage's vLLM objects: the sampler loads its own
+            text = await asyncio.to_thread(build_text_stage_config, text_stage)
+            self._model_config, self._renderer = text.model_config, text.renderer
         self._text_stage_id = text_stage.stage_id
-        self._renderer = self.client.renderer
         self._chat_params, self._tok_params = self._render_params()
         # vLLM's server starts from the model's generation config; then the stage's defaults, then ours.
-        self._defaults = {**self.client.model_config.get_diff_sampling_param(),
+        self._defaults = {**self._model_config.get_diff_sampling_param(),
                           **text_stage.default_sampling_params, **self.config.sampling_params()}
         self._check_params()
 
@@ -84,7 +83,7 @@ class EngineSampler(BaseSampler):
 
         request = ChatCompletionRequest(model="-", messages=[{"role": "user", "content": "-"}],
                                         max_tokens=self.config.max_tokens)
-        return request.build_chat_params(None, "auto"), request.build_tok_params(self.client.model_config)
+        return request.build_chat_params(None, "auto"), request.build_tok_params(self._model_config)
 
     def _check_params(self) -> None:
         try:
@@ -135,7 +134,7 @@ class EngineSampler(BaseSampler):
 
     def model_name(self) -> str:
         if self.client is not None and getattr(self.client, "model_config", None) is not None:
-            return str(self.client.model_config.served_model_name or self.client.model_config.model)
+            return str(self._model_config.served_model_name or self._model_config.model)
         return super().model_name()
 
     async def shutdown(self) -> None:

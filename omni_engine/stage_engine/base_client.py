@@ -34,15 +34,12 @@ from omni_engine.wire.protocol import (
     StageShutdown,
     StageUtilityRequest,
 )
-from omni_engine.stage_engine.stage_process import StageProcess, StageProcessSpec
 from omni_engine.stage_engine.output_queue import StageOutputQueue
+from omni_engine.stage_engine.stage_client import ReplicaStatus, StageItem
+from omni_engine.stage_engine.stage_process import StageProcess, StageProcessSpec
 from omni_engine.stage_engine.stage_startup import wait_ready
 
 logger = logging.getLogger(__name__)
-
-# What a stage client delivers per request: an output, a request's error, or (from a
-# replica set) a request lost with the replica that ran it.
-StageItem = OmniRequestOutput | StageRequestError | StageDeadError
 
 
 class RequestResources(Protocol):
@@ -72,11 +69,14 @@ class NoRequestResources:
 
 
 class BaseStageClient:
-    """Submit, stream outputs, abort, health and utility calls for one stage.
+    """A ``StageClient`` of one stage process (one replica).
 
     Subclasses provide ``_send`` (one request out), ``_recv_ready`` (the
-    stage's READY, however it arrives) and feed decoded answers to ``_on_response``.
+    stage's READY, however it arrives), ``start`` and ``shutdown``, and feed
+    decoded answers to ``_on_response``.
     """
+
+    resubmitted = 0  # one replica: nowhere to move a request to
 
     def __init__(self, stage_id: int, process: StageProcessSpec | None = None,
                  startup_timeout: float | None = None, resources: RequestResources | None = None) -> None:
@@ -103,6 +103,7 @@ class BaseStageClient:
         self.on_dead: Callable[[StageDeadError], None] | None = None
         # Where batches go instead of this client's own queue: a replica set's merged one.
         self.sink: Callable[[list[StageItem]], None] | None = None
+        self.submitted = 0  # requests sent (ReplicaStatus.submitted)
         # Wire traffic, for metrics (transports that cannot count leave 0).
         self.bytes_sent = 0
         self.bytes_received = 0
@@ -132,6 +133,7 @@ class BaseStageClient:
             raise ValueError(f"stage {self.stage_id}: request id {request_id!r} is already in flight")
         msg = StageGenerateRequest(request_id, prompt, sampling_params, self._loop.time())
         self._requests.add(request_id)
+        self.submitted += 1
         self.resources.begin(request_id)
         if not end_on_finish:
             self._manual_end.add(request_id)
@@ -168,6 +170,11 @@ class BaseStageClient:
 
     def num_unfinished_requests(self) -> int:
         return len(self._requests)
+
+    def replica_status(self) -> list[ReplicaStatus]:
+        ready = self.ready
+        return [ReplicaStatus(not self.is_dead, len(self._requests), self.submitted,
+                              ready.pid if ready is not None else None, ready.host_id if ready is not None else None)]
 
     def state_counts(self) -> dict[str, int]:
         """What this client still holds per request: all zero once the pipeline is idle.

@@ -102,32 +102,6 @@ def run(args: argparse.Namespace, config: PipelineConfig | None = None) -> int:
     return uvloop.run(_serve(args, config))
 
 
-async def _start_pipeline(config, text_stage, served_names: list[str]):
-    """Start the stages while the text stage's config and tokenizer load (both take seconds);
-    if the second fails, the first is stopped again."""
-    import asyncio
-
-    from omni_engine.entrypoints.openai.engine_config import apply_text_stage_config, build_text_stage_config
-    from omni_engine.entrypoints.openai.serving_client import OpenAIServingEngineClient
-
-    client, text_config = await asyncio.gather(
-        OpenAIServingEngineClient.from_config(config, progress=say),
-        asyncio.to_thread(build_text_stage_config, text_stage, served_names),
-        return_exceptions=True,
-    )
-    if isinstance(client, BaseException):
-        raise client
-    try:
-        if isinstance(text_config, BaseException):
-            raise text_config
-        apply_text_stage_config(client, text_config)
-    except BaseException:
-        await client.shutdown_async()
-        say("stopped")
-        raise
-    return client
-
-
 async def _serve(args: argparse.Namespace, config) -> int:
     from vllm.entrypoints.launchers.api_server.entry import build_and_serve
     from vllm.entrypoints.launchers.launcher import setup_server
@@ -160,7 +134,9 @@ async def _serve(args: argparse.Namespace, config) -> int:
     try:
         say(f"starting {len(config.stage_args)} stage(s) from {args.pipeline_config}; "
              f"text stage {text_stage.stage_id} served as {served_names[0]!r}")
-        client = await _start_pipeline(config, text_stage, served_names)
+        from omni_engine.entrypoints.openai.serving_client import OpenAIServingEngineClient
+
+        client = await OpenAIServingEngineClient.from_config(config, progress=say, text_stage=True)
         try:
             # omni_engine_* series and the LLM stages' vllm:* series on vLLM's /metrics
             register_pipeline_metrics(client, engine_metrics_timeout=args.engine_metrics_timeout)

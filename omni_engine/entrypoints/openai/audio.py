@@ -92,7 +92,7 @@ def _check_model(client: Any, model: str | None) -> JSONResponse | None:
 def _stage_params(client: Any, sid: int, params: Any, others: Any = None) -> dict[int, Any]:
     """Params by stage id: ``params`` for ``sid``, ``others`` for the text stage."""
     out = {sid: params}
-    text_sid = getattr(client, "text_stage_id", None)
+    text_sid = client.text_stage_id
     if others is not None and text_sid is not None:
         out[text_sid] = others
     return out

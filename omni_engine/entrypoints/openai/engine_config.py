@@ -16,7 +16,6 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from omni_engine.config import PipelineConfig, StageConfig
-    from omni_engine.entrypoints.multi_stage_engine_client import MultiStageEngineClient
 
 
 @dataclass
@@ -74,7 +73,7 @@ def build_text_stage_config(stage: StageConfig,
     from vllm.v1.engine.input_processor import InputProcessor
 
     engine_args = stage.engine_args_for_engine()
-    name = served_model_name or default_served_model_name(stage)
+    name = served_model_name or engine_args.get("served_model_name") or default_served_model_name(stage)
     engine_args["served_model_name"] = name
     try:
         args = AsyncEngineArgs(**engine_args)
@@ -91,21 +90,3 @@ def build_text_stage_config(stage: StageConfig,
         input_processor=input_processor,
         served_model_name=name,
     )
-
-
-def apply_text_stage_config(client: MultiStageEngineClient, text: TextStageConfig) -> None:
-    """Set the attributes vLLM's server reads on ``client``."""
-    client.vllm_config = text.vllm_config
-    client.model_config = text.model_config
-    client.renderer = text.renderer
-    client.input_processor = text.input_processor
-    client.text_stage_id = text.stage_id  # type: ignore[attr-defined]
-
-
-def attach_text_stage_config(client: MultiStageEngineClient, served_model_name: str | None = None) -> None:
-    """Fill ``vllm_config``, ``model_config``, ``renderer`` and ``input_processor`` of
-    ``client`` from its pipeline's text (llm) stage, without starting an engine."""
-    if client.config is None:
-        raise ValueError("the client has no pipeline config (build it with MultiStageEngineClient.from_config)")
-    # from_config keeps the config with its models prepared.
-    apply_text_stage_config(client, build_text_stage_config(text_stage_of(client.config), served_model_name))

@@ -46,12 +46,9 @@ def engine_core_request_to_prompt(request: EngineCoreRequest) -> tuple[dict[str,
 class OpenAIServingEngineClient(MultiStageEngineClient):
     """A pipeline served by vLLM's OpenAI server: text from the text stage."""
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        # Set by attach_text_stage_config; None: the pipeline's own final stages.
-        self.text_stage_id: int | None = None
-        # What a request gets when it does not say: only text, so the request ends at the text stage.
-        self.default_modalities: tuple[str, ...] = ("text",)
+    # What a request gets when it does not say: only text, so the request ends at the text stage
+    # (``text_stage_id``: from the text stage config given to the constructor; None: the pipeline's finals).
+    default_modalities: tuple[str, ...] = ("text",)
 
     def final_stages_for(self, modalities: Sequence[str] | None) -> int | list[int] | None:
         """The stage(s) a request ends at: the text stage for text only, else the pipeline's finals."""

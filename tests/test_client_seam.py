@@ -1,6 +1,7 @@
-"""The client side imports no engine code.
+"""The seam between the pipeline and its stages.
 
-The server, the orchestrator and the wire format run in the client process, which
+Every stage client (one stage process, or a replica set of them) is a
+``StageClient``; and the client side imports no engine code. The server, the orchestrator and the wire format run in the client process, which
 never runs an engine (in-process stages aside, which import theirs when they start).
 Parameter types both sides use live in neutral modules (``omni_engine.params``,
 ``omni_engine.inputs``), as vLLM keeps ``SamplingParams`` apart from its engine.
@@ -41,3 +42,20 @@ def test_the_client_side_imports_no_engine_module():
         assert module in imported
     leaked = [m for m in probe["modules"] if any(m == e or m.startswith(e + ".") for e in ENGINE_MODULES)]
     assert leaked == [], f"the client side imported engine code: {leaked}"
+
+
+def test_one_replica_and_a_replica_set_are_both_stage_clients():
+    from omni_engine.pipeline.replica_set import StageReplicaSet
+    from omni_engine.stage_engine.stage_client import StageClient
+    from omni_engine.stage_engine.stage_core_client import StageEngineCoreClient
+
+    replicas = [StageEngineCoreClient(7), StageEngineCoreClient(7)]
+    replica_set = StageReplicaSet(7, replicas)
+    for client in (replicas[0], replica_set):
+        assert isinstance(client, StageClient)
+        assert client.resubmitted == 0 and not client.is_dead and client.ready is None
+    # Not started: one status per replica, none with a pid.
+    assert [s.pid for s in replicas[0].replica_status()] == [None]
+    assert [(s.alive, s.in_flight, s.submitted, s.pid) for s in replica_set.replica_status()] == [(True, 0, 0, None)] * 2
+    for client in replicas:
+        client._release_now()
