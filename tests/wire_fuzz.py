@@ -30,7 +30,7 @@ from omni_engine.connectors.shm import (
     stage_prefix,
 )
 from omni_engine.outputs import OmniRequestOutput
-from omni_engine.wire.framing import REQUEST_TYPES, decode_frames
+from omni_engine.wire.protocol import REQUEST_TYPES, decode_frames
 from omni_engine.wire.protocol import (
     REQUEST_STRUCTS,
     RESPONSE_STRUCTS,
@@ -249,7 +249,7 @@ class RequestOracle:
 
     def expect(self, frames: list[bytes]) -> tuple[str, str | None]:
         """("malformed", request id or None) | ("generate", request id) | ("other", None)."""
-        from omni_engine.wire.framing import guess_request_id
+        from omni_engine.wire.protocol import guess_request_id
 
         zframes = [zmq.Frame(f) for f in frames]
         try:

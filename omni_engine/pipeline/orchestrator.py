@@ -26,7 +26,7 @@ from omni_engine.config import EdgeConfig
 from omni_engine.params import parse_output_kind
 from omni_engine.pipeline.input_processors import StageInput
 from omni_engine.pipeline.request_endings import ABORT_WAIT_S, RequestAbortedError, RequestEndings
-from omni_engine.pipeline.request_events import RequestEventRecorder
+from omni_engine.metrics import RequestEventRecorder
 from omni_engine.pipeline.request_state import (
     ClientRequestState,
     StageTrack,

@@ -31,7 +31,7 @@ from omni_engine.errors import StageDeadError
 from omni_engine.loop_context import cancel_now
 from omni_engine.outputs import OmniRequestOutput
 from omni_engine.stage_engine.base_client import BaseStageClient
-from omni_engine.stage_engine.output_queue import StageOutputQueue
+from omni_engine.stage_engine.base_client import StageOutputQueue
 from omni_engine.stage_engine.stage_client import ReplicaStatus, StageItem
 
 logger = logging.getLogger(__name__)

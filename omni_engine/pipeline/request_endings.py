@@ -16,7 +16,7 @@ from collections.abc import Callable, Mapping, Sequence
 
 from omni_engine.errors import StageDeadError
 from omni_engine.outputs import aborted_output
-from omni_engine.pipeline.request_events import RequestEventRecorder
+from omni_engine.metrics import RequestEventRecorder
 from omni_engine.pipeline.request_state import ClientRequestState
 from omni_engine.pipeline.stage_context import StageContext
 

@@ -39,13 +39,14 @@ from omni_engine.errors import StageDeadError
 from omni_engine.loop_context import cancel_now
 from omni_engine.stage_engine import security
 from omni_engine.stage_engine.base_client import BaseStageClient
-from omni_engine.wire.framing import RESPONSE_TYPES, decode_frames
 from omni_engine.wire.protocol import (
     RESPONSE_STRUCTS,
+    RESPONSE_TYPES,
     StageReady,
     StageReleaseRequest,
     StageRequestType,
     StageResponseType,
+    decode_frames,
 )
 from omni_engine.stage_engine.security import CurveKeys
 from omni_engine.stage_engine.stage_process import (

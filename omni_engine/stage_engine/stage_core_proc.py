@@ -35,20 +35,18 @@ from omni_engine.connectors.shm import (
 from omni_engine.engines.base import StageEngine
 from omni_engine.outputs import OmniRequestOutput
 from omni_engine.stage_engine import security
-from omni_engine.wire.framing import (
-    REQUEST_TYPES,
-    decode_frames,
-    guess_request_id,
-)
 from omni_engine.wire.protocol import (
     MALFORMED_MESSAGE,
     REQUEST_STRUCTS,
+    REQUEST_TYPES,
     StageError,
     StageHeartbeat,
     StageOutputs,
     StageReady,
     StageRequestType,
     StageResponseType,
+    decode_frames,
+    guess_request_id,
 )
 from omni_engine.connectors.settings import DEFAULT_CONNECTORS, ConnectorSettings
 from omni_engine.stage_engine.security import StageCurveKeys

@@ -17,8 +17,12 @@ import zmq
 
 from omni_engine.connectors.shm import is_stage_prefix
 from omni_engine.errors import StageStartupError
-from omni_engine.wire.framing import RESPONSE_TYPES, message_kind
-from omni_engine.wire.protocol import StageReady, StageResponseType
+from omni_engine.wire.protocol import (
+    RESPONSE_TYPES,
+    StageReady,
+    StageResponseType,
+    message_kind,
+)
 from omni_engine.stage_engine.stage_process import StageProcess
 from omni_engine.stage_engine.stage_sockets import recv_frames
 
