@@ -33,6 +33,7 @@ from omni_engine.pipeline.stage_clients import (
     StartedPipeline,
     start_pipeline,
 )
+from omni_engine.pipeline.stage_specs import prepare_models
 from omni_engine.pipeline.stage_supervisor import RestartableStage, StageSupervisor
 from omni_engine.pipeline.weight_sync import WeightSync, WeightUpdateError, check_version_order
 from omni_engine.stage_engine.stage_client import ReplicaStatus
@@ -109,13 +110,14 @@ class MultiStageEngineClient(EngineClient):
         """
         cfg = config if isinstance(config, PipelineConfig) else load_pipeline_config(config)
         say = progress or (lambda msg: None)
+        cfg = prepare_models(cfg, say)
         text_stage_config = None
         if text_stage:
             from omni_engine.entrypoints.openai.engine_config import text_stage_of
 
             text_stage_config = text_stage_of(cfg)  # ValueError (no llm stage) before anything starts
         pipeline, text = await _start_with_text_stage(start_pipeline(cfg, say, make_stage_client), text_stage_config)
-        return cls(pipeline.stages, cfg.runtime.execution_mode, cfg.runtime.edges, pipeline.config,
+        return cls(pipeline.stages, cfg.runtime.execution_mode, cfg.runtime.edges, cfg,
                    pipeline.restartable, pipeline.placement, text)
 
     async def __aenter__(self) -> "MultiStageEngineClient":

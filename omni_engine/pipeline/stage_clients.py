@@ -17,7 +17,7 @@ from typing import Any, Protocol
 from omni_engine.config import PipelineConfig, StageConfig
 from omni_engine.pipeline.replica_set import StageReplicaSet
 from omni_engine.pipeline.stage_context import StageContext
-from omni_engine.pipeline.stage_specs import build_stage_specs, prepare_models
+from omni_engine.pipeline.stage_specs import build_stage_specs
 from omni_engine.pipeline.stage_supervisor import DEFAULT_MAX_RESTARTS, RestartableStage, StageClientMaker
 from omni_engine.stage_engine.security import CurveKeys
 from omni_engine.stage_engine.stage_client import StageClient
@@ -39,7 +39,6 @@ class Placement(Protocol):
 class StartedPipeline:
     """Every stage of a pipeline, started: what a ``MultiStageEngineClient`` is made of."""
 
-    config: PipelineConfig  # with its models prepared
     stages: list[StageContext]
     restartable: dict[int, RestartableStage]
     placement: Placement | None
@@ -53,9 +52,8 @@ class StartedPipeline:
 
 async def start_pipeline(config: PipelineConfig, say: Progress,
                          make_stage_client: StageClientFactory | None = None) -> StartedPipeline:
-    """Prepare the models of a validated config, start every stage (in parallel) and connect.
-    If one fails to start, every other is stopped and its error raised."""
-    config = prepare_models(config, say)
+    """Start every stage of a validated config whose models are prepared (``prepare_models``), in
+    parallel, and connect. If one fails to start, every other is stopped and its error raised."""
     specs = build_stage_specs(config)
     # CURVE on: one server keypair per run; each stage process its own keypair
     # unless the config fixes one (None: CURVE off).
@@ -87,7 +85,7 @@ async def start_pipeline(config: PipelineConfig, say: Progress,
         raise
     contexts = [StageContext(stage.stage_id, stage, clients[stage.stage_id], stage.final_output,
                              stage.final_output_type or "text") for stage in config.stage_args]
-    return StartedPipeline(config, contexts, {sid: r for sid, (_, r) in built.items() if r is not None}, placement)
+    return StartedPipeline(contexts, {sid: r for sid, (_, r) in built.items() if r is not None}, placement)
 
 
 def zmq_stage_client(stage: StageConfig, spec: StageProcessSpec, replica: int, *, placement: Any = None,
