@@ -56,6 +56,7 @@ def test_one_replica_and_a_replica_set_are_both_stage_clients():
         assert client.resubmitted == 0 and not client.is_dead and client.ready is None
     # Not started: one status per replica, none with a pid.
     assert [s.pid for s in replicas[0].replica_status()] == [None]
+    assert replicas[0].replicas == [replicas[0]] and replica_set.replicas == replicas
     assert [(s.alive, s.in_flight, s.submitted, s.pid) for s in replica_set.replica_status()] == [(True, 0, 0, None)] * 2
     for client in replicas:
         client._release_now()

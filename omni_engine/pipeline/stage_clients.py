@@ -112,10 +112,14 @@ def stage_client_for(stage: StageConfig, num_replicas: int,
     """The replicas of ``stage`` as one stage client, balanced and failing over as configured,
     and, under ``runtime.restart: on-failure``, what the supervisor needs to restart them."""
     runtime = stage.runtime
+    clients = [make_replica(r) for r in range(num_replicas)]
+    if num_replicas == 1 and runtime.restart != "on-failure":
+        # One replica, never replaced: nothing to choose, move or readmit, so the replica
+        # layer would only add its bookkeeping to every request and output.
+        return clients[0], None
     capacity = runtime.max_batch_size or stage.engine_args.get("max_num_seqs") or 1
-    replicas = StageReplicaSet(stage.stage_id, [make_replica(r) for r in range(num_replicas)],
-                               load_balance=runtime.load_balance, affinity=runtime.affinity, retry=runtime.retry,
-                               capacity=capacity)
+    replicas = StageReplicaSet(stage.stage_id, clients, load_balance=runtime.load_balance, affinity=runtime.affinity,
+                               retry=runtime.retry, capacity=capacity)
     if runtime.restart != "on-failure":
         return replicas, None
     limit = DEFAULT_MAX_RESTARTS if runtime.max_restarts is None else runtime.max_restarts

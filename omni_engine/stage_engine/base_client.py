@@ -228,6 +228,11 @@ class BaseStageClient:
     def num_unfinished_requests(self) -> int:
         return len(self._requests)
 
+    @property
+    def replicas(self) -> list[BaseStageClient]:
+        """One replica: this client."""
+        return [self]
+
     def replica_status(self) -> list[ReplicaStatus]:
         ready = self.ready
         return [ReplicaStatus(not self.is_dead, len(self._requests), self.submitted,

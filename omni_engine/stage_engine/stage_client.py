@@ -62,6 +62,10 @@ class StageClient(Protocol):
     def resubmitted(self) -> int:
         """Requests moved to another replica when theirs died (0 for one replica)."""
 
+    @property
+    def replicas(self) -> Sequence[StageClient]:
+        """The client of each replica (a client of one stage process: itself)."""
+
     def replica_status(self) -> list[ReplicaStatus]:
         """Per replica: alive, requests in flight, requests sent to it, pid, host."""
 
