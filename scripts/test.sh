@@ -5,4 +5,4 @@ cd "$(dirname "$0")/.."
 bash scripts/install.sh
 export VLLM_CPU_KVCACHE_SPACE=${VLLM_CPU_KVCACHE_SPACE:-1}
 python3 -m omni_engine.entrypoints.cli.main prepare-model smollm2 >/dev/null
-exec python3 -m pytest -q -p no:cacheprovider --durations=15 "$@"
+exec python3 -m pytest -q -p no:cacheprovider --durations=40 "$@"
