@@ -5,6 +5,7 @@ final partial output (``finish_reason="abort"``), ``finished`` only on the last 
 from __future__ import annotations
 
 import asyncio
+import sys
 
 import pytest
 import pytest_asyncio
@@ -126,3 +127,28 @@ async def test_with_n_3_finished_is_only_on_the_last_output_also_when_aborted(cl
     assert seen[-1].finished and not any(o.finished for o in seen[:-1])
     reasons = {c.index: c.finish_reason for o in seen for c in o.outputs if c.finish_reason}
     assert reasons == {0: "abort", 1: "abort", 2: "abort"}
+
+
+# The client's half of the README's "path of one request" (``scripts/request_path.py`` prints
+# both halves): every omni_engine module whose code runs for a request in the client.
+CLIENT_PATH = {"entrypoints/multi_stage_engine_client.py", "pipeline/orchestrator.py", "pipeline/request_state.py",
+               "metrics.py", "stage_engine/base_client.py", "stage_engine/stage_core_client.py",
+               "stage_engine/socket_reader.py", "wire/protocol.py", "wire/stage_serialization.py"}
+
+
+async def test_a_request_runs_only_the_modules_the_readme_names(client, chat_prompt):
+    prompt, p = chat_prompt("Say hi."), params(4, DELTA)
+    assert [o async for o in client.generate(prompt, p, "path-warm-up")][-1].finished
+    seen: set[str] = set()
+
+    def profile(frame, event, arg):
+        if event == "call" and "/omni_engine/" in frame.f_code.co_filename:
+            seen.add(frame.f_code.co_filename.rsplit("/omni_engine/", 1)[1])
+
+    sys.setprofile(profile)
+    try:
+        outputs = [o async for o in client.generate(prompt, p, "path-traced")]
+    finally:
+        sys.setprofile(None)
+    assert outputs[-1].finished
+    assert seen == CLIENT_PATH, f"new on the path: {sorted(seen - CLIENT_PATH)}; gone: {sorted(CLIENT_PATH - seen)}"

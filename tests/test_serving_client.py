@@ -1,4 +1,4 @@
-"""What vLLM's OpenAI server hands ``OpenAIServingEngineClient.generate``, and how it reaches a stage (no engine)."""
+"""What vLLM's OpenAI server hands ``MultiStageEngineClient.generate``, and how it reaches a stage (no engine)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ from vllm import SamplingParams
 from vllm.sampling_params import RequestOutputKind
 from vllm.v1.engine import EngineCoreRequest
 
-from omni_engine.entrypoints.openai.serving_client import engine_core_request_to_prompt
+from omni_engine.entrypoints.multi_stage_engine_client import engine_core_request_to_prompt
 from omni_engine.wire.protocol import StageGenerateRequest
 from omni_engine.wire.stage_serialization import (
     StageMsgpackDecoder,

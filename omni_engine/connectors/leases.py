@@ -40,8 +40,10 @@ class ShmLeaseBook:
         self._lock = threading.Lock()
         self._views: dict[str, int] = defaultdict(int)
         self._owner: dict[str, str | None] = {}
-        self._by_request: dict[str, set[str]] = defaultdict(set)
-        self._ended: OrderedDict[str, None] = OrderedDict()
+        # Read without the lock by the client, which only asks whether a request has slots
+        # or ended before (a dict lookup is atomic); written under it.
+        self.slots_by_request: dict[str, set[str]] = defaultdict(set)
+        self.ended: OrderedDict[str, None] = OrderedDict()
         self._producers: dict[str, ReleaseFn] = {}
         self._to_release: list[str] = []
         self._flush_scheduled = False
@@ -67,7 +69,7 @@ class ShmLeaseBook:
             self._views[name] += 1
             self._owner[name] = owner
             if owner is not None:
-                self._by_request[owner].add(name)
+                self.slots_by_request[owner].add(name)
         weakref.finalize(view, self._view_dead, name)
 
     def _view_dead(self, name: str) -> None:
@@ -76,7 +78,7 @@ class ShmLeaseBook:
                 return
             self._views[name] -= 1
             owner = self._owner[name]
-            if self._views[name] <= 0 and (owner is None or owner in self._ended):
+            if self._views[name] <= 0 and (owner is None or owner in self.ended):
                 self._release_locked(name)
 
     def begin_request(self, request_id: str) -> None:
@@ -86,15 +88,15 @@ class ShmLeaseBook:
         under an ended id would give its slots back while still in flight.
         """
         with self._lock:
-            self._ended.pop(request_id, None)
+            self.ended.pop(request_id, None)
 
     def end_request(self, request_id: str) -> None:
         """The request is over everywhere: slots without live views go back."""
         with self._lock:
-            self._ended[request_id] = None
-            if len(self._ended) > _MAX_ENDED:
-                self._ended.popitem(last=False)
-            for name in list(self._by_request.get(request_id, ())):
+            self.ended[request_id] = None
+            if len(self.ended) > _MAX_ENDED:
+                self.ended.popitem(last=False)
+            for name in list(self.slots_by_request.get(request_id, ())):
                 if self._views.get(name, 0) <= 0:
                     self._release_locked(name)
 
@@ -102,11 +104,11 @@ class ShmLeaseBook:
         owner = self._owner.pop(name, None)
         self._views.pop(name, None)
         if owner is not None:
-            names = self._by_request.get(owner)
+            names = self.slots_by_request.get(owner)
             if names is not None:
                 names.discard(name)
                 if not names:
-                    del self._by_request[owner]
+                    del self.slots_by_request[owner]
 
     def _release_locked(self, name: str) -> None:
         self._forget_locked(name)

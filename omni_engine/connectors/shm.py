@@ -250,6 +250,9 @@ class ShmPool:
         self._lock = threading.Lock()
         self._free: dict[int, list[ShmSegment]] = {}
         self._leased: dict[str, _Lease] = {}
+        # Owner -> names of its slots not sent yet. Read without the lock by the stage, which
+        # only asks whether a finished request has any (a dict lookup is atomic).
+        self.unsent: dict[str, set[str]] = {}
         self._total = 0
         self._counter = 0
         self._warned = False
@@ -271,19 +274,30 @@ class ShmPool:
             segment = free.pop() if free else self._create_locked(size)
             if segment is not None:
                 self._leased[segment.name] = _Lease(segment, owner, sent)
+                if not sent:
+                    self.unsent.setdefault(owner, set()).add(segment.name)
             return segment
 
     def mark_sent(self, name: str) -> None:
         """The handle of a leased slot left for the client: from now on the client frees it."""
-        lease = self._leased.get(name)
-        if lease is not None:
-            lease.sent = True
+        with self._lock:
+            lease = self._leased.get(name)
+            if lease is not None and not lease.sent:
+                lease.sent = True
+                self._forget_unsent(lease.owner, name)
 
     def release_unsent(self, owner: str) -> int:
         """Take back the slots of a finished request that were never sent (e.g. it failed)."""
         with self._lock:
-            names = [name for name, lease in self._leased.items() if lease.owner == owner and not lease.sent]
+            names = list(self.unsent.get(owner, ()))
         return self.release(names) if names else 0
+
+    def _forget_unsent(self, owner: str, name: str) -> None:
+        names = self.unsent.get(owner)
+        if names is not None:
+            names.discard(name)
+            if not names:
+                del self.unsent[owner]
 
     def _create_locked(self, size: int) -> ShmSegment | None:
         free_bytes = sum(slot * len(free) for slot, free in self._free.items())
@@ -328,6 +342,8 @@ class ShmPool:
                 lease = self._leased.pop(name, None)
                 if lease is None:
                     continue
+                if not lease.sent:
+                    self._forget_unsent(lease.owner, name)
                 released += 1
                 if self._closed:
                     self._destroy(lease.segment)
@@ -361,6 +377,7 @@ class ShmPool:
             for lease in self._leased.values():
                 self._destroy(lease.segment)
             self._leased.clear()
+            self.unsent.clear()
 
 
 class ShmAttachments:

@@ -13,6 +13,8 @@ import os
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
+from vllm import SamplingParams
+
 from omni_engine.engines.base import StageEngine, StageEngineError
 from omni_engine.inputs import OmniTextPrompt
 from omni_engine.logits.mixing_wiring import THETA_KEY
@@ -48,6 +50,9 @@ class LLMStageEngine(StageEngine):
         # A theta stage of two-model mixing serves its teachers' score batches (logits/theta.py).
         self.theta_settings: dict[str, Any] | None = self.engine_args.pop(THETA_KEY, None)
         self.theta_scorer: Any = None
+        # Request-keyed processors (omni_engine.logits) find the pipeline's request id in the
+        # params; a stage without processors of its own skips the per-request copy that tags them.
+        self.tags_requests = bool(self.engine_args.get("logits_processors"))
         self.final_output_type = final_output_type
         self.engine: Any = None
         # The version the engine labels new tokens with (vLLM's own starts as "default"); outputs
@@ -120,9 +125,11 @@ class LLMStageEngine(StageEngine):
     async def generate(self, request_id: str, prompt: Any, sampling_params: Any) -> AsyncIterator[OmniRequestOutput]:
         from vllm.v1.engine.exceptions import EngineDeadError
 
-        # The pipeline's request id travels in the params: logits processors get the
-        # params of each request, never its id (omni_engine.logits keys state by it).
-        params = tag_request(to_sampling_params(sampling_params), request_id)
+        params = sampling_params if type(sampling_params) is SamplingParams else to_sampling_params(sampling_params)
+        if self.tags_requests:
+            # The pipeline's request id travels in the params: logits processors get the
+            # params of each request, never its id (omni_engine.logits keys state by it).
+            params = tag_request(params, request_id)
         if isinstance(prompt, OmniTextPrompt):
             prompt = prompt.to_vllm()
         versions: list[str] = []

@@ -11,40 +11,51 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Iterable, Mapping, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Iterable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from vllm.engine.protocol import EngineClient
+from vllm.exceptions import VLLMValidationError
+from vllm.sampling_params import SamplingParams
+from vllm.v1.engine import EngineCoreRequest
 
-from omni_engine.config import EdgeConfig, PipelineConfig, StageConfig, WeightsConfig, load_pipeline_config
-from omni_engine.entrypoints.openai.weight_versions import record as record_versions
-from omni_engine.errors import StageDeadError
+from omni_engine.config import EdgeConfig, PipelineConfig, WeightsConfig, load_pipeline_config
+from omni_engine.entrypoints.openai.engine_config import TextStageConfig, start_with_text_stage, text_stage_of
+from omni_engine.entrypoints.openai.weight_versions import RESPONSE_VERSIONS
+from omni_engine.errors import StageDeadError, StageRequestError
 from omni_engine.loop_context import LoopContext, loop_context, running_loop
 from omni_engine.metrics import OrchestratorMetrics, PipelineObserver
 from omni_engine.outputs import OmniRequestOutput
 from omni_engine.pipeline.orchestrator import PipelineOrchestrator
 from omni_engine.pipeline.stage_context import StageContext
-from omni_engine.pipeline.stage_clients import (
-    Placement,
-    Progress,
-    StageClientFactory,
-    StartedPipeline,
-    start_pipeline,
-)
+from omni_engine.pipeline.stage_clients import Placement, Progress, StageClientFactory, start_pipeline
 from omni_engine.pipeline.stage_specs import prepare_models
 from omni_engine.pipeline.stage_supervisor import RestartableStage, StageSupervisor
 from omni_engine.pipeline.weight_sync import WeightSync, WeightUpdateError, check_version_order
 from omni_engine.stage_engine.stage_client import ReplicaStatus
 
-if TYPE_CHECKING:
-    from omni_engine.entrypoints.openai.engine_config import TextStageConfig
-
 logger = logging.getLogger(__name__)
 
 # Seconds a synchronous shutdown() takes at most by default (then the stages are killed).
 SHUTDOWN_TIMEOUT_S = 30.0
+# Errors a stage reports for a request that vLLM treats as the client's fault (HTTP 400).
+_VALIDATION_ERROR_TYPES = frozenset({"VLLMValidationError", "ValueError", "TypeError", "OverflowError"})
+
+
+def engine_core_request_to_prompt(request: EngineCoreRequest) -> tuple[dict[str, Any], Any]:
+    """A ``TokensInput`` dict and the sampling params of an ``EngineCoreRequest`` (deprecated in vLLM's
+    serving code, which now renders an ``EngineInput`` dict itself: that crosses to the text stage as is)."""
+    if request.prompt_token_ids is None:
+        raise VLLMValidationError("an EngineCoreRequest without prompt_token_ids (embeddings) cannot be served")
+    if request.mm_features:
+        raise VLLMValidationError("multimodal EngineCoreRequests are not supported by omni_engine pipelines yet")
+    prompt: dict[str, Any] = {"type": "token", "prompt_token_ids": list(request.prompt_token_ids)}
+    if request.cache_salt is not None:
+        prompt["cache_salt"] = request.cache_salt
+    return prompt, request.sampling_params
+
 
 class MultiStageEngineClient(EngineClient):
     """A pipeline of stages that vLLM can serve as one model."""
@@ -111,12 +122,8 @@ class MultiStageEngineClient(EngineClient):
         cfg = config if isinstance(config, PipelineConfig) else load_pipeline_config(config)
         say = progress or (lambda msg: None)
         cfg = prepare_models(cfg, say)
-        text_stage_config = None
-        if text_stage:
-            from omni_engine.entrypoints.openai.engine_config import text_stage_of
-
-            text_stage_config = text_stage_of(cfg)  # ValueError (no llm stage) before anything starts
-        pipeline, text = await _start_with_text_stage(start_pipeline(cfg, say, make_stage_client), text_stage_config)
+        text_stage_config = text_stage_of(cfg) if text_stage else None  # ValueError (no llm stage) first
+        pipeline, text = await start_with_text_stage(start_pipeline(cfg, say, make_stage_client), text_stage_config)
         return cls(pipeline.stages, cfg.runtime.execution_mode, cfg.runtime.edges, cfg,
                    pipeline.restartable, pipeline.placement, text)
 
@@ -136,36 +143,76 @@ class MultiStageEngineClient(EngineClient):
         final_stage_id: int | Sequence[int] | None = None,
         execution_mode: str | None = None,
         entry_stage_id: int | None = None,
+        modalities: Sequence[str] | None = None,
+        lora_request: Any = None,
         **kwargs: Any,
     ) -> AsyncGenerator[OmniRequestOutput, None]:
         """Stream the pipeline's final outputs for one request.
 
         ``sampling_params`` is one stage's params (a ``SamplingParams`` or its
-        dict form) for the entry stage (the first stage, or ``entry_stage_id``),
-        a list in stage order (the seed's ``sampling_params_list``), or a
-        mapping of stage id (int) to params; stages without params use their
-        ``default_sampling_params``.
+        dict form) for the entry stage (the first stage, ``entry_stage_id``, or
+        the text stage when the client has one), a list in stage order (the
+        seed's ``sampling_params_list``), or a mapping of stage id (int) to
+        params; stages without params use their ``default_sampling_params``.
         ``entry_stage_id`` starts the request at that stage (its sources are not
         run; ``prompt`` is its input). Leaving the generator early aborts the
         request on every stage. A dead stage fails only the requests that need
         it (the orchestrator checks the stages a request uses).
+
+        With a text stage (what vLLM's OpenAI server calls; its extra keywords,
+        ``trace_headers``, ``priority``, ... are accepted and unused), a request
+        is checked by vLLM's own input processor first (HTTP 400), ends at the
+        text stage unless ``modalities`` asks for more, and a stage's
+        validation error becomes vLLM's.
         """
+        if lora_request is not None:
+            raise VLLMValidationError("LoRA adapters are not supported by omni_engine pipelines", parameter="model")
+        if isinstance(prompt, EngineCoreRequest):
+            prompt, sampling_params = engine_core_request_to_prompt(prompt)
         self._check_running(any_stage_dead=False)
+        if self.text_stage_id is not None:
+            self.validate_request(prompt, sampling_params, request_id)
+            if final_stage_id is None and entry_stage_id is None:
+                final_stage_id = self.final_stages_for(modalities)
         if not self._resumed.is_set():
             await self._resumed.wait()
-        params = self.sampling_params_by_stage(sampling_params, entry_stage_id)
+        params = self.sampling_params_by_stage(
+            sampling_params, entry_stage_id if entry_stage_id is not None else self.text_stage_id)
         stream = self.orchestrator.stream_request(
             request_id, prompt, params, self.metrics, final_stage_id, execution_mode, entry_stage_id
         )
+        versions = RESPONSE_VERSIONS.get()  # an HTTP response's weight-version header (None elsewhere)
         try:
             async for output in stream:
-                if output.stage_versions:
-                    record_versions(output.stage_versions)
+                if versions is not None and output.stage_versions:
+                    versions.update(output.stage_versions)
                 yield output
+        except StageRequestError as exc:
+            if self.text_stage_id is not None and exc.error_type in _VALIDATION_ERROR_TYPES:
+                raise VLLMValidationError(exc.message) from exc
+            raise
         finally:
             # A caller that leaves (aclose, cancellation) aborts the request
             # now, not whenever the inner generator is garbage-collected.
             await stream.aclose()
+
+    def final_stages_for(self, modalities: Sequence[str] | None) -> int | None:
+        """The stage a request of the OpenAI server ends at: the text stage for text only (the
+        default), else None (the pipeline's finals)."""
+        if self.text_stage_id is not None and set(modalities or ("text",)) <= {"text"}:
+            return self.text_stage_id
+        return None
+
+    def validate_request(self, prompt: Any, sampling_params: Any, request_id: str) -> None:
+        """Reject a bad request here with vLLM's own checks (HTTP 400), before any stage sees it.
+
+        Only for rendered inputs (cheap: no tokenizing); the stage repeats the
+        checks anyway.
+        """
+        if self.input_processor is None or not isinstance(sampling_params, SamplingParams):
+            return
+        if isinstance(prompt, dict) and "type" in prompt:
+            self.input_processor.process_inputs(request_id, prompt, sampling_params, supported_tasks=("generate",))
 
     def sampling_params_by_stage(self, sampling_params: Any, for_stage: int | None = None) -> dict[int, Any]:
         """Sampling params keyed by stage id, as the pipeline takes them (the one conversion).
@@ -521,25 +568,6 @@ class MultiStageEngineClient(EngineClient):
                 logger.exception("stage %d: shutdown failed", ctx.stage_id)
         self._close_placement()
         self._closed = True
-
-
-async def _start_with_text_stage(
-        starting: Awaitable[StartedPipeline], text_stage: StageConfig | None,
-) -> tuple[StartedPipeline, TextStageConfig | None]:
-    """Await ``starting`` while the text stage's vLLM objects load in a thread (both take
-    seconds); if those fail, the started stages are stopped again."""
-    if text_stage is None:
-        return await starting, None
-    from omni_engine.entrypoints.openai.engine_config import build_text_stage_config
-
-    pipeline, text = await asyncio.gather(
-        starting, asyncio.to_thread(build_text_stage_config, text_stage), return_exceptions=True)
-    if isinstance(pipeline, BaseException):
-        raise pipeline
-    if isinstance(text, BaseException):
-        await pipeline.stop()
-        raise text
-    return pipeline, text
 
 
 def _payload(request: Any, field: str) -> Any:

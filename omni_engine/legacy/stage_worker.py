@@ -23,7 +23,8 @@ from omni_engine.wire.protocol import (
     StageRequestType,
     StageResponseType,
 )
-from omni_engine.stage_engine.stage_core import StageEngineCore, serve_stage
+from omni_engine.stage_engine.stage_core import StageEngineCore
+from omni_engine.stage_engine.stage_entry import serve_stage
 from omni_engine.stage_engine.stage_spec import StageProcessSpec
 
 logger = logging.getLogger(__name__)

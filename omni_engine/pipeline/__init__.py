@@ -1,8 +1,8 @@
 """The pipeline core: routing requests through a graph of stages.
 
 ``orchestrator`` (``PipelineOrchestrator``), ``stage_graph`` (who feeds whom,
-with which input processor), ``request_state`` (one request's bookkeeping),
-``request_endings`` (abort, failure, the end of a request), ``replica_set``
+with which input processor), ``request_state`` (one request's bookkeeping and its
+one ending: abort, failure, finish), ``replica_set``
 (a stage's replicas as one), ``stage_supervisor`` (restarts),
 ``input_processors`` (edge processors), ``stage_specs`` (a validated config
 turned into what each stage process is spawned with) and ``stage_clients``

@@ -23,27 +23,27 @@ from vllm import SamplingParams
 from vllm.sampling_params import RequestOutputKind
 
 from omni_engine.config import EdgeConfig
+from omni_engine.errors import PipelineOverloadedError, StageDeadError, StageRequestError
+from omni_engine.loop_context import cancel_now
+from omni_engine.metrics import OrchestratorMetrics, PipelineObserver, RequestEventRecorder
+from omni_engine.outputs import OmniRequestOutput
 from omni_engine.params import parse_output_kind
 from omni_engine.pipeline.input_processors import StageInput
-from omni_engine.pipeline.request_endings import ABORT_WAIT_S, RequestAbortedError, RequestEndings
-from omni_engine.metrics import RequestEventRecorder
 from omni_engine.pipeline.request_state import (
+    ABORT_WAIT_S,
     ClientRequestState,
+    RequestAbortedError,
+    RequestEndings,
     StageTrack,
     new_text_of,
 )
 from omni_engine.pipeline.stage_context import StageContext
-from omni_engine.pipeline.stage_graph import EXECUTION_MODES, StageGraph
-from omni_engine.errors import (
-    PipelineOverloadedError,
-    StageDeadError,
-    StageRequestError,
-)
-from omni_engine.metrics import OrchestratorMetrics, PipelineObserver
-from omni_engine.loop_context import cancel_now
-from omni_engine.outputs import OmniRequestOutput
+from omni_engine.pipeline.stage_graph import EXECUTION_MODES, RequestPlan, StageGraph
 
 logger = logging.getLogger(__name__)
+
+# Request shapes (entry stage, final stages) whose graph plan is kept: all of them, in practice.
+MAX_CACHED_PLANS = 256
 
 
 class PipelineOrchestrator:
@@ -60,6 +60,7 @@ class PipelineOrchestrator:
     ) -> None:
         """``edges``: the pipeline's ``runtime.edges`` (per-edge mode and input processor)."""
         self.graph = StageGraph(stages, execution_mode, edges)
+        self._plans: dict[tuple[Any, ...], RequestPlan] = {}
         self.stages = self.graph.contexts
         self.stage_order = self.graph.order
         self.sources = self.graph.sources
@@ -201,22 +202,21 @@ class PipelineOrchestrator:
             raise ValueError(f"execution_mode must be one of {EXECUTION_MODES}, got {execution_mode!r}")
         if entry_stage_id is not None and entry_stage_id not in self.stages:
             raise ValueError(f"entry_stage_id {entry_stage_id} not in the pipeline (stages {self.stage_order})")
-        finals = self.graph.final_stages(entry_stage_id if final_stage_id is None else final_stage_id)
-        used = self.graph.stages_needed(finals, entry_stage_id)
+        plan = self._plan(entry_stage_id, final_stage_id)
+        used = plan.used
         for sid in used:
             if self.stages[sid].client.is_dead:
                 raise self.stages[sid].client.dead_error
         state = ClientRequestState(
-            request_id, prompt, self._params_per_stage(params_by_stage), finals,
-            {sid: StageTrack(sources_pending=len(self.graph.sources_within(sid, used, entry_stage_id)),
-                             consumers_pending=sum(1 for d in self.consumers[sid] if d in used)) for sid in used},
+            request_id, prompt, self._params_per_stage(params_by_stage), plan.finals,
+            {sid: StageTrack(sources_pending=len(plan.sources[sid]), consumers_pending=plan.consumers[sid])
+             for sid in used},
             (metrics or self.metrics).new_request(request_id), metrics or self.metrics,
             execution_mode=execution_mode or self.execution_mode,
         )
         for sid in used:
-            srcs = self.graph.sources_within(sid, used, entry_stage_id)
-            if srcs:
-                state.processors[sid] = self.graph.edge_inputs(sid, srcs, prompt)
+            if plan.sources[sid]:
+                state.processors[sid] = self.graph.edge_inputs(sid, plan.sources[sid], prompt)
         self._requests[request_id] = state
         self._idle.clear()
         self.start()
@@ -229,6 +229,17 @@ class PipelineOrchestrator:
             self.endings.finish(state, exc)
             raise
         return state
+
+    def _plan(self, entry: int | None, final_stage_id: int | Sequence[int] | None) -> RequestPlan:
+        """The graph's plan for this shape of request, from the cache after the first."""
+        key = (entry, final_stage_id if final_stage_id is None or isinstance(final_stage_id, int)
+               else tuple(final_stage_id))
+        plan = self._plans.get(key)
+        if plan is None:
+            plan = self.graph.plan(entry, final_stage_id)  # ValueError: not cached
+            if len(self._plans) < MAX_CACHED_PLANS:
+                self._plans[key] = plan
+        return plan
 
     def _params_per_stage(self, params_by_stage: Mapping[int, Any] | None) -> dict[int, Any]:
         given = dict(params_by_stage or {})

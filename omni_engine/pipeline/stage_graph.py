@@ -20,6 +20,17 @@ from omni_engine.utils import resolve_dotted
 EXECUTION_MODES = ("sequential", "async_chunk")
 
 
+@dataclass(frozen=True)
+class RequestPlan:
+    """What a request of one shape (entry stage, final stages) uses of the graph: computed once
+    per shape, so a request's submit does not walk the graph."""
+
+    finals: frozenset[int]
+    used: tuple[int, ...]  # in stage order
+    sources: dict[int, tuple[int, ...]]  # per used stage: its sources that take part
+    consumers: dict[int, int]  # per used stage: how many of its consumers take part
+
+
 @dataclass
 class EdgeInputs:
     """One request's input processors into one stage: one per group of its
@@ -144,6 +155,15 @@ class StageGraph:
             if roots != [entry]:
                 raise ValueError(f"final stage(s) {sorted(finals)} are not fed by entry stage {entry} alone")
         return [sid for sid in self.order if sid in needed]
+
+    def plan(self, entry: int | None, final_stage_id: int | Sequence[int] | None) -> RequestPlan:
+        """The stages a request starting at ``entry`` (None: the sources) and ending at
+        ``final_stage_id`` (None: ``entry``, else the pipeline's finals) uses; ValueError if none."""
+        finals = self.final_stages(entry if final_stage_id is None else final_stage_id)
+        used = self.stages_needed(finals, entry)
+        return RequestPlan(frozenset(finals), tuple(used),
+                           {sid: tuple(self.sources_within(sid, used, entry)) for sid in used},
+                           {sid: sum(1 for d in self.consumers[sid] if d in used) for sid in used})
 
     def sources_within(self, sid: int, used: Sequence[int], entry: int | None = None) -> list[int]:
         """The sources of ``sid`` that take part in a request using ``used`` stages."""

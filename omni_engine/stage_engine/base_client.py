@@ -48,8 +48,9 @@ class RequestResources(Protocol):
     def begin(self, request_id: str) -> None:
         """A request starts: what is taken for it from now on waits for its end."""
 
-    def end(self, request_id: str) -> None:
-        """The request ended (and the pipeline is done with it): free what it held."""
+    def end(self, request_id: str, open_: bool = False) -> None:
+        """The request ended (and the pipeline is done with it): free what it held. ``open_``:
+        the stage has not sent its final output (aborted, failed): outputs may still come."""
 
     def close(self) -> None:
         """The stage is gone: free everything held for it."""
@@ -61,7 +62,7 @@ class NoRequestResources:
     def begin(self, request_id: str) -> None:
         pass
 
-    def end(self, request_id: str) -> None:
+    def end(self, request_id: str, open_: bool = False) -> None:
         pass
 
     def close(self) -> None:
@@ -218,12 +219,13 @@ class BaseStageClient:
     def end_request(self, request_id: str) -> None:
         """The pipeline is done with ``request_id``: free what the transport holds for it."""
         self._manual_end.discard(request_id)
-        self.resources.end(request_id)
+        self.resources.end(request_id, request_id in self._requests)
 
     def _end_request(self, request_id: str) -> None:
+        open_ = request_id in self._requests
         self._requests.discard(request_id)
         self._manual_end.discard(request_id)
-        self.resources.end(request_id)
+        self.resources.end(request_id, open_)
 
     def num_unfinished_requests(self) -> int:
         return len(self._requests)

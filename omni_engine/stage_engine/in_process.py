@@ -40,7 +40,7 @@ from omni_engine.errors import StageDeadError, StageStartupError
 from omni_engine.loop_context import LoopContext, cancel_now, loop_context, own_tasks, running_loop
 from omni_engine.stage_engine.socket_reader import SocketReader
 from omni_engine.stage_engine.stage_core_client import StageEngineCoreClient
-from omni_engine.stage_engine.stage_core_proc import StageEngineCoreProc
+from omni_engine.stage_engine.stage_core import StageEngineCoreProc
 from omni_engine.stage_engine.stage_process import cleanup_stage
 from omni_engine.stage_engine.stage_spec import StageProcessSpec
 from omni_engine.wire.protocol import REQUEST_STRUCTS, StageReady, StageRequestType, StageResponseType

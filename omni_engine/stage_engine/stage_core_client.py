@@ -93,10 +93,15 @@ class ShmRequestResources:
         self.producer_prefix: str | None = None  # the stage's, set at READY
 
     def begin(self, request_id: str) -> None:
-        self.book.begin_request(request_id)
+        if request_id in self.book.ended:  # an id used again: its new slots wait for its new end
+            self.book.begin_request(request_id)
 
-    def end(self, request_id: str) -> None:
-        self.book.end_request(request_id)
+    def end(self, request_id: str, open_: bool = False) -> None:
+        # The book remembers a request as ended only where that matters: it holds slots, or
+        # outputs (with handles) may still come. A request that finished without any (text)
+        # costs the book nothing: the stage sends nothing after a final output.
+        if open_ or request_id in self.book.slots_by_request:
+            self.book.end_request(request_id)
 
     def close(self) -> None:
         prefix = self.producer_prefix

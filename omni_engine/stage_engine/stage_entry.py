@@ -16,12 +16,18 @@ import logging
 import os
 import pickle
 import sys
-from typing import Any, BinaryIO
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, BinaryIO
 
 from omni_engine.stage_engine.stage_spec import StageProcessSpec
 from omni_engine.utils import die_with_parent, guard_process_group, resolve_dotted, start_resource_tracker_apart
 
-ZMQ_STAGE_MAIN = "omni_engine.stage_engine.stage_core_proc:serve_zmq_stage"
+if TYPE_CHECKING:
+    from omni_engine.stage_engine.stage_core import StageEngineCore
+
+logger = logging.getLogger(__name__)
+
+ZMQ_STAGE_MAIN = "omni_engine.stage_engine.stage_entry:serve_zmq_stage"
 
 
 def run_stage_process(spec: StageProcessSpec, main: str = ZMQ_STAGE_MAIN, **channels: Any) -> None:
@@ -61,3 +67,35 @@ def main(pipe: BinaryIO) -> None:
     with pipe:
         spec, serve = pickle.load(pipe)
     run_stage_process(spec, serve)
+
+
+def serve_stage(stage_id: int, make_core: Callable[[], StageEngineCore]) -> None:
+    """Build the stage (``make_core()``), serve it, exit with its exit code; failures are logged."""
+    exit_code = 1
+    try:
+        exit_code = make_core().run()
+    except SystemExit as exc:
+        exit_code = exc.code if isinstance(exc.code, int) else 1
+    except BaseException:  # noqa: BLE001 - logged for the client to show
+        logger.exception("stage %d failed", stage_id)
+    finally:
+        logging.shutdown()
+    sys.exit(exit_code)
+
+
+def serve_zmq_stage(spec: StageProcessSpec) -> None:
+    """A ZMQ stage process's serving function (after ``enter_stage_process``)."""
+    from omni_engine.engines import build_stage_engine
+    from omni_engine.stage_engine.stage_core import StageEngineCoreProc
+
+    transport = spec.transport
+    if transport is None:
+        raise ValueError(f"stage {spec.stage_id}: a ZMQ stage process needs spec.transport (its addresses)")
+
+    def make_core() -> StageEngineCoreProc:
+        engine = build_stage_engine(spec)
+        return StageEngineCoreProc(spec.stage_id, engine, transport.input_address, transport.output_address,
+                                   transport.shm_prefix, spec.curve, spec.connectors, host_id=spec.host_id,
+                                   heartbeat_interval=spec.heartbeat_interval)
+
+    serve_stage(spec.stage_id, make_core)

@@ -134,9 +134,9 @@ async def _serve(args: argparse.Namespace, config) -> int:
     try:
         say(f"starting {len(config.stage_args)} stage(s) from {args.pipeline_config}; "
              f"text stage {text_stage.stage_id} served as {served_names[0]!r}")
-        from omni_engine.entrypoints.openai.serving_client import OpenAIServingEngineClient
+        from omni_engine.entrypoints.multi_stage_engine_client import MultiStageEngineClient
 
-        client = await OpenAIServingEngineClient.from_config(config, progress=say, text_stage=True)
+        client = await MultiStageEngineClient.from_config(config, progress=say, text_stage=True)
         try:
             # omni_engine_* series and the LLM stages' vllm:* series on vLLM's /metrics
             register_pipeline_metrics(client, engine_metrics_timeout=args.engine_metrics_timeout)

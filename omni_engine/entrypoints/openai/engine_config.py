@@ -11,11 +11,14 @@ engine: no weights are loaded, no engine core is started.
 
 from __future__ import annotations
 
+import asyncio
+from collections.abc import Awaitable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from omni_engine.config import PipelineConfig, StageConfig
+    from omni_engine.pipeline.stage_clients import StartedPipeline
 
 
 @dataclass
@@ -90,3 +93,20 @@ def build_text_stage_config(stage: StageConfig,
         input_processor=input_processor,
         served_model_name=name,
     )
+
+
+async def start_with_text_stage(
+        starting: Awaitable[StartedPipeline], text_stage: StageConfig | None,
+) -> tuple[StartedPipeline, TextStageConfig | None]:
+    """Await ``starting`` while the text stage's vLLM objects load in a thread (both take
+    seconds); if those fail, the started stages are stopped again."""
+    if text_stage is None:
+        return await starting, None
+    pipeline, text = await asyncio.gather(
+        starting, asyncio.to_thread(build_text_stage_config, text_stage), return_exceptions=True)
+    if isinstance(pipeline, BaseException):
+        raise pipeline
+    if isinstance(text, BaseException):
+        await pipeline.stop()
+        raise text
+    return pipeline, text

@@ -2,10 +2,10 @@
 
 vLLM's serving code builds responses from ``RequestOutput``s and has no field for
 the weight version. The pipeline's final outputs carry their stages' versions
-(``OmniRequestOutput.stage_versions``); ``MultiStageEngineClient.generate`` hands
-them to ``record``, which fills the holder this middleware opened for the HTTP
-request (a ``ContextVar``: the route runs in the middleware's context, and a
-streaming body in a copy of it that shares the holder). The middleware then adds:
+(``OmniRequestOutput.stage_versions``); ``MultiStageEngineClient.generate`` puts
+them into the holder this middleware opened for the HTTP request
+(``RESPONSE_VERSIONS``, a ``ContextVar``: the route runs in the middleware's
+context, and a streaming body in a copy of it that shares the holder). The middleware then adds:
 
 * non-streaming: ``"weight_version"`` and ``"weight_versions"`` (stage id -> every
   version, in order) to the JSON body, and the ``X-Weight-Version`` header;
@@ -28,14 +28,9 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 HEADER = b"x-weight-version"
 VERSIONED_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
 
-_RESPONSE_VERSIONS: ContextVar[dict[int, list[str]] | None] = ContextVar("omni_response_versions", default=None)
-
-
-def record(stage_versions: dict[int, list[str]]) -> None:
-    """The versions of an output the current HTTP request received (no-op outside one)."""
-    holder = _RESPONSE_VERSIONS.get()
-    if holder is not None:
-        holder.update(stage_versions)
+# Inside an HTTP request of VERSIONED_PATHS: the versions of the outputs it received (the engine
+# client updates it with each output's ``stage_versions``); None elsewhere.
+RESPONSE_VERSIONS: ContextVar[dict[int, list[str]] | None] = ContextVar("omni_response_versions", default=None)
 
 
 def version_label(stage_versions: dict[int, list[str]]) -> str | None:
@@ -59,11 +54,11 @@ class WeightVersionMiddleware:
             await self.app(scope, receive, send)
             return
         holder: dict[int, list[str]] = {}
-        token = _RESPONSE_VERSIONS.set(holder)
+        token = RESPONSE_VERSIONS.set(holder)
         try:
             await self.app(scope, receive, _VersionedSend(send, holder))
         finally:
-            _RESPONSE_VERSIONS.reset(token)
+            RESPONSE_VERSIONS.reset(token)
 
 
 class _VersionedSend:
