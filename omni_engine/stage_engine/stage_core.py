@@ -410,9 +410,7 @@ class StageEngineCoreProc(StageEngineCore):
             self.ctx.term()
 
     def _on_request_done(self, request_id: str) -> None:
-        # Only a request whose model wrote into slots it has not sent yet (empty_output) needs
-        # its outputs flushed before they go back; its model is done, so it leased all it will.
-        if self.pool is not None and request_id in self.pool.unsent:
+        if self.pool is not None:
             self._out_q.put((_REQUEST_DONE, request_id))
 
     def shm_stats(self) -> dict[str, int]:
@@ -522,7 +520,8 @@ class StageEngineCoreProc(StageEngineCore):
                 # Its outputs must be encoded before unsent output slots go back.
                 self._send_outputs(sock, encoder, outputs)
                 outputs = []
-                self.pool.release_unsent(payload)
+                if payload in self.pool.unsent:  # a model wrote into slots (empty_output) it did not send
+                    self.pool.release_unsent(payload)
                 continue
             self._send_outputs(sock, encoder, outputs)
             outputs = []
