@@ -72,6 +72,17 @@ def history(mixing) -> dict[str, dict]:
     return {line["request_id"]: line for line in lines}
 
 
+async def history_of(mixing, rids: list[str]) -> dict[str, dict]:
+    """The history lines of ``rids``. A request's line is written when vLLM next updates
+    its batch after the request's end, which the caller may see first: wait, bounded."""
+    async def read() -> dict[str, dict]:
+        return history(mixing)
+
+    lines = await settled(read, lambda lines: all(rid in lines for rid in rids))
+    assert all(rid in lines for rid in rids), f"no history line for {[r for r in rids if r not in lines]}"
+    return lines
+
+
 def recorded(mixing, rid: str, step: int) -> dict[str, np.ndarray]:
     with np.load(mixing["rows"] / f"{rid}.step{step}.npz") as data:
         return {k: data[k] for k in data.files}
@@ -134,7 +145,7 @@ async def test_fixed_alpha_mixing_matches_an_independent_reference(mixing, refer
             if float(top2[0] - top2[1]) > 1e-3:
                 assert token == int(ref_q.argmax()), f"{rid} step {k}: chose {token}, reference {int(ref_q.argmax())}"
                 compared += 1
-        line = history(mixing)[rid]
+        line = (await history_of(mixing, [rid]))[rid]
         assert line["steps"] == len(tokens) and all(a == pytest.approx(alpha) for a in line["alpha"])
     assert compared >= 20
     assert worst <= 2e-3, f"max |Δ log q| {worst:.2e}"
@@ -162,7 +173,7 @@ async def test_kl_symmetry_alpha_solves_the_kl_equation_on_recorded_rows(mixing)
             solution = root(kl_gap)
             assert abs(float(rec["alpha"]) - solution) <= 1e-4, (rid, k, float(rec["alpha"]), solution)
             inside += 0.01 < solution < 0.99
-        assert history(mixing)[rid]["alpha_method"] == "kl_symmetry"
+        assert (await history_of(mixing, [rid]))[rid]["alpha_method"] == "kl_symmetry"
     assert inside >= 8  # the equation had real solutions to check, not the edges
 
 
@@ -171,7 +182,7 @@ async def test_each_request_scores_theta_with_its_own_prompt(mixing):
     client, tok = mixing["client"], mixing["tokenizer"]
     rids = [f"own-{i}" for i in range(8)]
     await asyncio.gather(*(ask(client, tok, rid, QUESTIONS[i], 6) for i, rid in enumerate(rids)))
-    lines = history(mixing)
+    lines = await history_of(mixing, rids)
     for i, rid in enumerate(rids):
         assert lines[rid]["theta_prompt_token_ids"] == chat_ids(tok, QUESTIONS[i]), rid
 
