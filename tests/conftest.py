@@ -77,10 +77,11 @@ async def tts_stage():
     await client.shutdown()
 
 
-@pytest_asyncio.fixture(scope="module", loop_scope="session")
+@pytest_asyncio.fixture(scope="session", loop_scope="session")
 async def speech_pipeline(smollm2_path):
-    """A speech pipeline of the module's own (stress tests: no other test's requests in it),
-    checked after shutdown for leftover processes, segments and request state."""
+    """The stress modules' speech pipeline (no other test's requests in it; one start for the
+    abort storm and the soak, which each check it is clean when they end), checked after
+    shutdown for leftover processes, segments and request state."""
     from tests.stress.checks import after_shutdown
     from tests.stress.pipeline import speech_config, start_pipeline
 

@@ -268,6 +268,15 @@ class MultiStageEngineClient(EngineClient):
                 return ctx.stage_id
         return None
 
+    def text_entry_stage(self, stage_id: int) -> int:
+        """Where text goes in to reach ``stage_id`` without the LLM: up its single-source chain of
+        non-LLM stages (the speech stage itself for eSpeak; the phonemizer before a Piper voice)."""
+        types = {ctx.stage_id: ctx.stage_type for ctx in self.stage_contexts}
+        entry = stage_id
+        while len(sources := self.orchestrator.sources[entry]) == 1 and types[sources[0]] not in (None, "llm"):
+            entry = sources[0]
+        return entry
+
     def stage_info(self, stage_id: int) -> dict[str, Any]:
         """What the stage's engine said about itself when it became ready (``{}`` before that)."""
         ready = self.orchestrator.stages[stage_id].client.ready

@@ -58,9 +58,9 @@ class ModelError(ConfigError):
 def check_models(config: PipelineConfig, recipes: frozenset[str] | None = None) -> None:
     """Raise one :class:`ModelError` naming every stage whose model cannot be loaded."""
     if recipes is None:
-        from omni_engine.models.prepare import RECIPES
+        from omni_engine.models.prepare import llm_recipe_names
 
-        recipes = frozenset(RECIPES)
+        recipes = llm_recipe_names()
     source = config.source_path or "<dict>"
     errors = ErrorCollector(source)
     for index, stage in enumerate(config.stage_args):

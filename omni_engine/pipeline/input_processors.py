@@ -98,6 +98,31 @@ class SentenceSplitter:
         return [StageInput(rest)] if rest else []
 
 
+class MultimodalForward:
+    """Each upstream output's ``multimodal_output`` (e.g. ``{"phoneme_ids": tensor}``) is the next
+    stage's prompt: output by output in ``async_chunk`` mode, all of them at the end otherwise.
+    Tensors stay wire tensors (shared memory above the threshold): nothing is turned into lists."""
+
+    def __init__(self, sources: list[int], dst: int, prompt: Any = None) -> None:
+        self.sources, self.dst = sources, dst
+        self._streamed = False
+
+    def on_output(self, output: OmniRequestOutput, new_text: str) -> list[StageInput]:
+        self._streamed = True
+        return [StageInput(dict(output.multimodal_output))] if output.multimodal_output else []
+
+    def on_finish(self, outputs: dict[int, list[OmniRequestOutput]], text: dict[int, str]) -> list[StageInput]:
+        if self._streamed:
+            return []
+        return [StageInput(dict(out.multimodal_output)) for src in self.sources for out in outputs.get(src, ())
+                if out.multimodal_output]
+
+
+def multimodal(sources: list[int], dst: int, prompt: Any = None) -> MultimodalForward:
+    """Factory for stage configs: ``omni_engine.pipeline.input_processors:multimodal``."""
+    return MultimodalForward(sources, dst, prompt)
+
+
 def sentences(sources: list[int], dst: int, prompt: Any = None) -> SentenceSplitter:
     """Factory for stage configs: ``omni_engine.pipeline.input_processors:sentences``."""
     return SentenceSplitter(sources, dst, prompt)

@@ -36,9 +36,9 @@ def prepare_models(config: PipelineConfig, progress: Progress | None = None) -> 
     a prepared model is found in the cache and returned at once.
     """
     from omni_engine.models.check import check_models, stage_model_error
-    from omni_engine.models.prepare import RECIPES, prepare_model
+    from omni_engine.models.prepare import RECIPES, llm_recipe_names, prepare_model
 
-    check_models(config, frozenset(RECIPES))
+    check_models(config, llm_recipe_names())
     stages = []
     for index, stage in enumerate(config.stage_args):
         model = stage.engine_args.get("model")

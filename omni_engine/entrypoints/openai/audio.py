@@ -190,9 +190,12 @@ async def create_speech(request: SpeechRequest, raw_request: Request) -> Respons
 
 
 async def _speak(client: Any, sid: int, text: str, params: dict[str, Any], request_id: str) -> tuple[np.ndarray, int]:
-    """``text`` spoken by the speech stage alone: the whole waveform and its sample rate."""
+    """``text`` spoken by the speech stage (with the stages before it that take text, e.g. a
+    phonemizer, but not the LLM): the whole waveform and its sample rate."""
     chunks, rate = [], 22050
-    async for out in client.generate(text, _stage_params(client, sid, params), request_id, entry_stage_id=sid):
+    entry = client.text_entry_stage(sid)
+    async for out in client.generate(text, _stage_params(client, sid, params), request_id, entry_stage_id=entry,
+                                     final_stage_id=sid):
         mm = out.multimodal_output
         if mm and mm.get("audio") is not None:
             chunks.append(np.asarray(mm["audio"], dtype=np.float32).copy())
