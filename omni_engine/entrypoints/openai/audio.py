@@ -420,5 +420,8 @@ async def _stream_chunks(request: ChatCompletionRequest, stream: AsyncGenerator,
 
 # ------------------------------------------------------------------ wiring
 def add_audio_routes(app: FastAPI) -> FastAPI:
-    """Add this module's routes ahead of vLLM's (ours shadow ``POST /v1/chat/completions``)."""
-    return include_router_first(app, router)
+    """Add this module's routes ahead of vLLM's (ours shadow ``POST /v1/chat/completions``),
+    and the images route (``omni_engine.entrypoints.openai.images``)."""
+    from omni_engine.entrypoints.openai.images import router as images_router  # it imports this module
+
+    return include_router_first(include_router_first(app, router), images_router)
