@@ -43,11 +43,14 @@ def decode(b64: str) -> np.ndarray:
 
 
 def test_two_green_eyes_come_back_as_128x128_pngs(client):
+    # Seeded: the bounds below hold for every seed measured (pixel std >= 15.7 and a mean difference
+    # between the two >= 46 over seeds 0..39), but a test must not draw its own luck (seed 3:
+    # std 50 and 56, difference 46).
     result = client.images.generate(model=MODEL, prompt="a green eye", n=2, size="128x128",
-                                    response_format="b64_json")
+                                    response_format="b64_json", extra_body={"seed": 3})
     images = [decode(item.b64_json) for item in result.data]
     assert len(images) == 2
-    assert all(img.std() > 20 for img in images)  # pictures, not a constant
+    assert all(img.std() > 10 for img in images)  # pictures, not a constant
     assert np.abs(images[0].astype(int) - images[1].astype(int)).mean() > 10  # two different eyes
 
 
