@@ -7,6 +7,7 @@ that the client side (server, orchestrator, wire) never imports engine code.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import msgspec
@@ -35,6 +36,20 @@ class SpeechParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
         pitch = self.pitch
         if pitch is not None and (isinstance(pitch, bool) or not isinstance(pitch, int) or not 0 <= pitch <= 100):
             raise ValueError(f"pitch must be an integer in [0, 100] or null, got {pitch!r}")
+
+
+def speech_params(raw: Any, default_voice: str) -> SpeechParams:
+    """A speech stage's params from what a request carries: None or a vLLM ``SamplingParams``
+    (vLLM-Omni callers pass one for every stage; it says nothing about speech) mean the defaults;
+    a dict fills in ``default_voice``. Unchecked: the caller validates."""
+    if raw is None or type(raw).__name__ == "SamplingParams":
+        return SpeechParams(voice=default_voice)
+    if isinstance(raw, SpeechParams):
+        return raw
+    if isinstance(raw, Mapping):
+        return msgspec.convert({"voice": default_voice, **raw}, SpeechParams)
+    raise TypeError(f"speech params must be None, a dict, SpeechParams or SamplingParams (defaults), "
+                    f"got {type(raw).__name__}")
 
 
 def parse_output_kind(kind: Any) -> Any:

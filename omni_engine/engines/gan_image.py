@@ -25,8 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from omni_engine.engines.generation_model import GenerationRequest
-from omni_engine.engines.piper import _WorkerModel
+from omni_engine.engines.generation_model import GenerationRequest, ThreadedGenerationModel
 from omni_engine.inputs import prompt_text
 
 DEFAULT_MAX_IMAGES = 8
@@ -64,7 +63,7 @@ class ImageParams:
         return params
 
 
-class GanImageModel(_WorkerModel):
+class GanImageModel(ThreadedGenerationModel):
     """A DCGAN generator behind the generation-stage protocol (``output_type = "image"``)."""
 
     output_type = "image"
@@ -159,7 +158,7 @@ class GanImageModel(_WorkerModel):
                 "labels": list(self.gan.labels)}
 
 
-class ColourPicker(_WorkerModel):
+class ColourPicker(ThreadedGenerationModel):
     """The LLM's answer -> the eye GAN's label: ``{"colour": "green", "label": 5}``.
 
     The first accepted word in the answer wins (SmolLM2 answers with the word, sometimes in a

@@ -8,6 +8,8 @@ the factory is called with the remaining ``engine_args`` and returns a
 
 from __future__ import annotations
 
+import asyncio
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
@@ -43,3 +45,40 @@ class GenerationModel(Protocol):
     def info(self) -> dict[str, Any]: ...
 
     async def shutdown(self) -> None: ...
+
+
+class ThreadedGenerationModel:
+    """A base for models whose work blocks: one worker thread per model, so the stage's loop never
+    blocks and batches run in order. Subclasses render one request (``_render``) or a batch
+    (``_render_batch``); an exception fails that request alone."""
+
+    def __init__(self, name: str) -> None:
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=name)
+        self._closed = False
+
+    def _render(self, request: GenerationRequest) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def _render_one(self, request: GenerationRequest) -> dict[str, Any] | Exception:
+        if request.aborted:
+            return RuntimeError("aborted")
+        try:
+            return self._render(request)
+        except Exception as exc:  # the protocol fails this request alone
+            return exc
+
+    def _render_batch(self, requests: list[GenerationRequest]) -> list[dict[str, Any] | Exception]:
+        return [self._render_one(r) for r in requests]
+
+    async def generate(self, requests: list[GenerationRequest]) -> list[dict[str, Any] | Exception]:
+        if self._closed:
+            raise RuntimeError(f"{type(self).__name__} is shut down")
+        return await asyncio.get_running_loop().run_in_executor(self._executor, self._render_batch, list(requests))
+
+    async def shutdown(self) -> None:
+        """Drop queued batches and wait for the running one off-loop. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        self._executor.shutdown(wait=False, cancel_futures=True)
+        await asyncio.to_thread(self._executor.shutdown, wait=True)

@@ -22,22 +22,19 @@ is one hop to the worker thread, running each utterance alone.
 
 from __future__ import annotations
 
-import asyncio
 import json
 import threading
 from collections.abc import Mapping
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import msgspec
 import numpy as np
 
-from omni_engine.engines.generation_model import GenerationRequest
+from omni_engine.engines.generation_model import GenerationRequest, ThreadedGenerationModel
 from omni_engine.engines.tts import OPENAI_VOICES
 from omni_engine.inputs import prompt_text
-from omni_engine.params import SpeechParams
+from omni_engine.params import SpeechParams, speech_params
 
 PHONEME_IDS = "phoneme_ids"
 # piper-tts's eSpeak bridge keeps one global engine per process (as eSpeak NG does).
@@ -89,42 +86,7 @@ class PiperVoiceConfig:
                              f"{type(exc).__name__}: {exc}") from None
 
 
-class _WorkerModel:
-    """One worker thread per model: the loop never blocks, and batches run in order."""
-
-    def __init__(self, name: str) -> None:
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=name)
-        self._closed = False
-
-    def _render(self, request: GenerationRequest) -> dict[str, Any]:
-        raise NotImplementedError
-
-    def _render_one(self, request: GenerationRequest) -> dict[str, Any] | Exception:
-        if request.aborted:
-            return RuntimeError("aborted")
-        try:
-            return self._render(request)
-        except Exception as exc:  # the protocol fails this request alone
-            return exc
-
-    def _render_batch(self, requests: list[GenerationRequest]) -> list[dict[str, Any] | Exception]:
-        return [self._render_one(r) for r in requests]
-
-    async def generate(self, requests: list[GenerationRequest]) -> list[dict[str, Any] | Exception]:
-        if self._closed:
-            raise RuntimeError(f"{type(self).__name__} is shut down")
-        return await asyncio.get_running_loop().run_in_executor(self._executor, self._render_batch, list(requests))
-
-    async def shutdown(self) -> None:
-        """Drop queued batches and wait for the running one off-loop. Idempotent."""
-        if self._closed:
-            return
-        self._closed = True
-        self._executor.shutdown(wait=False, cancel_futures=True)
-        await asyncio.to_thread(self._executor.shutdown, wait=True)
-
-
-class PiperPhonemizer(_WorkerModel):
+class PiperPhonemizer(ThreadedGenerationModel):
     """Text -> the voice's phoneme ids (``{"phoneme_ids": int64 [N]}``); params are not used."""
 
     output_type = "tensor"
@@ -157,7 +119,7 @@ class PiperPhonemizer(_WorkerModel):
         return {"engine": "piper-phonemizer", "espeak_voice": self.voice.espeak_voice}
 
 
-class PiperVoice(_WorkerModel):
+class PiperVoice(ThreadedGenerationModel):
     """Phoneme ids -> speech with the voice's VITS model (``onnxruntime``).
 
     ``speed`` scales the voice's ``length_scale`` (2.0 speaks twice as fast);
@@ -211,15 +173,7 @@ class PiperVoice(_WorkerModel):
         return None
 
     def _params(self, raw: Any) -> SpeechParams:
-        # A vLLM SamplingParams says nothing about speech: the defaults.
-        if raw is None or type(raw).__name__ == "SamplingParams":
-            return SpeechParams(voice=self.default_voice)
-        if isinstance(raw, SpeechParams):
-            return raw
-        if isinstance(raw, Mapping):
-            return msgspec.convert({"voice": self.default_voice, **raw}, SpeechParams)
-        raise TypeError(f"speech params must be None, a dict, SpeechParams or SamplingParams (defaults), "
-                        f"got {type(raw).__name__}")
+        return speech_params(raw, self.default_voice)
 
     @staticmethod
     def phoneme_ids_of(prompt: Any) -> np.ndarray:

@@ -29,7 +29,7 @@ import numpy as np
 
 from omni_engine.engines.generation_model import GenerationRequest
 from omni_engine.inputs import prompt_text
-from omni_engine.params import SpeechParams
+from omni_engine.params import SpeechParams, speech_params
 
 # Constants from espeak-ng/speak_lib.h.
 _AUDIO_OUTPUT_SYNCHRONOUS, _POS_CHARACTER, _CHARS_UTF8 = 2, 1, 1
@@ -298,16 +298,7 @@ class EspeakTTSModel:
         return self.voice_map.get(voice.lower(), voice) if isinstance(voice, str) else voice
 
     def _params(self, raw: Any) -> SpeechParams:
-        # vLLM-Omni callers pass a vLLM SamplingParams for every stage; it says
-        # nothing about speech, so it means the defaults.
-        if raw is None or type(raw).__name__ == "SamplingParams":
-            return SpeechParams(voice=self._default_voice)
-        if isinstance(raw, SpeechParams):
-            return raw
-        if isinstance(raw, Mapping):
-            return msgspec.convert({"voice": self._default_voice, **raw}, SpeechParams)
-        raise TypeError(f"speech params must be None, a dict, SpeechParams or SamplingParams (defaults), "
-                        f"got {type(raw).__name__}")
+        return speech_params(raw, self._default_voice)
 
     def _render(self, request: GenerationRequest) -> dict[str, Any] | Exception:
         if request.aborted:
