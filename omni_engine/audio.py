@@ -156,3 +156,51 @@ class AudioStreamEncoder:
             data = bytes(view[self._sent:])
         self._sent += len(data)
         return data
+
+
+class AudioDecodeError(ValueError):
+    """Bytes that are not audio FFmpeg can decode (the message says what was found)."""
+
+
+# An upload is decoded whole; a limit on its decoded length keeps a small compressed file from
+# expanding into gigabytes of samples.
+MAX_DECODED_S = 3600.0
+
+
+def decode_audio(data: bytes, sample_rate: int, max_seconds: float = MAX_DECODED_S) -> np.ndarray:
+    """Mono float32 samples at ``sample_rate`` from an encoded file (wav, mp3, flac, ogg, m4a, webm...).
+
+    FFmpeg (through PyAV) probes the container, so the file's name or declared type does not
+    matter; its first audio stream is mixed down and resampled. ``AudioDecodeError`` says why a
+    file cannot be used (not audio, no audio stream, too long).
+    """
+    import av
+
+    if not data:
+        raise AudioDecodeError("the file is empty")
+    try:
+        container = av.open(io.BytesIO(data), mode="r")
+    except (av.error.FFmpegError, ValueError) as exc:
+        raise AudioDecodeError(f"the file is not audio FFmpeg can decode ({exc})") from None
+    with container:
+        if not container.streams.audio:
+            kinds = sorted({s.type for s in container.streams}) or ["none"]
+            raise AudioDecodeError(f"the file has no audio stream (streams: {', '.join(kinds)})")
+        resampler = av.AudioResampler(format="flt", layout="mono", rate=sample_rate)
+        limit = int(max_seconds * sample_rate)
+        chunks, total = [], 0
+        try:
+            for frame in container.decode(container.streams.audio[0]):
+                for out in resampler.resample(frame):
+                    chunks.append(out.to_ndarray().reshape(-1))
+                    total += chunks[-1].size
+                if total > limit:
+                    raise AudioDecodeError(f"the audio is longer than {max_seconds:.0f} s")
+            for out in resampler.resample(None):
+                chunks.append(out.to_ndarray().reshape(-1))
+        except av.error.FFmpegError as exc:
+            raise AudioDecodeError(f"the audio stream cannot be decoded ({exc})") from None
+    samples = np.concatenate(chunks).astype(np.float32, copy=False) if chunks else np.zeros(0, np.float32)
+    if not samples.size:
+        raise AudioDecodeError("the file holds no audio samples")
+    return samples

@@ -18,6 +18,7 @@ from typing import Any
 import openai
 import psutil
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from tests.helpers import process_exists
 
@@ -105,3 +106,24 @@ def auth_headers(server: dict[str, Any]) -> dict[str, str]:
     """The bearer header a request to ``server`` needs (none without ``--api-key``)."""
     key = server.get("api_key")
     return {"Authorization": f"Bearer {key}"} if key else {}
+
+
+def scrape(url: str, prefix: str = "omni_engine_") -> dict[str, list[tuple[dict[str, str], float]]]:
+    """Sample name -> [(labels, value)] of the series on /metrics whose name starts with ``prefix``."""
+    with urllib.request.urlopen(f"{url}/metrics", timeout=10) as response:
+        assert response.status == 200
+        text = response.read().decode()
+    samples: dict[str, list[tuple[dict[str, str], float]]] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name.startswith(prefix):
+                samples.setdefault(sample.name, []).append((dict(sample.labels), sample.value))
+    return samples
+
+
+def value(samples, name: str, **labels: str) -> float:
+    """The one sample of ``name`` with these labels (``le`` too for buckets)."""
+    hits = [v for lbl, v in samples.get(name, []) if all(lbl.get(k) == w for k, w in labels.items())
+            and ("le" in labels or "le" not in lbl)]
+    assert len(hits) == 1, f"{name}{labels}: {len(hits)} samples in {samples.get(name)}"
+    return hits[0]

@@ -65,7 +65,7 @@ def _fake_recipe(calls: list[Path]):
 @pytest.fixture
 def no_deps_check(monkeypatch: pytest.MonkeyPatch) -> None:
     """Let fake recipes run even where the conversion packages are missing."""
-    monkeypatch.setattr(prep, "_check_convert_deps", lambda: None)
+    monkeypatch.setattr(prep, "_check_convert_deps", lambda recipe: None)
 
 
 # --- registry and paths -------------------------------------------------------

@@ -7,15 +7,12 @@ import os
 import re
 import signal
 import time
-import urllib.error
-import urllib.request
 
 import openai
 import psutil
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
-from tests.serve_helpers import http_status, log_tail, openai_client, running_server
+from tests.serve_helpers import http_status, log_tail, openai_client, running_server, scrape, value
 
 pytestmark = pytest.mark.llm
 
@@ -51,27 +48,6 @@ def server(tmp_path_factory, smollm2_path):
 @pytest.fixture(scope="module")
 def client(server):
     return openai_client(server)
-
-
-def scrape(url: str, prefix: str = "omni_engine_") -> dict[str, list[tuple[dict[str, str], float]]]:
-    """Sample name -> [(labels, value)] of the series on /metrics whose name starts with ``prefix``."""
-    with urllib.request.urlopen(f"{url}/metrics", timeout=10) as response:
-        assert response.status == 200
-        text = response.read().decode()
-    samples: dict[str, list[tuple[dict[str, str], float]]] = {}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            if sample.name.startswith(prefix):
-                samples.setdefault(sample.name, []).append((dict(sample.labels), sample.value))
-    return samples
-
-
-def value(samples, name: str, **labels: str) -> float:
-    """The one sample of ``name`` with these labels (``le`` too for buckets)."""
-    hits = [v for lbl, v in samples.get(name, []) if all(lbl.get(k) == w for k, w in labels.items())
-            and ("le" in labels or "le" not in lbl)]
-    assert len(hits) == 1, f"{name}{labels}: {len(hits)} samples in {samples.get(name)}"
-    return hits[0]
 
 
 @pytest.fixture(scope="module")

@@ -55,6 +55,8 @@ class LLMStageEngine(StageEngine):
         self.tags_requests = bool(self.engine_args.get("logits_processors"))
         self.final_output_type = final_output_type
         self.engine: Any = None
+        # Whisper: audio prompts become Whisper's encoder-decoder requests (engines/transcription.py).
+        self.speech_to_text: Any = None
         # The version the engine labels new tokens with (vLLM's own starts as "default"); outputs
         # carry it until vLLM's exact spans arrive with the final one.
         self.weight_version = "default"
@@ -74,6 +76,10 @@ class LLMStageEngine(StageEngine):
         except TypeError as exc:
             raise ValueError(f"stage {self.stage_id}: invalid engine_args for vLLM: {exc}") from exc
         self.engine = AsyncLLM.from_engine_args(args)
+        if getattr(self.engine.model_config.hf_config, "model_type", None) == "whisper":
+            from omni_engine.engines.transcription import SpeechToText
+
+            self.speech_to_text = SpeechToText(self.engine, str(self.engine_args.get("model")))
         if self.theta_settings is not None:
             from omni_engine.logits.theta_scorer import ThetaScorer
 
@@ -130,11 +136,17 @@ class LLMStageEngine(StageEngine):
             # The pipeline's request id travels in the params: logits processors get the
             # params of each request, never its id (omni_engine.logits keys state by it).
             params = tag_request(params, request_id)
+        outputs = None
+        if self.speech_to_text is not None:
+            from omni_engine.engines.transcription import audio_prompt_of
+
+            if (audio := audio_prompt_of(prompt)) is not None:
+                outputs = self.speech_to_text.generate(request_id, audio, params)
         if isinstance(prompt, OmniTextPrompt):
             prompt = prompt.to_vllm()
         versions: list[str] = []
         try:
-            async for output in self.engine.generate(prompt, params, request_id):
+            async for output in outputs or self.engine.generate(prompt, params, request_id):
                 out = OmniRequestOutput.from_request_output(
                     output, stage_id=self.stage_id, final_output_type=self.final_output_type
                 )
@@ -154,7 +166,10 @@ class LLMStageEngine(StageEngine):
         return list(seen)
 
     async def abort(self, request_ids: Sequence[str]) -> None:
-        await self.engine.abort(list(request_ids))
+        ids = list(request_ids)
+        if self.speech_to_text is not None:
+            ids += self.speech_to_text.abort(ids)
+        await self.engine.abort(ids)
 
     async def check_health(self) -> None:
         await self.engine.check_health()
@@ -166,6 +181,7 @@ class LLMStageEngine(StageEngine):
             "model": model_config.model,
             "served_model_name": model_config.served_model_name,
             "max_model_len": model_config.max_model_len,
+            **(self.speech_to_text.info() if self.speech_to_text is not None else {}),
         }
 
     def engine_metrics(self) -> list[Any]:

