@@ -252,7 +252,7 @@ class SpeechToText:
 
 def normalize_words(text: str) -> list[str]:
     """Lower-case words without punctuation (how a transcript is compared with its reference)."""
-    return re.sub(r"[^a-z0-9' ]+", " ", text.lower().replace("-", " ")).split()
+    return re.sub(r"[^\w' ]+", " ", text.lower().replace("-", " ").replace("_", " ")).split()
 
 
 def word_error_rate(reference: str, hypothesis: str) -> float:
