@@ -158,6 +158,10 @@ class AudioStreamEncoder:
         return data
 
 
+# Whisper's input rate: uploads are decoded to it on the server, so the samples cross once, ready.
+WHISPER_SAMPLE_RATE = 16000
+
+
 class AudioDecodeError(ValueError):
     """Bytes that are not audio FFmpeg can decode (the message says what was found)."""
 

@@ -27,11 +27,12 @@ from typing import Any
 
 import numpy as np
 
+from omni_engine.audio import WHISPER_SAMPLE_RATE
 from omni_engine.inputs import OmniTextPrompt
 
 __all__ = ["SAMPLE_RATE", "AudioPrompt", "SpeechToText", "audio_prompt_of", "split_on_silence", "word_error_rate"]
 
-SAMPLE_RATE = 16000  # Whisper's
+SAMPLE_RATE = WHISPER_SAMPLE_RATE
 WINDOW_S = 30.0
 # A cut is made at the quietest 100 ms in the last CUT_SEARCH_S seconds before each window's end.
 CUT_SEARCH_S = 8.0

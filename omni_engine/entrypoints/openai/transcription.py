@@ -27,8 +27,8 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from vllm.exceptions import VLLMValidationError
 from vllm.sampling_params import RequestOutputKind, SamplingParams
 
+from omni_engine.audio import WHISPER_SAMPLE_RATE as SAMPLE_RATE
 from omni_engine.audio import AudioDecodeError, decode_audio
-from omni_engine.engines.transcription import SAMPLE_RATE
 from omni_engine.entrypoints.openai.audio import error_response
 
 router = APIRouter()
