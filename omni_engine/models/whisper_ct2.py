@@ -106,66 +106,78 @@ def _parse(reader: _Reader, path: Path) -> tuple[str, dict[str, np.ndarray]]:
     return spec, variables
 
 
+class _Renamer:
+    """Copies CTranslate2 variables into Hugging Face names (float32), one layer part at a time."""
+
+    def __init__(self, ct2: dict[str, np.ndarray]) -> None:
+        self.ct2 = ct2
+        self.out: dict[str, np.ndarray] = {}
+
+    def put(self, name: str, value: np.ndarray) -> None:
+        self.out[name] = np.ascontiguousarray(value, dtype=np.float32)
+
+    def linear(self, dst: str, src: str) -> None:
+        self.put(f"{dst}.weight", self.ct2[f"{src}/weight"])
+        self.put(f"{dst}.bias", self.ct2[f"{src}/bias"])
+
+    def norm(self, dst: str, src: str) -> None:
+        self.put(f"{dst}.weight", self.ct2[f"{src}/gamma"])
+        self.put(f"{dst}.bias", self.ct2[f"{src}/beta"])
+
+    def split(self, dst: str, src: str, names: tuple[str, ...]) -> None:
+        """A fused projection back into ``names`` (equal row blocks, in order)."""
+        weights = np.split(self.ct2[f"{src}/weight"], len(names))
+        biases = np.split(self.ct2[f"{src}/bias"], len(names))
+        for name, weight, bias in zip(names, weights, biases):
+            self.put(f"{dst}.{name}.weight", weight)
+            if name == "k_proj":
+                if np.any(bias):
+                    raise CT2FormatError(f"{src}: non-zero key bias; Whisper's k_proj has none")
+                continue
+            self.put(f"{dst}.{name}.bias", bias)
+
+    def self_attention(self, dst: str, src: str) -> None:
+        self.norm(f"{dst}.self_attn_layer_norm", f"{src}/self_attention/layer_norm")
+        self.split(f"{dst}.self_attn", f"{src}/self_attention/linear_0", ("q_proj", "k_proj", "v_proj"))
+        self.linear(f"{dst}.self_attn.out_proj", f"{src}/self_attention/linear_1")
+
+    def cross_attention(self, dst: str, src: str) -> None:
+        self.norm(f"{dst}.encoder_attn_layer_norm", f"{src}/attention/layer_norm")
+        self.linear(f"{dst}.encoder_attn.q_proj", f"{src}/attention/linear_0")
+        self.split(f"{dst}.encoder_attn", f"{src}/attention/linear_1", ("k_proj", "v_proj"))
+        self.linear(f"{dst}.encoder_attn.out_proj", f"{src}/attention/linear_2")
+
+    def ffn(self, dst: str, src: str) -> None:
+        self.norm(f"{dst}.final_layer_norm", f"{src}/ffn/layer_norm")
+        self.linear(f"{dst}.fc1", f"{src}/ffn/linear_0")
+        self.linear(f"{dst}.fc2", f"{src}/ffn/linear_1")
+
+
 def whisper_state_dict(ct2: dict[str, np.ndarray]) -> tuple[dict[str, np.ndarray], dict[str, int]]:
     """Hugging Face ``WhisperForConditionalGeneration`` tensors (float32) and the sizes found.
 
     The sizes (``d_model``, layer counts, vocabulary...) come from the tensors themselves, so
     one converter serves every Whisper size.
     """
-    out: dict[str, np.ndarray] = {}
-
-    def put(name: str, value: np.ndarray) -> None:
-        out[name] = np.ascontiguousarray(value, dtype=np.float32)
-
-    def linear(dst: str, src: str) -> None:
-        put(f"{dst}.weight", ct2[f"{src}/weight"])
-        put(f"{dst}.bias", ct2[f"{src}/bias"])
-
-    def norm(dst: str, src: str) -> None:
-        put(f"{dst}.weight", ct2[f"{src}/gamma"])
-        put(f"{dst}.bias", ct2[f"{src}/beta"])
-
-    def split(dst: str, src: str, names: tuple[str, ...]) -> None:
-        weights = np.split(ct2[f"{src}/weight"], len(names))
-        biases = np.split(ct2[f"{src}/bias"], len(names))
-        for name, weight, bias in zip(names, weights, biases):
-            put(f"{dst}.{name}.weight", weight)
-            if name == "k_proj":
-                if np.any(bias):
-                    raise CT2FormatError(f"{src}: non-zero key bias; Whisper's k_proj has none")
-                continue
-            put(f"{dst}.{name}.bias", bias)
-
-    sizes = {
-        "encoder_layers": _count_layers(ct2, "encoder"),
-        "decoder_layers": _count_layers(ct2, "decoder"),
-    }
+    r = _Renamer(ct2)
+    sizes = {"encoder_layers": _count_layers(ct2, "encoder"), "decoder_layers": _count_layers(ct2, "decoder")}
     for conv in ("conv1", "conv2"):
-        linear(f"model.encoder.{conv}", f"encoder/{conv}")
-    put("model.encoder.embed_positions.weight", ct2["encoder/position_encodings/encodings"])
+        r.linear(f"model.encoder.{conv}", f"encoder/{conv}")
+    r.put("model.encoder.embed_positions.weight", ct2["encoder/position_encodings/encodings"])
     for i in range(sizes["encoder_layers"]):
-        src, dst = f"encoder/layer_{i}", f"model.encoder.layers.{i}"
-        norm(f"{dst}.self_attn_layer_norm", f"{src}/self_attention/layer_norm")
-        split(f"{dst}.self_attn", f"{src}/self_attention/linear_0", ("q_proj", "k_proj", "v_proj"))
-        linear(f"{dst}.self_attn.out_proj", f"{src}/self_attention/linear_1")
-        _ffn(norm, linear, dst, src)
-    norm("model.encoder.layer_norm", "encoder/layer_norm")
-
-    put("model.decoder.embed_tokens.weight", ct2["decoder/embeddings/weight"])
-    put("model.decoder.embed_positions.weight", ct2["decoder/position_encodings/encodings"])
+        r.self_attention(f"model.encoder.layers.{i}", f"encoder/layer_{i}")
+        r.ffn(f"model.encoder.layers.{i}", f"encoder/layer_{i}")
+    r.norm("model.encoder.layer_norm", "encoder/layer_norm")
+    r.put("model.decoder.embed_tokens.weight", ct2["decoder/embeddings/weight"])
+    r.put("model.decoder.embed_positions.weight", ct2["decoder/position_encodings/encodings"])
     for i in range(sizes["decoder_layers"]):
-        src, dst = f"decoder/layer_{i}", f"model.decoder.layers.{i}"
-        norm(f"{dst}.self_attn_layer_norm", f"{src}/self_attention/layer_norm")
-        split(f"{dst}.self_attn", f"{src}/self_attention/linear_0", ("q_proj", "k_proj", "v_proj"))
-        linear(f"{dst}.self_attn.out_proj", f"{src}/self_attention/linear_1")
-        norm(f"{dst}.encoder_attn_layer_norm", f"{src}/attention/layer_norm")
-        linear(f"{dst}.encoder_attn.q_proj", f"{src}/attention/linear_0")
-        split(f"{dst}.encoder_attn", f"{src}/attention/linear_1", ("k_proj", "v_proj"))
-        linear(f"{dst}.encoder_attn.out_proj", f"{src}/attention/linear_2")
-        _ffn(norm, linear, dst, src)
-    norm("model.decoder.layer_norm", "decoder/layer_norm")
+        r.self_attention(f"model.decoder.layers.{i}", f"decoder/layer_{i}")
+        r.cross_attention(f"model.decoder.layers.{i}", f"decoder/layer_{i}")
+        r.ffn(f"model.decoder.layers.{i}", f"decoder/layer_{i}")
+    r.norm("model.decoder.layer_norm", "decoder/layer_norm")
 
     vocab, d_model = ct2["decoder/embeddings/weight"].shape
+    heads = np.array(d_model // _HEAD_DIM)
     sizes.update(
         vocab_size=int(vocab),
         d_model=int(d_model),
@@ -173,16 +185,10 @@ def whisper_state_dict(ct2: dict[str, np.ndarray]) -> tuple[dict[str, np.ndarray
         ffn_dim=int(ct2["encoder/layer_0/ffn/linear_0/weight"].shape[0]),
         max_source_positions=int(ct2["encoder/position_encodings/encodings"].shape[0]),
         max_target_positions=int(ct2["decoder/position_encodings/encodings"].shape[0]),
-        encoder_attention_heads=int(ct2.get("encoder/num_heads", np.array(d_model // _HEAD_DIM))),
-        decoder_attention_heads=int(ct2.get("decoder/num_heads", np.array(d_model // _HEAD_DIM))),
+        encoder_attention_heads=int(ct2.get("encoder/num_heads", heads)),
+        decoder_attention_heads=int(ct2.get("decoder/num_heads", heads)),
     )
-    return out, sizes
-
-
-def _ffn(norm: Any, linear: Any, dst: str, src: str) -> None:
-    norm(f"{dst}.final_layer_norm", f"{src}/ffn/layer_norm")
-    linear(f"{dst}.fc1", f"{src}/ffn/linear_0")
-    linear(f"{dst}.fc2", f"{src}/ffn/linear_1")
+    return r.out, sizes
 
 
 def _count_layers(ct2: dict[str, np.ndarray], side: str) -> int:
