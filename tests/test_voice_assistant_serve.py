@@ -121,6 +121,7 @@ def test_transcription_formats_and_the_upload_container_do_not_matter(client, pa
     assert verbose.language == "english" and verbose.task == "transcribe"
     assert verbose.duration == pytest.approx(wav_seconds(passage_wav), abs=0.15)
     assert len(verbose.segments) == 1 and verbose.segments[0].end == pytest.approx(verbose.duration, abs=0.01)
+    assert verbose.segments[0].tokens and max(verbose.segments[0].tokens) < 50256  # text tokens, no <|endoftext|>
     assert word_error_rate(PASSAGE, verbose.text) <= MAX_WER
 
 

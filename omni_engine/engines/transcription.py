@@ -138,6 +138,8 @@ class SpeechToText:
         self._token = {t: vocab[t] for t in ("<|startoftranscript|>", "<|notimestamps|>", "<|startofprev|>",
                                              "<|transcribe|>", "<|translate|>") if t in vocab}
         self._tokenizer = tokenizer
+        # Whisper's special tokens (<|endoftext|> and everything after it) are not text.
+        self._first_special = vocab["<|endoftext|>"]
         # A multilingual model has language tokens <|en|>, <|fr|>, ...; an English-only one uses none.
         self.languages = {tok[2:-2]: tid for tok, tid in vocab.items()
                           if tok.startswith("<|") and tok.endswith("|>") and 2 <= len(tok) - 4 <= 3
@@ -219,7 +221,8 @@ class SpeechToText:
                     if not last or not output.finished:
                         yield output
                 segments.append({"id": k, "start": round(start / SAMPLE_RATE, 3),
-                                 "end": round(end / SAMPLE_RATE, 3), "text": text.strip(), "tokens": ids})
+                                 "end": round(end / SAMPLE_RATE, 3), "text": text.strip(),
+                                 "tokens": [t for t in ids if t < self._first_special]})
                 done_text, done_ids = done_text + text, done_ids + ids
             output.multimodal_output = {"language": language, "duration": round(prompt.audio.size / SAMPLE_RATE, 3),
                                         "segments": segments}
