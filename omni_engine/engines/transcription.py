@@ -196,15 +196,12 @@ class SpeechToText:
         try:
             language = prompt.language or ("en" if not self.multilingual else
                                            await self._detect_language(request_id, prompt.audio))
+            prefix = self.decoder_prefix(language, prompt.task, prompt.text)  # the same for every window
             for k, (start, end) in enumerate(spans):
                 if request_id in self.aborted:
                     return
                 last = k == len(spans) - 1
-                vllm_prompt = {
-                    "encoder_prompt": {"prompt": "", "multi_modal_data": {"audio": (prompt.audio[start:end],
-                                                                                    SAMPLE_RATE)}},
-                    "decoder_prompt": {"prompt_token_ids": self.decoder_prefix(language, prompt.task, prompt.text)},
-                }
+                vllm_prompt = _whisper_prompt(prompt.audio[start:end], prefix)
                 sub_id = self.running[request_id] = f"{request_id}#s{k}"
                 text, ids, output = "", [], None
                 async for output in self.engine.generate(vllm_prompt, params, sub_id):
@@ -237,8 +234,7 @@ class SpeechToText:
 
         first = audio[: int(WINDOW_S * SAMPLE_RATE)]
         detect = SamplingParams(max_tokens=1, temperature=0.0, allowed_token_ids=list(self.languages.values()))
-        prompt = {"encoder_prompt": {"prompt": "", "multi_modal_data": {"audio": (first, SAMPLE_RATE)}},
-                  "decoder_prompt": {"prompt_token_ids": [self._token["<|startoftranscript|>"]]}}
+        prompt = _whisper_prompt(first, [self._token["<|startoftranscript|>"]])
         by_id = {tid: code for code, tid in self.languages.items()}
         sub_id = self.running[request_id] = f"{request_id}#lang"
         token = None
@@ -252,6 +248,12 @@ class SpeechToText:
         running = [rid for rid in request_ids if rid in self.running]
         self.aborted.update(running)
         return [self.running[rid] for rid in running]
+
+
+def _whisper_prompt(audio: np.ndarray, decoder_ids: list[int]) -> dict[str, Any]:
+    """vLLM's encoder-decoder prompt: the audio to the encoder, ``decoder_ids`` to start the decoder."""
+    return {"encoder_prompt": {"prompt": "", "multi_modal_data": {"audio": (audio, SAMPLE_RATE)}},
+            "decoder_prompt": {"prompt_token_ids": decoder_ids}}
 
 
 def normalize_words(text: str) -> list[str]:

@@ -29,7 +29,7 @@ from vllm.sampling_params import RequestOutputKind, SamplingParams
 
 from omni_engine.audio import WHISPER_SAMPLE_RATE as SAMPLE_RATE
 from omni_engine.audio import AudioDecodeError, decode_audio
-from omni_engine.entrypoints.openai.audio import error_response
+from omni_engine.entrypoints.openai.audio import _served_names, error_response
 
 router = APIRouter()
 
@@ -66,9 +66,7 @@ def _stage_or_refuse(client: Any) -> int:
 
 
 def _check_model(client: Any, sid: int, model: str | None) -> None:
-    served = getattr(client.model_config, "served_model_name", None)
-    names = set(served if isinstance(served, (list, tuple)) else [served] if served else [])
-    names |= {str(client.stage_info(sid).get("model")), OPENAI_WHISPER_NAME}
+    names = {*_served_names(client), str(client.stage_info(sid).get("model")), OPENAI_WHISPER_NAME}
     if model and model not in names:
         raise TranscriptionError(error_response(
             f"The model `{model}` does not exist; this pipeline transcribes with {sorted(n for n in names if n)}",
