@@ -19,7 +19,7 @@ import pytest
 
 from omni_engine.audio import wav_bytes
 from omni_engine.engines.transcription import word_error_rate
-from tests.serve_helpers import openai_client, running_server, scrape, value
+from tests.serve_helpers import auth_headers, openai_client, scrape, value
 
 pytestmark = pytest.mark.llm
 
@@ -32,9 +32,8 @@ MAX_WER = 0.10
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory, smollm2_path):
-    with running_server("stage_configs/voice_assistant.yaml", MODEL, tmp_path_factory.mktemp("serve-va")) as srv:
-        yield srv
+def server(voice_assistant_server):
+    return voice_assistant_server
 
 
 @pytest.fixture(scope="module")
@@ -77,7 +76,8 @@ def test_chat_audio_speaks_the_answer(client):
 
 
 def test_voices_are_the_piper_speakers_and_an_unknown_one_is_a_400(server, client):
-    with urllib.request.urlopen(f"{server['url']}/v1/audio/voices", timeout=10) as response:
+    voices_request = urllib.request.Request(f"{server['url']}/v1/audio/voices", headers=auth_headers(server))
+    with urllib.request.urlopen(voices_request, timeout=10) as response:
         voices = json.load(response)["data"]
     assert {"id": "joe", "object": "voice", "kind": "engine"} in voices
     assert {v["engine_voice"] for v in voices if v["kind"] == "openai"} == {"joe"}
@@ -130,7 +130,7 @@ def test_transcription_formats_and_the_upload_container_do_not_matter(client, pa
 
 def test_transcription_streams_deltas(server, passage_wav):
     events = []
-    with httpx.stream("POST", f"{server['url']}/v1/audio/transcriptions", timeout=60,
+    with httpx.stream("POST", f"{server['url']}/v1/audio/transcriptions", timeout=60, headers=auth_headers(server),
                       files={"file": ("speech.wav", passage_wav)}, data={"stream": "true"}) as response:
         assert response.status_code == 200
         events = [line[6:] for line in response.iter_lines() if line.startswith("data: ")]
@@ -192,6 +192,7 @@ def test_leaving_a_long_transcription_stops_it_in_the_stage(server, client, pass
     long_audio = np.concatenate([speech, pause] * (75 * 16000 // (speech.size + pause.size) + 1))
     url = server["url"]
     with httpx.stream("POST", f"{url}/v1/audio/transcriptions", timeout=60, data={"stream": "true"},
+                      headers=auth_headers(server),
                       files={"file": ("long.wav", wav_bytes(long_audio, 16000))}) as response:
         first = next(line for line in response.iter_lines() if line.startswith("data: "))
         assert json.loads(first[6:])["type"] == "transcript.text.delta"

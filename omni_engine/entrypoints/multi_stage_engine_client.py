@@ -282,6 +282,15 @@ class MultiStageEngineClient(EngineClient):
         ready = self.orchestrator.stages[stage_id].client.ready
         return dict(ready.engine_info) if ready is not None else {}
 
+    def stage_default_params(self, stage_id: int) -> dict[str, Any]:
+        """The stage's ``default_sampling_params`` from its config, as a dict (``{}`` when none)."""
+        params = self.orchestrator.stages[stage_id].default_sampling_params
+        if params is None:
+            return {}
+        return dict(params) if isinstance(params, dict) else {
+            name: getattr(params, name) for name in ("temperature", "top_p", "top_k", "max_tokens")
+            if hasattr(params, name)}
+
     def stage_alive(self, stage_id: int) -> bool:
         """Whether the stage serves: one of its replicas is up (False once none is, until a restart)."""
         return not self.orchestrator.stages[stage_id].client.is_dead

@@ -435,11 +435,13 @@ async def _stream_chunks(request: ChatCompletionRequest, stream: AsyncGenerator,
 # ------------------------------------------------------------------ wiring
 def add_audio_routes(app: FastAPI) -> FastAPI:
     """Add this module's routes ahead of vLLM's (ours shadow ``POST /v1/chat/completions``),
-    the images route (``images``) and the speech-in routes (``transcription``)."""
+    the images route (``images``), the speech-in routes (``transcription``) and ``/v1/realtime``
+    (``realtime``; it shadows vLLM's transcription-only WebSocket of the same path)."""
     # Both import this module.
     from omni_engine.entrypoints.openai.images import router as images_router
+    from omni_engine.entrypoints.openai.realtime import router as realtime_router
     from omni_engine.entrypoints.openai.transcription import router as transcription_router
 
-    for extra in (router, images_router, transcription_router):
+    for extra in (router, images_router, transcription_router, realtime_router):
         app = include_router_first(app, extra)
     return app

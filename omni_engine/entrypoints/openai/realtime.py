@@ -1,0 +1,201 @@
+"""``/v1/realtime``: OpenAI's Realtime API (a WebSocket) over the pipeline.
+
+The session logic is ``omni_engine.realtime``; this module accepts the WebSocket, sends the
+session's events from one writer task (events from the response and transcription tasks keep
+their order and never interleave), and implements ``RealtimeEngine`` over the
+``MultiStageEngineClient``: speech in through the speech-to-text stage alone (as
+``/v1/audio/transcriptions``), answers through the whole pipeline as a chat completion with
+``modalities: ["audio"]`` (vLLM's own chat rendering, so the LLM's chat template, and its
+context length bounds the history). ``--api-key`` guards the handshake (``auth``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from collections.abc import AsyncGenerator
+from typing import Any
+
+import numpy as np
+from fastapi import APIRouter, WebSocket, WebSocketDisconnect
+from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+
+from omni_engine.entrypoints.openai.audio import (
+    _chat_engine_input,
+    _Refused,
+    _served_names,
+    _speech_dict,
+    _speech_params,
+    _stage_params,
+    audio_stage_id,
+)
+from omni_engine.entrypoints.openai.transcription import speech_to_text_stage, transcript_text
+from omni_engine.realtime.config import SessionConfigError
+from omni_engine.realtime.engine import AudioChunk, ResponsePiece, ResponseStart, TextDelta
+from omni_engine.realtime.session import RealtimeSession
+
+logger = logging.getLogger(__name__)
+
+router = APIRouter()
+
+# Leave the answer this many tokens when the history is cut to fit the LLM's context.
+MIN_ANSWER_TOKENS = 64
+
+
+class PipelineRealtimeEngine:
+    """``RealtimeEngine`` over a ``MultiStageEngineClient`` and the app's chat serving."""
+
+    def __init__(self, websocket: WebSocket) -> None:
+        self._scope = websocket  # _chat_engine_input reads .app.state.openai_serving_chat
+        self.client = websocket.app.state.engine_client
+        self.stt_stage = speech_to_text_stage(self.client)
+        self.speech_stage = audio_stage_id(self.client)
+        self.can_hear = self.stt_stage is not None
+        self.can_speak = self.speech_stage is not None
+
+    def check_voice(self, voice: str, speed: float) -> None:
+        if self.speech_stage is None:
+            return
+        try:
+            _speech_params(self.client, self.speech_stage, voice, speed)
+        except ValueError as exc:
+            raise SessionConfigError(str(exc), "session.audio.output.voice" if "voice" in str(exc)
+                                     else "session.audio.output.speed") from None
+
+    def check_language(self, language: str | None) -> None:
+        if language and self.stt_stage is not None:
+            languages = self.client.stage_info(self.stt_stage).get("languages", ())
+            if language not in languages:
+                raise SessionConfigError(f"transcription language {language!r} is not supported; the "
+                                         f"speech-to-text stage takes {', '.join(languages)}",
+                                         "session.audio.input.transcription.language")
+
+    async def transcribe(self, audio: np.ndarray, *, language: str | None, prompt: str | None,
+                         request_id: str) -> str:
+        text, _details = await transcript_text(self.client, self.stt_stage, audio, language=language,
+                                               hint=prompt or "", request_id=request_id)
+        return text
+
+    async def _engine_input(self, messages: list[dict[str, str]], max_tokens: int | None,
+                            temperature: float | None) -> tuple[Any, Any, int]:
+        """The rendered chat prompt; the oldest turns are left out until it fits the LLM's context."""
+        limit = self.client.model_config.max_model_len
+        # Unset in the session: the text stage's configured defaults (vLLM's chat would take the model's).
+        defaults = self.client.stage_default_params(self.client.text_stage_id)
+        temperature = defaults.get("temperature") if temperature is None else temperature
+        max_tokens = defaults.get("max_tokens") if max_tokens is None else max_tokens
+        while True:
+            request = ChatCompletionRequest(model=(_served_names(self.client) or [None])[0], messages=messages,
+                                            max_completion_tokens=max_tokens, temperature=temperature)
+            try:
+                engine_input, params, prompt_len = await _chat_engine_input(self.client, self._scope, request)
+            except _Refused as refused:
+                error = json.loads(refused.response.body).get("error")
+                message = error.get("message") if isinstance(error, dict) else str(error)
+                too_long = any(word in str(message).lower() for word in ("context", "too long", "maximum"))
+                if too_long and len(messages) > 2:
+                    messages = messages[:1] + messages[2:]
+                    continue
+                raise ValueError(message) from None
+            if prompt_len + MIN_ANSWER_TOKENS > limit and len(messages) > 2:
+                messages = messages[:1] + messages[2:]  # drop the oldest turn after the instructions
+                continue
+            return engine_input, params, prompt_len
+
+    async def respond(self, messages: list[dict[str, str]], *, audio: bool, voice: str, speed: float,
+                      max_tokens: int | None, temperature: float | None,
+                      request_id: str) -> AsyncGenerator[ResponsePiece, None]:
+        if self.client.text_stage_id is None:
+            raise ValueError("this pipeline has no text (llm) stage to answer with")
+        engine_input, sampling_params, prompt_len = await self._engine_input(messages, max_tokens, temperature)
+        yield ResponseStart(prompt_len)
+        if audio:
+            speech = _speech_params(self.client, self.speech_stage, voice, speed)
+            params = _stage_params(self.client, self.speech_stage, _speech_dict(speech), sampling_params)
+            stream = self.client.generate(engine_input, params, request_id, modalities=["text", "audio"])
+        else:
+            stream = self.client.generate(engine_input, sampling_params, request_id, modalities=["text"])
+        try:
+            async for out in stream:
+                if out.final_output_type == "audio":
+                    mm = out.multimodal_output
+                    if mm and mm.get("audio") is not None:
+                        yield AudioChunk(np.asarray(mm["audio"], dtype=np.float32).copy(),
+                                         int(mm.get("sample_rate", 22050)))
+                elif out.outputs:
+                    piece = out.outputs[0]
+                    yield TextDelta(piece.text, len(piece.token_ids), piece.finish_reason)
+        finally:
+            await stream.aclose()
+
+
+def _vad_factory() -> Any:
+    """Silero VAD per session, or None where the ``realtime`` extra is missing (server VAD then refused)."""
+    try:
+        from omni_engine.realtime.vad import VadConfig, VoiceActivityDetector
+    except ImportError:
+        return None
+
+    def make(turn: Any) -> Any:
+        return VoiceActivityDetector(VadConfig(threshold=turn.threshold, prefix_padding_ms=turn.prefix_padding_ms,
+                                               silence_duration_ms=turn.silence_duration_ms))
+    return make
+
+
+class _EventWriter:
+    """The one writer of a connection: events queue up and go out in order from one task."""
+
+    def __init__(self, websocket: WebSocket) -> None:
+        self._ws = websocket
+        self._queue: asyncio.Queue[dict[str, Any] | None] = asyncio.Queue()
+        self._task = asyncio.ensure_future(self._write())
+        self.closed = False
+
+    def send(self, body: dict[str, Any]) -> None:
+        if not self.closed:
+            self._queue.put_nowait(body)
+
+    async def _write(self) -> None:
+        while (body := await self._queue.get()) is not None:
+            try:
+                await self._ws.send_text(json.dumps(body))
+            except Exception:  # noqa: BLE001 - the peer is gone; the reader sees the disconnect
+                self.closed = True
+                return
+
+    async def close(self) -> None:
+        self._queue.put_nowait(None)
+        self.closed = True
+        await asyncio.gather(self._task, return_exceptions=True)
+
+
+@router.websocket("/v1/realtime")
+async def realtime(websocket: WebSocket) -> None:
+    client = websocket.app.state.engine_client
+    names = _served_names(client)
+    model = websocket.query_params.get("model")
+    await websocket.accept()
+    writer = _EventWriter(websocket)
+    if model and names and model not in names:
+        writer.send({"type": "error", "event_id": None,
+                     "error": {"type": "invalid_request_error", "code": "model_not_found", "param": "model",
+                               "message": f"The model `{model}` does not exist; this server serves {names}.",
+                               "event_id": None}})
+        await writer.close()
+        await websocket.close(code=1008)
+        return
+    session = RealtimeSession(PipelineRealtimeEngine(websocket), writer.send, model=model or (names or [""])[0],
+                              vad_factory=_vad_factory())
+    writer.send(session.created())
+    try:
+        while True:
+            message = await websocket.receive()
+            if message["type"] == "websocket.disconnect":
+                break
+            await session.handle(message.get("text") if message.get("text") is not None else message.get("bytes"))
+    except WebSocketDisconnect:
+        pass
+    finally:
+        await session.close()
+        await writer.close()

@@ -1,0 +1,56 @@
+"""What a realtime session needs of the pipeline, as one small protocol.
+
+The session code (``session.py``, ``response.py``) holds only per-session state and speaks to
+the pipeline through this interface, so it has no idea of stage ids, vLLM's chat rendering or
+HTTP; ``omni_engine.entrypoints.openai.realtime`` implements it over ``MultiStageEngineClient``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncGenerator
+from typing import NamedTuple, Protocol
+
+import numpy as np
+
+
+class ResponseStart(NamedTuple):
+    """First thing a response yields: the prompt's length in tokens (for usage)."""
+
+    prompt_tokens: int
+
+
+class TextDelta(NamedTuple):
+    text: str
+    tokens: int
+    finish_reason: str | None
+
+
+class AudioChunk(NamedTuple):
+    """One spoken sentence (float32 mono) at the speech stage's ``rate``."""
+
+    samples: np.ndarray
+    rate: int
+
+
+ResponsePiece = ResponseStart | TextDelta | AudioChunk
+
+
+class RealtimeEngine(Protocol):
+    can_hear: bool   # the pipeline has a speech-to-text stage
+    can_speak: bool  # the pipeline has a speech stage
+
+    def check_voice(self, voice: str, speed: float) -> None:
+        """``SessionConfigError`` if the speech stage does not take ``voice``/``speed``."""
+
+    def check_language(self, language: str | None) -> None:
+        """``SessionConfigError`` if the speech-to-text stage does not know ``language``."""
+
+    async def transcribe(self, audio: np.ndarray, *, language: str | None, prompt: str | None,
+                         request_id: str) -> str:
+        """The text of ``audio`` (16 kHz float32 mono)."""
+
+    def respond(self, messages: list[dict[str, str]], *, audio: bool, voice: str, speed: float,
+                max_tokens: int | None, temperature: float | None,
+                request_id: str) -> AsyncGenerator[ResponsePiece, None]:
+        """The LLM's answer to ``messages`` as it is written, and (``audio``) spoken sentence by sentence.
+        Closing the generator early aborts the request on every stage."""

@@ -1,0 +1,42 @@
+"""Realtime API events: the client event types this server takes, server events, OpenAI's error shape."""
+
+from __future__ import annotations
+
+import enum
+import uuid
+from typing import Any
+
+
+class ClientEvent(str, enum.Enum):
+    SESSION_UPDATE = "session.update"
+    INPUT_AUDIO_BUFFER_APPEND = "input_audio_buffer.append"
+    INPUT_AUDIO_BUFFER_COMMIT = "input_audio_buffer.commit"
+    INPUT_AUDIO_BUFFER_CLEAR = "input_audio_buffer.clear"
+    CONVERSATION_ITEM_CREATE = "conversation.item.create"
+    CONVERSATION_ITEM_RETRIEVE = "conversation.item.retrieve"
+    CONVERSATION_ITEM_TRUNCATE = "conversation.item.truncate"
+    CONVERSATION_ITEM_DELETE = "conversation.item.delete"
+    RESPONSE_CREATE = "response.create"
+    RESPONSE_CANCEL = "response.cancel"
+
+
+CLIENT_EVENTS = frozenset(e.value for e in ClientEvent)
+
+
+class RealtimeError(Exception):
+    """A client event refused: sent back as an ``error`` event; the session goes on."""
+
+    def __init__(self, message: str, code: str = "invalid_value", param: str | None = None,
+                 err_type: str = "invalid_request_error") -> None:
+        super().__init__(message)
+        self.code, self.param, self.err_type = code, param, err_type
+
+
+def event(kind: str, **fields: Any) -> dict[str, Any]:
+    """A server event with its own ``event_id``."""
+    return {"type": kind, "event_id": f"event_{uuid.uuid4().hex[:20]}", **fields}
+
+
+def error_event(exc: RealtimeError, client_event_id: str | None = None) -> dict[str, Any]:
+    return event("error", error={"type": exc.err_type, "code": exc.code, "message": str(exc), "param": exc.param,
+                                 "event_id": client_event_id})

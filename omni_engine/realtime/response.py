@@ -1,0 +1,208 @@
+"""One model response of a realtime session: its events, from ``response.created`` to ``response.done``.
+
+A response runs as a task. Cancelling it (``response.cancel``, or barge-in when the user starts
+speaking) cancels the task: leaving the engine's generator aborts the request on every stage, and
+the ``done`` events go out at once with status ``cancelled``; nothing of the response is sent
+after them. The assistant item keeps, of an audio answer, the sentences whose audio was sent.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from omni_engine.pipeline.input_processors import split_sentences
+from omni_engine.realtime.audio_io import StreamResampler, encode_output
+from omni_engine.realtime.config import SessionConfig
+from omni_engine.realtime.conversation import Conversation, Item, new_id
+from omni_engine.realtime.engine import AudioChunk, RealtimeEngine, ResponseStart, TextDelta
+from omni_engine.realtime.events import event
+
+logger = logging.getLogger(__name__)
+
+
+class ResponseRun:
+    """A response in flight; ``task`` runs it, ``cancel`` ends it with status ``cancelled``."""
+
+    def __init__(self, *, engine: RealtimeEngine, config: SessionConfig, conversation: Conversation,
+                 send: Callable[[dict[str, Any]], None], options: dict[str, Any],
+                 wait_for: list[asyncio.Future]) -> None:
+        self.id = new_id("resp")
+        self.engine, self.config, self.conversation, self.send = engine, config, conversation, send
+        self.options = options
+        self.modalities: list[str] = options.get("output_modalities") or list(config.output_modalities)
+        self.audio = "audio" in self.modalities
+        self.in_conversation = options.get("conversation", "auto") != "none"
+        self.item = Item(id=new_id("item"), role="assistant", status="in_progress",
+                         content=[{"type": "output_audio" if self.audio else "output_text",
+                                   **({"transcript": ""} if self.audio else {"text": ""})}])
+        self._wait_for = wait_for
+        self.text = ""
+        self.prompt_tokens = self.output_tokens = 0
+        self.audio_sent_ms = 0.0
+        self.cancel_reason: str | None = None
+        self.created_at = time.monotonic()
+        self.first_audio_at: float | None = None
+        self.task: asyncio.Task | None = None
+
+    def start(self) -> None:
+        self.send(event("response.created", response=self._json("in_progress")))
+        self.task = asyncio.ensure_future(self._run())
+
+    @property
+    def done(self) -> bool:
+        return self.task is None or self.task.done()
+
+    async def cancel(self, reason: str) -> None:
+        """End the response now (``turn_detected`` or ``client_cancelled``); returns once ``response.done`` is queued."""
+        if self.done:
+            return
+        self.cancel_reason = reason
+        assert self.task is not None
+        self.task.cancel()
+        await asyncio.gather(self.task, return_exceptions=True)
+
+    # ------------------------------------------------------------ running
+    def _part(self) -> dict[str, Any]:
+        return self.item.content[0]
+
+    def _ids(self) -> dict[str, Any]:
+        return {"response_id": self.id, "item_id": self.item.id, "output_index": 0, "content_index": 0}
+
+    async def _run(self) -> None:
+        status, details = "completed", None
+        try:
+            if self._wait_for:  # the user's audio turns still being transcribed: the LLM needs their text
+                await asyncio.wait(self._wait_for)  # not gather: cancelling us must not cancel them
+            messages = self._messages()
+            self._open_item()
+            finish = await self._stream(messages)
+            if finish == "length":
+                status, details = "incomplete", {"type": "incomplete", "reason": "max_output_tokens"}
+        except asyncio.CancelledError:
+            status, details = "cancelled", {"type": "cancelled", "reason": self.cancel_reason or "client_cancelled"}
+        except Exception as exc:  # noqa: BLE001 - reported to the client as a failed response
+            logger.warning("realtime response %s failed: %s", self.id, exc)
+            status = "failed"
+            details = {"type": "failed", "error": {"type": "invalid_request_error" if isinstance(exc, ValueError)
+                                                   else "server_error", "code": type(exc).__name__,
+                                                   "message": str(exc)}}
+            self.send(event("error", error={"type": details["error"]["type"], "code": "response_failed",
+                                            "message": f"response {self.id}: {exc}", "param": None,
+                                            "event_id": None}))
+        self._finish(status, details)
+
+    def _messages(self) -> list[dict[str, str]]:
+        instructions = self.options.get("instructions") or self.config.instructions
+        if self.in_conversation and "input" not in self.options:
+            return self.conversation.chat_messages(instructions)
+        extra = Conversation()
+        for item in self.options.get("input") or ():
+            extra.items.append(item)
+        return extra.chat_messages(instructions)
+
+    def _open_item(self) -> None:
+        previous = self.conversation.last_id()
+        if self.in_conversation:
+            self.conversation.add(self.item)
+        self.send(event("response.output_item.added", response_id=self.id, output_index=0, item=self.item.to_json()))
+        if self.in_conversation:
+            for kind in ("conversation.item.added", "conversation.item.created"):
+                self.send(event(kind, previous_item_id=previous, item=self.item.to_json()))
+        part = {"type": "audio", "transcript": ""} if self.audio else {"type": "text", "text": ""}
+        self.send(event("response.content_part.added", **self._ids(), part=part))
+
+    def _max_tokens(self) -> int | None:
+        value = self.options.get("max_output_tokens", self.config.max_output_tokens)
+        return None if value == "inf" else int(value)
+
+    async def _stream(self, messages: list[dict[str, str]]) -> str | None:
+        out = self.config.audio.output
+        resampler: StreamResampler | None = None
+        finish = None
+        sentences_spoken = 0
+        pieces = self.engine.respond(messages, audio=self.audio, voice=out.voice, speed=out.speed,
+                                     max_tokens=self._max_tokens(), temperature=self.config.temperature,
+                                     request_id=self.id)
+        try:
+            async for piece in pieces:
+                if isinstance(piece, ResponseStart):
+                    self.prompt_tokens = piece.prompt_tokens
+                elif isinstance(piece, TextDelta):
+                    self.output_tokens += piece.tokens
+                    finish = piece.finish_reason or finish
+                    if piece.text:
+                        self.text += piece.text
+                        kind = "response.output_audio_transcript.delta" if self.audio else "response.output_text.delta"
+                        self.send(event(kind, **self._ids(), delta=piece.text))
+                        if not self.audio:
+                            self._part()["text"] = self.text
+                elif isinstance(piece, AudioChunk) and len(piece.samples):
+                    resampler = resampler or StreamResampler(piece.rate, out.format.sample_rate)
+                    samples = resampler.feed(np.asarray(piece.samples, dtype=np.float32))
+                    self._send_audio(samples)
+                    sentences = split_sentences(self.text)
+                    sentence = sentences[sentences_spoken] if sentences_spoken < len(sentences) else ""
+                    sentences_spoken += 1
+                    self.item.spoken.append((sentence, 1000.0 * len(piece.samples) / piece.rate))
+                    self._part()["transcript"] = " ".join(s for s, _ in self.item.spoken)
+            if resampler is not None:
+                self._send_audio(resampler.flush())
+        finally:
+            await pieces.aclose()
+        if self.audio and sentences_spoken == 0 and self.text:
+            self._part()["transcript"] = self.text  # no audio came (e.g. nothing speakable): keep the text
+        return finish
+
+    def _send_audio(self, samples: np.ndarray) -> None:
+        if not len(samples):
+            return
+        fmt = self.config.audio.output.format
+        if self.first_audio_at is None:
+            self.first_audio_at = time.monotonic()
+        self.audio_sent_ms += 1000.0 * len(samples) / fmt.sample_rate
+        self.send(event("response.output_audio.delta", **self._ids(), delta=encode_output(samples, fmt.type)))
+
+    def _finish(self, status: str, details: dict[str, Any] | None) -> None:
+        opened = self.item.status == "in_progress" and (not self.in_conversation or
+                                                        self.conversation.get(self.item.id) is not None)
+        self.item.status = "completed" if status == "completed" else "incomplete"
+        if opened and self.item.content:
+            part = self._part()
+            if self.audio:
+                self.send(event("response.output_audio.done", **self._ids()))
+                self.send(event("response.output_audio_transcript.done", **self._ids(),
+                                transcript=part.get("transcript", "")))
+                done_part = {"type": "audio", "transcript": part.get("transcript", "")}
+            else:
+                self.send(event("response.output_text.done", **self._ids(), text=part.get("text", "")))
+                done_part = {"type": "text", "text": part.get("text", "")}
+            self.send(event("response.content_part.done", **self._ids(), part=done_part))
+            self.send(event("response.output_item.done", response_id=self.id, output_index=0,
+                            item=self.item.to_json()))
+            if self.in_conversation:
+                self.send(event("conversation.item.done", item=self.item.to_json()))
+        self.send(event("response.done", response=self._json(status, details, with_output=opened)))
+
+    def _json(self, status: str, details: dict[str, Any] | None = None, with_output: bool = False) -> dict[str, Any]:
+        out = self.config.audio.output
+        usage = None
+        if status != "in_progress":
+            usage = {"total_tokens": self.prompt_tokens + self.output_tokens, "input_tokens": self.prompt_tokens,
+                     "output_tokens": self.output_tokens,
+                     "input_token_details": {"text_tokens": self.prompt_tokens, "audio_tokens": 0,
+                                             "cached_tokens": 0},
+                     "output_token_details": {"text_tokens": self.output_tokens, "audio_tokens": 0}}
+        return {"id": self.id, "object": "realtime.response", "status": status, "status_details": details,
+                "output": [self.item.to_json()] if with_output else [],
+                "conversation_id": "auto" if self.in_conversation else None,
+                "output_modalities": self.modalities,
+                "audio": {"output": {"format": {"type": out.format.type, "rate": out.format.sample_rate},
+                                     "voice": out.voice}},
+                "max_output_tokens": self.options.get("max_output_tokens", self.config.max_output_tokens),
+                "metadata": self.options.get("metadata"), "usage": usage}
