@@ -16,7 +16,7 @@ the last chunk of speech was sent:
 * ``first_audio``: until the first ``response.output_audio.delta`` (first sentence through Piper).
 
 Reported as p50/p95 at each session count, with ``first_audio - vad`` (the pipeline's own part).
-Then barge-in: while an answer streams, a second question starts; the time from
+Then barge-in: while a long answer streams (a story), the question starts; the time from
 ``speech_started`` to the first response's ``response.done`` (cancelled) is reported. JSON goes
 to ``benchmarks/results/``.
 """
@@ -111,11 +111,13 @@ async def one_turn(url: str, key: str, question: np.ndarray) -> dict[str, float]
 
 
 async def barge_in(url: str, key: str, first: np.ndarray, second: np.ndarray) -> float:
+    """A long answer to ``first`` is interrupted by ``second``: ``speech_started`` -> its ``response.done``."""
     import openai
 
     client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key=key, max_retries=0)
     async with client.realtime.connect(model=MODEL) as conn:
         await conn.recv()
+        await conn.session.update(session={"type": "realtime", "max_output_tokens": 300})
         await send_paced(conn, np.concatenate([first, np.zeros(18000, dtype="<i2")]))
         async for ev in conn:
             if ev.type == "response.output_audio.delta":
@@ -125,7 +127,9 @@ async def barge_in(url: str, key: str, first: np.ndarray, second: np.ndarray) ->
         async for ev in conn:
             if ev.type == "input_audio_buffer.speech_started":
                 started = time.monotonic()
-            elif ev.type == "response.done" and started is not None:
+            elif ev.type == "response.done":
+                if started is None or ev.response.status != "cancelled":
+                    raise SystemExit(f"the first answer ended ({ev.response.status}) before the user cut in")
                 took = time.monotonic() - started
                 break
         sender.cancel()
@@ -144,7 +148,7 @@ def summary(turns: list[dict[str, float]]) -> dict[str, Any]:
 
 async def run(args: argparse.Namespace, url: str) -> dict[str, Any]:
     question = spoken(url, args.api_key, "What is the capital of France?")
-    second = spoken(url, args.api_key, "What is the capital of Germany?")
+    story = spoken(url, args.api_key, "Tell me a long story about a dragon.")
     await one_turn(url, args.api_key, question)  # warm-up
     results: dict[str, Any] = {"sessions": {}}
     for n in args.sessions:
@@ -154,7 +158,7 @@ async def run(args: argparse.Namespace, url: str) -> dict[str, Any]:
             firsts = ", ".join(f"{t.get('first_audio', float('nan')):.2f}" for t in turns[-n:])
             progress(f"{n} session(s), round {r + 1}: first audio {firsts} s")
         results["sessions"][str(n)] = summary(turns)
-    cancels = [await barge_in(url, args.api_key, question, second) for _ in range(args.rounds)]
+    cancels = [await barge_in(url, args.api_key, story, question) for _ in range(args.rounds)]
     results["barge_in_cancel_s"] = {"p50": pct(cancels, 50), "max": max(cancels), "all": cancels}
     return results
 
