@@ -58,6 +58,21 @@ class InputAudio:
             self._keep_last(int(self.turn.prefix_padding_ms * RATE / 1000) + 512)
         return events
 
+    def pause_start(self) -> int | None:
+        """Absolute offset where the speaker's current pause began (VAD on, mid-turn), else None."""
+        pause = self.vad.pause_start if self.vad is not None else None
+        return None if pause is None else pause + self._vad_origin
+
+    def silence_samples(self) -> int:
+        """The silence that ends a turn, in samples (the VAD's stop lands this far after the pause began)."""
+        return self.turn.silence_duration_ms * RATE // 1000 if self.turn is not None else 0
+
+    def peek(self, start: int, end: int) -> np.ndarray:
+        """The buffered audio in ``[start, end)`` (absolute), leaving the buffer as it is."""
+        audio = np.concatenate(self._chunks) if self._chunks else np.zeros(0, dtype=np.float32)
+        start, end = max(start, self._start), min(end, self.total)
+        return audio[start - self._start:max(start, end) - self._start]
+
     def take(self, start: int | None = None, end: int | None = None) -> np.ndarray:
         """The buffered audio in ``[start, end)`` (absolute; default all); everything before ``end`` leaves the buffer."""
         audio = np.concatenate(self._chunks) if self._chunks else np.zeros(0, dtype=np.float32)

@@ -31,6 +31,11 @@ from omni_engine.realtime.response import ResponseRun
 logger = logging.getLogger(__name__)
 
 MIN_COMMIT_MS = 100  # OpenAI refuses to commit less
+# Transcribe a turn once the user's pause is this share of silence_duration_ms (and at least
+# EARLY_MIN_MS), before the VAD confirms its end: Whisper's time then overlaps the VAD's wait.
+# Speech that resumes discards the guess (its request is aborted); pauses inside a sentence are
+# mostly shorter than this, so few guesses are wasted.
+EARLY_SHARE, EARLY_MIN_MS = 0.6, 200
 
 
 class RealtimeSession:
@@ -53,6 +58,7 @@ class RealtimeSession:
         self._input = InputAudio(self.config.audio.input.format.type, self.config.audio.input.turn_detection,
                                  vad_factory)
         self._speech: tuple[str, int] | None = None  # (item id, start sample) while the VAD hears speech
+        self._early: tuple[str, int, asyncio.Task] | None = None  # (item id, pause start, transcription)
         self._handlers = {kind: getattr(self, "_on_" + kind.name.lower()) for kind in ClientEvent}
 
     def created(self) -> dict[str, Any]:
@@ -86,7 +92,7 @@ class RealtimeSession:
         """The connection is gone: end the response and the transcriptions (their stage requests are aborted)."""
         if self.response is not None:
             await self.response.cancel("client_cancelled")
-        tasks = list(self._transcriptions.values())
+        tasks = list(self._transcriptions.values()) + ([self._early[2]] if self._early else [])
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
@@ -125,6 +131,23 @@ class RealtimeSession:
                 await self._speech_started(sample)
             else:
                 self._speech_stopped(sample)
+        self._transcribe_early()
+
+    def _transcribe_early(self) -> None:
+        """Start transcribing the turn once its pause is long enough (``EARLY_SHARE``); drop the guess when
+        speech resumes (the trailing silence the final turn adds does not change Whisper's text)."""
+        pause = self._input.pause_start()
+        if self._early is not None and (self._speech is None or self._early[:2] != (self._speech[0], pause)):
+            self._early[2].cancel()
+            self._early = None
+        if (self._early is None and self._speech is not None and pause is not None and self.engine.can_hear
+                and self._input.total - pause >= max(EARLY_MIN_MS * RATE // 1000,
+                                                     int(EARLY_SHARE * self._input.silence_samples()))):
+            item_id, start = self._speech
+            audio = self._input.peek(start, self._input.total)
+            task = asyncio.ensure_future(self._recognize(audio, f"{item_id}-stt-early"))
+            task.add_done_callback(lambda t: t.cancelled() or t.exception())  # a dropped guess's error is moot
+            self._early = (item_id, pause, task)
 
     async def _speech_started(self, sample: int) -> None:
         item_id = new_id("item")
@@ -137,8 +160,12 @@ class RealtimeSession:
     def _speech_stopped(self, sample: int) -> None:
         item_id, start = self._speech or (new_id("item"), self._input.total)
         self._speech = None
+        early = None
+        if self._early is not None and self._early[:2] == (item_id, sample - self._input.silence_samples()):
+            early = self._early[2]  # the pause that ended the turn is the one already being transcribed
+            self._early = None
         self.send(event("input_audio_buffer.speech_stopped", audio_end_ms=sample * 1000 // RATE, item_id=item_id))
-        self._commit(self._input.take(start, sample), item_id)
+        self._commit(self._input.take(start, sample), item_id, early)
         turn = self.config.audio.input.turn_detection
         if turn is not None and turn.create_response and (self.response is None or self.response.done):
             self._start_response({})
@@ -153,38 +180,45 @@ class RealtimeSession:
         if self._speech is not None:  # a manual commit ends the VAD's turn too
             self._speech = None
             self._input.configure(self._input.fmt, self._input.turn)
+            self._transcribe_early()  # drops a guess at this turn's end
         self._commit(audio, item_id)
 
     async def _on_input_audio_buffer_clear(self, body: dict[str, Any]) -> None:
         self._input.clear()
         self._speech = None
+        self._transcribe_early()
         self.send(event("input_audio_buffer.cleared"))
 
-    def _commit(self, audio: np.ndarray, item_id: str) -> None:
+    def _commit(self, audio: np.ndarray, item_id: str, early: asyncio.Task | None = None) -> None:
         item = Item(id=item_id, role="user", content=[{"type": "input_audio", "transcript": None}])
         previous = self.conversation.add(item)
         self.send(event("input_audio_buffer.committed", previous_item_id=previous, item_id=item_id))
         self._announce(item, previous)
-        self._transcribe(item, audio)
+        self._transcribe(item, audio, early)
 
     def _announce(self, item: Item, previous: str | None) -> None:
         for kind in ("conversation.item.added", "conversation.item.created"):
             self.send(event(kind, previous_item_id=previous, item=item.to_json()))
 
-    def _transcribe(self, item: Item, audio: np.ndarray) -> None:
-        task = asyncio.ensure_future(self._run_transcription(item, audio))
+    def _transcribe(self, item: Item, audio: np.ndarray, early: asyncio.Task | None = None) -> None:
+        task = asyncio.ensure_future(self._run_transcription(item, audio, early))
         self._transcriptions[item.id] = task
         task.add_done_callback(lambda _t, key=item.id: self._transcriptions.pop(key, None))
 
-    async def _run_transcription(self, item: Item, audio: np.ndarray) -> None:
+    async def _recognize(self, audio: np.ndarray, request_id: str) -> str:
+        if not self.engine.can_hear:
+            raise ValueError("this pipeline has no speech-to-text stage: audio input cannot be understood")
+        settings = self.config.audio.input.transcription
+        return await self.engine.transcribe(audio, language=settings.language if settings else None,
+                                            prompt=settings.prompt if settings else None, request_id=request_id)
+
+    async def _run_transcription(self, item: Item, audio: np.ndarray, early: asyncio.Task | None) -> None:
         settings = self.config.audio.input.transcription
         try:
-            if not self.engine.can_hear:
-                raise ValueError("this pipeline has no speech-to-text stage: audio input cannot be understood")
-            text = await self.engine.transcribe(audio, language=settings.language if settings else None,
-                                                prompt=settings.prompt if settings else None,
-                                                request_id=f"{item.id}-stt")
+            text = await (early if early is not None else self._recognize(audio, f"{item.id}-stt"))
         except asyncio.CancelledError:
+            if early is not None:
+                early.cancel()
             raise
         except Exception as exc:  # noqa: BLE001 - reported to the client; the session goes on
             logger.warning("realtime transcription of %s failed: %s", item.id, exc)

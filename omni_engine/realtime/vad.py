@@ -120,6 +120,12 @@ class VoiceActivityDetector:
         return self._speaking
 
     @property
+    def pause_start(self) -> int | None:
+        """While speaking: where the current run of silent frames began (None while speech goes on).
+        A turn whose pause has lasted a while can be transcribed before the VAD confirms its end."""
+        return self._silence_from if self._speaking and self._silence_from >= 0 else None
+
+    @property
     def samples_seen(self) -> int:
         return self._scored + len(self._pending)
 

@@ -1,0 +1,125 @@
+"""``RealtimeSession`` on its own: the real Silero VAD on real (eSpeak NG) speech, with a recording
+``RealtimeEngine`` in place of the pipeline, so the order of what the session asks of the pipeline is
+visible: a turn is transcribed while the VAD still waits for its silence to end, a guess is dropped
+(its request cancelled) when the user speaks on, and the final transcript is of the whole turn.
+The pipeline side is tested over a real server in test_realtime_serve.py."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+
+import numpy as np
+import pytest
+
+from omni_engine.audio import decode_audio, wav_bytes
+from omni_engine.engines.tts import EspeakSynthesizer
+from omni_engine.entrypoints.openai.realtime import _vad_factory
+from omni_engine.params import SpeechParams
+from omni_engine.realtime.engine import ResponseStart, TextDelta
+from omni_engine.realtime.session import RealtimeSession
+
+pytestmark = pytest.mark.asyncio(loop_scope="session")
+RATE = 24000
+
+
+class RecordingEngine:
+    """Transcribes to the audio's length in ms (so tests see which audio was sent) after ``delay`` s."""
+
+    can_hear = can_speak = True
+
+    def __init__(self, delay: float = 0.3) -> None:
+        self.delay = delay
+        self.calls: list[tuple[str, int]] = []      # (request id, ms of audio)
+        self.cancelled: list[str] = []
+
+    def check_voice(self, voice, speed):
+        pass
+
+    def check_language(self, language):
+        pass
+
+    async def transcribe(self, audio, *, language, prompt, request_id):
+        self.calls.append((request_id, len(audio) * 1000 // 16000))
+        try:
+            await asyncio.sleep(self.delay)
+        except asyncio.CancelledError:
+            self.cancelled.append(request_id)
+            raise
+        return f"{len(audio) * 1000 // 16000} ms"
+
+    async def respond(self, messages, **kwargs):
+        yield ResponseStart(len(messages))
+        yield TextDelta("Fine.", 2, "stop")
+
+
+@pytest.fixture(scope="module")
+def phrase() -> np.ndarray:
+    tts = EspeakSynthesizer()
+    audio = tts.synthesize("Hello there, how are you doing today?", SpeechParams(voice="en"))
+    return decode_audio(wav_bytes(audio, tts.sample_rate), RATE)
+
+
+def pcm_events(audio: np.ndarray) -> list[str]:
+    pcm = (np.clip(audio, -1, 1) * 32767).astype("<i2")
+    return [json.dumps({"type": "input_audio_buffer.append",
+                        "audio": base64.b64encode(pcm[i:i + 480].tobytes()).decode()}) for i in range(0, len(pcm), 480)]
+
+
+async def feed(session: RealtimeSession, audio: np.ndarray, sent: list, pace: float = 0.0) -> None:
+    for message in pcm_events(audio):
+        await session.handle(message)
+        sent.append(None)
+        await asyncio.sleep(pace)
+
+
+def zeros(seconds: float) -> np.ndarray:
+    return np.zeros(int(RATE * seconds), dtype=np.float32)
+
+
+async def test_a_turn_is_transcribed_before_the_vad_confirms_its_end(phrase):
+    engine, out = RecordingEngine(), []
+    session = RealtimeSession(engine, out.append, model="m", vad_factory=_vad_factory())
+    await feed(session, np.concatenate([zeros(0.3), phrase, zeros(1.0)]), [])
+    kinds = [e["type"] for e in out]
+    stopped = kinds.index("input_audio_buffer.speech_stopped")
+    # Every transcription was a guess made before the VAD confirmed the end; all but the last were
+    # dropped (pauses inside the phrase), and the last one is the turn's.
+    assert engine.calls and all(rid.endswith("-stt-early") for rid, _ in engine.calls)
+    assert engine.cancelled == [rid for rid, _ in engine.calls[:-1]]
+    await asyncio.sleep(engine.delay + 0.2)
+    done = next(e for e in out if e["type"] == "conversation.item.input_audio_transcription.completed")
+    assert done["item_id"] == out[stopped]["item_id"]
+    assert int(done["transcript"].split()[0]) >= len(phrase) * 1000 // RATE - 100  # the whole phrase
+    response = next(e for e in out if e["type"] == "response.done")
+    assert response["response"]["status"] == "completed"
+    await session.close()
+
+
+async def test_speech_that_resumes_drops_the_guess(phrase):
+    engine, out = RecordingEngine(delay=1.0), []
+    session = RealtimeSession(engine, out.append, model="m", vad_factory=_vad_factory())
+    # A 400 ms pause: long enough for a guess (300 ms), too short to end the turn (500 ms).
+    await feed(session, np.concatenate([zeros(0.3), phrase, zeros(0.4), phrase, zeros(1.0)]), [])
+    assert [e["type"] for e in out].count("input_audio_buffer.speech_stopped") == 1
+    guesses = [(rid, ms) for rid, ms in engine.calls if rid.endswith("-stt-early")]
+    assert len(guesses) == len(engine.calls) >= 2
+    # The guess at the 350 ms pause (the phrase alone) was dropped when the phrase came again.
+    assert any(abs(ms - (300 + len(phrase) * 1000 // RATE)) < 400 for _, ms in guesses[:-1])
+    assert engine.cancelled == [rid for rid, _ in guesses[:-1]]
+    await asyncio.sleep(1.2)
+    done = next(e for e in out if e["type"] == "conversation.item.input_audio_transcription.completed")
+    assert int(done["transcript"].split()[0]) >= 2 * len(phrase) * 1000 // RATE  # both phrases, one turn
+    await session.close()
+
+
+async def test_closing_the_session_cancels_a_guess_in_flight(phrase):
+    engine, out = RecordingEngine(delay=5.0), []
+    session = RealtimeSession(engine, out.append, model="m", vad_factory=_vad_factory())
+    await feed(session, np.concatenate([zeros(0.3), phrase, zeros(0.4)]), [])
+    assert engine.calls and "input_audio_buffer.speech_stopped" not in [e["type"] for e in out]
+    in_flight = [rid for rid, _ in engine.calls if rid not in engine.cancelled]
+    assert len(in_flight) == 1
+    await session.close()
+    assert engine.cancelled[-1] == in_flight[0]
