@@ -127,3 +127,15 @@ def value(samples, name: str, **labels: str) -> float:
             and ("le" in labels or "le" not in lbl)]
     assert len(hits) == 1, f"{name}{labels}: {len(hits)} samples in {samples.get(name)}"
     return hits[0]
+
+
+def assert_nothing_in_flight(server: dict[str, Any], wait_s: float = 10.0) -> None:
+    """No stage of ``server`` holds a request (its /metrics say so), waiting up to ``wait_s`` for aborts to land."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        busy = [(labels, v) for labels, v in scrape(server["url"]).get("omni_engine_replica_requests_in_flight", [])
+                if v]
+        if not busy or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    assert not busy, f"requests still in flight on stages: {busy}"

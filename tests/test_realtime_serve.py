@@ -18,7 +18,7 @@ import websockets
 
 from omni_engine.audio import wav_bytes
 from omni_engine.realtime.audio_io import StreamResampler
-from tests.serve_helpers import openai_client, scrape
+from tests.serve_helpers import assert_nothing_in_flight, openai_client
 
 pytestmark = [pytest.mark.llm, pytest.mark.asyncio(loop_scope="session")]
 
@@ -95,17 +95,6 @@ def answer_audio(events) -> np.ndarray:
 def heard(client, audio24k: np.ndarray) -> str:
     """What the server's Whisper stage hears in the answer's audio."""
     return client.audio.transcriptions.create(model="whisper-1", file=("answer.wav", wav_bytes(audio24k, 24000))).text
-
-
-def assert_nothing_in_flight(server) -> None:
-    deadline = time.monotonic() + 10
-    while True:
-        busy = [(labels, v) for labels, v in scrape(server["url"]).get("omni_engine_replica_requests_in_flight", [])
-                if v]
-        if not busy or time.monotonic() > deadline:
-            break
-        time.sleep(0.2)
-    assert not busy, f"requests still in flight on stages: {busy}"
 
 
 # ------------------------------------------------------------- spoken turns

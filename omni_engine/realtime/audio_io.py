@@ -18,6 +18,9 @@ from omni_engine.realtime.config import FORMAT_RATES
 
 # OpenAI's limit on one input_audio_buffer.append.
 MAX_APPEND_BYTES = 15 * 1024 * 1024
+# One output delta carries at most this much audio: a long sentence in one frame could pass a client's
+# frame limit (1 MiB by default in ``websockets``; 20 s of pcm16 at 24 kHz is 1.3 MB of base64).
+DELTA_MS = 1000
 
 
 class AudioInputError(ValueError):

@@ -180,6 +180,17 @@ def _merge(base: dict[str, Any], update: dict[str, Any]) -> dict[str, Any]:
 _AT = re.compile(r" - at `\$\.?(.*)`$")
 
 
+def validation_error(exc: msgspec.ValidationError, root: str = "session") -> SessionConfigError:
+    """msgspec's complaint as a ``SessionConfigError`` whose ``param`` is the field's path under ``root``."""
+    message = str(exc)
+    match = _AT.search(message)
+    path = match.group(1) if match else ""
+    if field := re.search(r"unknown field `([^`]*)`", message):
+        path = ".".join(p for p in (path, field.group(1)) if p)
+    param = f"{root}.{path}" if path else root
+    return SessionConfigError(f"invalid {root}: {_AT.sub('', message)}" + (f" at {param}" if path else ""), param)
+
+
 def updated(config: SessionConfig, update: Any) -> SessionConfig:
     """``config`` with the partial session ``update`` applied and checked (``SessionConfigError`` otherwise)."""
     if not isinstance(update, dict):
@@ -188,13 +199,6 @@ def updated(config: SessionConfig, update: Any) -> SessionConfig:
     try:
         new = msgspec.convert(merged, SessionConfig)
     except msgspec.ValidationError as exc:
-        message = str(exc)
-        match = _AT.search(message)
-        path = match.group(1) if match else ""
-        if "unknown field" in message:
-            field = re.search(r"unknown field `([^`]*)`", message)
-            path = ".".join(p for p in (path, field.group(1) if field else "") if p)
-        raise SessionConfigError(f"invalid session: {_AT.sub('', message)}" + (f" at session.{path}" if path else ""),
-                                 f"session.{path}" if path else "session") from None
+        raise validation_error(exc) from None
     new.check()
     return new

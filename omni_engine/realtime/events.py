@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import json
 import uuid
 from typing import Any
 
@@ -40,3 +41,28 @@ def event(kind: str, **fields: Any) -> dict[str, Any]:
 def error_event(exc: RealtimeError, client_event_id: str | None = None) -> dict[str, Any]:
     return event("error", error={"type": exc.err_type, "code": exc.code, "message": str(exc), "param": exc.param,
                                  "event_id": client_event_id})
+
+
+def parse_client_event(frame: str | bytes | None, known: frozenset[str]) -> dict[str, Any]:
+    """A client's JSON text frame as an event whose ``type`` is in ``known``; ``RealtimeError`` otherwise."""
+    if not isinstance(frame, str):
+        raise RealtimeError("binary frames are not events: send JSON text", "invalid_json")
+    try:
+        body = json.loads(frame)
+    except json.JSONDecodeError as exc:
+        raise RealtimeError(f"the event is not valid JSON: {exc}", "invalid_json") from None
+    if not isinstance(body, dict):
+        raise RealtimeError("an event must be a JSON object with a 'type'", "invalid_json")
+    if body.get("type") not in known:
+        raise RealtimeError(f"Invalid value: {body.get('type')!r}. Supported values are: "
+                            f"{', '.join(sorted(known))}.", "invalid_value", "type")
+    return body
+
+
+def client_event_id(frame: str | bytes | None) -> str | None:
+    """The ``event_id`` of a client frame, if it has one (for the error that answers it)."""
+    try:
+        body = json.loads(frame) if isinstance(frame, str) else None
+    except json.JSONDecodeError:
+        return None
+    return body.get("event_id") if isinstance(body, dict) else None

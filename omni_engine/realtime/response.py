@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 
 from omni_engine.pipeline.input_processors import split_sentences
-from omni_engine.realtime.audio_io import StreamResampler, encode_output
+from omni_engine.realtime.audio_io import DELTA_MS, StreamResampler, encode_output
 from omni_engine.realtime.config import SessionConfig
 from omni_engine.realtime.conversation import Conversation, Item, new_id
 from omni_engine.realtime.engine import AudioChunk, RealtimeEngine, ResponseStart, TextDelta
@@ -166,7 +166,10 @@ class ResponseRun:
         if self.first_audio_at is None:
             self.first_audio_at = time.monotonic()
         self.audio_sent_ms += 1000.0 * len(samples) / fmt.sample_rate
-        self.send(event("response.output_audio.delta", **self._ids(), delta=encode_output(samples, fmt.type)))
+        step = fmt.sample_rate * DELTA_MS // 1000
+        for start in range(0, len(samples), step):
+            self.send(event("response.output_audio.delta", **self._ids(),
+                            delta=encode_output(samples[start:start + step], fmt.type)))
 
     def _finish(self, status: str, details: dict[str, Any] | None) -> None:
         opened = self.item.status == "in_progress" and (not self.in_conversation or

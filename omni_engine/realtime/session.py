@@ -13,7 +13,6 @@ changes nothing; the session goes on.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 from collections.abc import Callable
 from typing import Any
@@ -24,7 +23,15 @@ from omni_engine.realtime.audio_io import AudioInputError, StreamResampler, deco
 from omni_engine.realtime.config import SessionConfig, SessionConfigError, updated
 from omni_engine.realtime.conversation import Conversation, Item, item_from_client, new_id
 from omni_engine.realtime.engine import RealtimeEngine
-from omni_engine.realtime.events import CLIENT_EVENTS, ClientEvent, RealtimeError, error_event, event
+from omni_engine.realtime.events import (
+    CLIENT_EVENTS,
+    ClientEvent,
+    RealtimeError,
+    client_event_id,
+    error_event,
+    event,
+    parse_client_event,
+)
 from omni_engine.realtime.input_audio import RATE, InputAudio
 from omni_engine.realtime.response import ResponseRun
 
@@ -65,28 +72,15 @@ class RealtimeSession:
         return event("session.created", session=self.config.to_json(self.id))
 
     # ------------------------------------------------------------ dispatch
-    async def handle(self, text: str | bytes) -> None:
+    async def handle(self, frame: str | bytes | None) -> None:
         """One client event (a JSON text frame); refusals go back as ``error`` events."""
-        body: Any = None
         try:
-            if isinstance(text, bytes):
-                raise RealtimeError("binary frames are not events: send JSON text", "invalid_json")
-            try:
-                body = json.loads(text)
-            except json.JSONDecodeError as exc:
-                raise RealtimeError(f"the event is not valid JSON: {exc}", "invalid_json") from None
-            if not isinstance(body, dict):
-                raise RealtimeError("an event must be a JSON object with a 'type'", "invalid_json")
-            kind = body.get("type")
-            if kind not in CLIENT_EVENTS:
-                raise RealtimeError(f"Invalid value: {kind!r}. Supported values are: "
-                                    f"{', '.join(sorted(CLIENT_EVENTS))}.", "invalid_value", "type")
-            await self._handlers[ClientEvent(kind)](body)
+            body = parse_client_event(frame, CLIENT_EVENTS)
+            await self._handlers[ClientEvent(body["type"])](body)
         except RealtimeError as exc:
-            self.send(error_event(exc, body.get("event_id") if isinstance(body, dict) else None))
+            self.send(error_event(exc, client_event_id(frame)))
         except SessionConfigError as exc:
-            self.send(error_event(RealtimeError(str(exc), "invalid_value", exc.param),
-                                  body.get("event_id") if isinstance(body, dict) else None))
+            self.send(error_event(RealtimeError(str(exc), "invalid_value", exc.param), client_event_id(frame)))
 
     async def close(self) -> None:
         """The connection is gone: end the response and the transcriptions (their stage requests are aborted)."""

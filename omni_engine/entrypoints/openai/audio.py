@@ -440,8 +440,9 @@ def add_audio_routes(app: FastAPI) -> FastAPI:
     # Both import this module.
     from omni_engine.entrypoints.openai.images import router as images_router
     from omni_engine.entrypoints.openai.realtime import router as realtime_router
+    from omni_engine.entrypoints.openai.speech_stream import router as speech_stream_router
     from omni_engine.entrypoints.openai.transcription import router as transcription_router
 
-    for extra in (router, images_router, transcription_router, realtime_router):
+    for extra in (router, images_router, transcription_router, realtime_router, speech_stream_router):
         app = include_router_first(app, extra)
     return app

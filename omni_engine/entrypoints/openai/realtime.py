@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Callable
 from typing import Any
 
 import numpy as np
@@ -170,23 +170,31 @@ class _EventWriter:
         await asyncio.gather(self._task, return_exceptions=True)
 
 
-@router.websocket("/v1/realtime")
-async def realtime(websocket: WebSocket) -> None:
-    client = websocket.app.state.engine_client
-    names = _served_names(client)
+def refusal_event(code: str, param: str | None, message: str) -> dict[str, Any]:
+    """An ``error`` event sent before the connection is closed (no session exists yet)."""
+    return {"type": "error", "event_id": None,
+            "error": {"type": "invalid_request_error", "code": code, "param": param, "message": message,
+                      "event_id": None}}
+
+
+async def serve_session(websocket: WebSocket, make_session: Callable[[Callable[[dict[str, Any]], None]], Any],
+                        refused: dict[str, Any] | None = None) -> None:
+    """Run one event session on ``websocket`` until it closes, then close the session (it aborts what it
+    has in flight). A ``?model=`` this server does not serve, or ``refused``, is sent as an error event
+    and the socket closed (1008) instead. ``make_session(send)`` builds the session around the writer."""
+    names = _served_names(websocket.app.state.engine_client)
     model = websocket.query_params.get("model")
     await websocket.accept()
     writer = _EventWriter(websocket)
     if model and names and model not in names:
-        writer.send({"type": "error", "event_id": None,
-                     "error": {"type": "invalid_request_error", "code": "model_not_found", "param": "model",
-                               "message": f"The model `{model}` does not exist; this server serves {names}.",
-                               "event_id": None}})
+        refused = refusal_event("model_not_found", "model",
+                                f"The model `{model}` does not exist; this server serves {names}.")
+    if refused is not None:
+        writer.send(refused)
         await writer.close()
         await websocket.close(code=1008)
         return
-    session = RealtimeSession(PipelineRealtimeEngine(websocket), writer.send, model=model or (names or [""])[0],
-                              vad_factory=_vad_factory())
+    session = make_session(writer.send)
     writer.send(session.created())
     try:
         while True:
@@ -199,3 +207,12 @@ async def realtime(websocket: WebSocket) -> None:
     finally:
         await session.close()
         await writer.close()
+
+
+@router.websocket("/v1/realtime")
+async def realtime(websocket: WebSocket) -> None:
+    names = _served_names(websocket.app.state.engine_client)
+    model = websocket.query_params.get("model") or (names or [""])[0]
+    engine = PipelineRealtimeEngine(websocket)
+    await serve_session(websocket, lambda send: RealtimeSession(engine, send, model=model,
+                                                                 vad_factory=_vad_factory()))
