@@ -5,7 +5,10 @@ from __future__ import annotations
 import enum
 import json
 import uuid
+from collections.abc import Callable
 from typing import Any
+
+from omni_engine.realtime.config import SessionConfigError
 
 
 class ClientEvent(str, enum.Enum):
@@ -20,8 +23,6 @@ class ClientEvent(str, enum.Enum):
     RESPONSE_CREATE = "response.create"
     RESPONSE_CANCEL = "response.cancel"
 
-
-CLIENT_EVENTS = frozenset(e.value for e in ClientEvent)
 
 
 class RealtimeError(Exception):
@@ -66,3 +67,29 @@ def client_event_id(frame: str | bytes | None) -> str | None:
     except json.JSONDecodeError:
         return None
     return body.get("event_id") if isinstance(body, dict) else None
+
+
+class EventSession:
+    """What the WebSocket sessions share: each client event type of ``EVENTS`` is handled by the method
+    ``_on_<name>`` (``session.update`` -> ``_on_session_update``), refusals become ``error`` events."""
+
+    EVENTS: type[enum.Enum]
+
+    def __init__(self, send: Callable[[dict[str, Any]], None]) -> None:
+        self.id = f"sess_{uuid.uuid4().hex[:20]}"
+        self.send = send
+        self._handlers = {kind.value: getattr(self, "_on_" + kind.name.lower()) for kind in self.EVENTS}
+        self._known = frozenset(self._handlers)
+
+    def created(self) -> dict[str, Any]:
+        return event("session.created", session=self.config.to_json(self.id))  # type: ignore[attr-defined]
+
+    async def handle(self, frame: str | bytes | None) -> None:
+        """One client event (a JSON text frame); a refusal changes nothing and goes back as an ``error``."""
+        try:
+            body = parse_client_event(frame, self._known)
+            await self._handlers[body["type"]](body)
+        except RealtimeError as exc:
+            self.send(error_event(exc, client_event_id(frame)))
+        except SessionConfigError as exc:
+            self.send(error_event(RealtimeError(str(exc), "invalid_value", exc.param), client_event_id(frame)))

@@ -23,15 +23,7 @@ from omni_engine.realtime.audio_io import AudioInputError, StreamResampler, deco
 from omni_engine.realtime.config import SessionConfig, SessionConfigError, updated
 from omni_engine.realtime.conversation import Conversation, Item, item_from_client, new_id
 from omni_engine.realtime.engine import RealtimeEngine
-from omni_engine.realtime.events import (
-    CLIENT_EVENTS,
-    ClientEvent,
-    RealtimeError,
-    client_event_id,
-    error_event,
-    event,
-    parse_client_event,
-)
+from omni_engine.realtime.events import ClientEvent, EventSession, RealtimeError, event
 from omni_engine.realtime.input_audio import RATE, InputAudio
 from omni_engine.realtime.response import ResponseRun
 
@@ -45,13 +37,15 @@ MIN_COMMIT_MS = 100  # OpenAI refuses to commit less
 EARLY_SHARE, EARLY_MIN_MS = 0.6, 200
 
 
-class RealtimeSession:
+class RealtimeSession(EventSession):
     """State and event handling of one ``/v1/realtime`` connection."""
+
+    EVENTS = ClientEvent
 
     def __init__(self, engine: RealtimeEngine, send: Callable[[dict[str, Any]], None], *, model: str,
                  vad_factory: Callable[[Any], Any] | None) -> None:
-        self.id = new_id("sess")
-        self.engine, self.send = engine, send
+        super().__init__(send)
+        self.engine = engine
         self.config = SessionConfig(model=model)
         if not engine.can_speak:
             self.config.output_modalities = ["text"]
@@ -60,27 +54,11 @@ class RealtimeSession:
             self.config.audio.input.turn_detection = None
         self.conversation = Conversation()
         self.response: ResponseRun | None = None
-        self.responses: list[ResponseRun] = []  # every response of the session, for measurements
         self._transcriptions: dict[str, asyncio.Task] = {}
         self._input = InputAudio(self.config.audio.input.format.type, self.config.audio.input.turn_detection,
                                  vad_factory)
         self._speech: tuple[str, int] | None = None  # (item id, start sample) while the VAD hears speech
         self._early: tuple[str, int, asyncio.Task] | None = None  # (item id, pause start, transcription)
-        self._handlers = {kind: getattr(self, "_on_" + kind.name.lower()) for kind in ClientEvent}
-
-    def created(self) -> dict[str, Any]:
-        return event("session.created", session=self.config.to_json(self.id))
-
-    # ------------------------------------------------------------ dispatch
-    async def handle(self, frame: str | bytes | None) -> None:
-        """One client event (a JSON text frame); refusals go back as ``error`` events."""
-        try:
-            body = parse_client_event(frame, CLIENT_EVENTS)
-            await self._handlers[ClientEvent(body["type"])](body)
-        except RealtimeError as exc:
-            self.send(error_event(exc, client_event_id(frame)))
-        except SessionConfigError as exc:
-            self.send(error_event(RealtimeError(str(exc), "invalid_value", exc.param), client_event_id(frame)))
 
     async def close(self) -> None:
         """The connection is gone: end the response and the transcriptions (their stage requests are aborted)."""
@@ -337,7 +315,6 @@ class RealtimeSession:
         run = ResponseRun(engine=self.engine, config=self.config, conversation=self.conversation, send=self.send,
                           options=options, wait_for=list(self._transcriptions.values()))
         self.response = run
-        self.responses.append(run)
         run.start()
 
     async def _on_response_cancel(self, body: dict[str, Any]) -> None:

@@ -26,8 +26,7 @@ from omni_engine.pipeline.input_processors import SentenceSplitter
 from omni_engine.realtime.audio_io import StreamResampler, encode_output
 from omni_engine.realtime.audio_io import DELTA_MS
 from omni_engine.realtime.config import BETA_FORMATS, AudioFormat, validation_error
-from omni_engine.realtime.conversation import new_id
-from omni_engine.realtime.events import RealtimeError, client_event_id, error_event, event, parse_client_event
+from omni_engine.realtime.events import EventSession, RealtimeError, error_event, event
 
 logger = logging.getLogger(__name__)
 
@@ -41,8 +40,6 @@ class ClientEvent(str, enum.Enum):
     INPUT_TEXT_COMMIT = "input_text.commit"
     INPUT_TEXT_CLEAR = "input_text.clear"
 
-
-CLIENT_EVENTS = frozenset(e.value for e in ClientEvent)
 
 
 class StreamConfig(msgspec.Struct, forbid_unknown_fields=True):
@@ -71,33 +68,22 @@ class _Done:
     """The end of an utterance (``input_text.commit``): ``response.done`` once all before it is sent."""
 
 
-class SpeechStreamSession:
+class SpeechStreamSession(EventSession):
     """State and event handling of one speech stream connection."""
+
+    EVENTS = ClientEvent
 
     def __init__(self, speak: Speak, send: Callable[[dict[str, Any]], None], *,
                  check_voice: Callable[[str, float], Any]) -> None:
-        self.id = new_id("sess")
+        super().__init__(send)
         self.config = StreamConfig()
-        self._speak, self.send, self._check_voice = speak, send, check_voice
+        self._speak, self._check_voice = speak, check_voice
         self._splitter = SentenceSplitter([], 0)
         self._next_index = 0
         self._outbox: asyncio.Queue[_Sentence | _Done] = asyncio.Queue()
         self._deliverer: asyncio.Task | None = None
         self._unsent: dict[int, _Sentence] = {}  # submitted, audio not yet sent
         self._utterance = [0, 0]  # sentences and audio ms sent since the last response.done
-        self._handlers = {kind: getattr(self, "_on_" + kind.name.lower()) for kind in ClientEvent}
-
-    def created(self) -> dict[str, Any]:
-        return event("session.created", session=self.config.to_json(self.id))
-
-    # ------------------------------------------------------------ dispatch
-    async def handle(self, frame: str | bytes | None) -> None:
-        """One client event (a JSON text frame); refusals go back as ``error`` events."""
-        try:
-            body = parse_client_event(frame, CLIENT_EVENTS)
-            await self._handlers[ClientEvent(body["type"])](body)
-        except RealtimeError as exc:
-            self.send(error_event(exc, client_event_id(frame)))
 
     async def close(self) -> None:
         """The connection is gone: abort every sentence in flight (their stage requests too) and wait for it."""
