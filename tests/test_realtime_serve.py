@@ -206,6 +206,31 @@ async def test_response_cancel_and_closing_mid_answer_abort_the_pipeline(server,
     assert_nothing_in_flight(server)
 
 
+async def test_truncate_retrieve_and_delete_items(server):
+    async with aclient(server).realtime.connect(model=MODEL) as conn:
+        await conn.recv()
+        await conn.conversation.item.create(item={"type": "message", "role": "user", "content": [
+            {"type": "input_text", "text": "Tell me a long story about a dragon."}]})
+        await conn.response.create(response={"max_output_tokens": 60})
+        events = await events_until(conn, "response.done")
+        item = events[-1][1].response.output[0]
+        spoken_text = item.content[0].transcript
+        deltas = b"".join(base64.b64decode(ev.delta) for ev in of_type(events, "response.output_audio.delta"))
+        assert spoken_text.count(".") >= 2 and deltas, spoken_text
+        # The listener stopped 100 ms into the audio: no whole sentence was heard.
+        await conn.conversation.item.truncate(item_id=item.id, content_index=0, audio_end_ms=100)
+        truncated = (await events_until(conn, "conversation.item.truncated"))[-1][1]
+        assert (truncated.item_id, truncated.audio_end_ms) == (item.id, 100)
+        await conn.conversation.item.retrieve(item_id=item.id)
+        kept = (await events_until(conn, "conversation.item.retrieved"))[-1][1].item
+        assert kept.content[0].transcript == ""
+        await conn.conversation.item.delete(item_id=item.id)
+        assert (await events_until(conn, "conversation.item.deleted"))[-1][1].item_id == item.id
+        await conn.conversation.item.retrieve(item_id=item.id)
+        gone = (await events_until(conn, "error"))[-1][1].error
+        assert gone.code == "item_not_found" and gone.param == "item_id"
+
+
 # ------------------------------------------------------------- bad input
 async def test_bad_events_are_error_events_and_the_session_goes_on(server):
     url = server["url"].replace("http", "ws") + f"/v1/realtime?model={MODEL}"

@@ -83,7 +83,8 @@ class SessionConfig(msgspec.Struct, forbid_unknown_fields=True):
     temperature: float | None = None
     tools: list[dict[str, Any]] = msgspec.field(default_factory=list)
     tool_choice: str | dict[str, Any] = "auto"
-    # Accepted and echoed; nothing here acts on them.
+    # Accepted and echoed, nothing acts on them (tracing, include, truncation: the server keeps no traces,
+    # sends no logprobs and cuts the history itself); a stored ``prompt`` is refused in ``check``.
     tracing: Any = None
     include: list[str] | None = None
     truncation: Any = "auto"
@@ -108,6 +109,11 @@ class SessionConfig(msgspec.Struct, forbid_unknown_fields=True):
                 if not low <= value <= high:
                     raise SessionConfigError(f"turn_detection.{name} must be in [{low}, {high}], got {value}",
                                              f"session.audio.input.turn_detection.{name}")
+            if td.idle_timeout_ms is not None:
+                raise SessionConfigError("turn_detection.idle_timeout_ms is not supported; leave it null",
+                                         "session.audio.input.turn_detection.idle_timeout_ms")
+        if self.prompt is not None:
+            raise SessionConfigError("stored prompts are not supported; give instructions instead", "session.prompt")
         if self.audio.input.noise_reduction is not None:
             raise SessionConfigError("noise_reduction is not supported; set it to null",
                                      "session.audio.input.noise_reduction")
