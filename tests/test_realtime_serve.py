@@ -172,6 +172,25 @@ async def test_history_feeds_the_next_answer(server, client, france):
     assert "Paris" not in alone, alone
 
 
+async def test_a_history_longer_than_the_context_keeps_its_latest_turns(server):
+    """SmolLM2's context is 2048 tokens; eight items of ~400 tokens do not fit: the oldest are left out."""
+    filler = " ".join(["The quick brown fox jumps over the lazy dog."] * 40)
+    async with aclient(server).realtime.connect(model=MODEL) as conn:
+        await conn.recv()
+        await conn.session.update(session={**TEXT_ONLY, "instructions": "Answer in a few words."})
+        await events_until(conn, "session.updated")
+        for i in range(8):
+            await conn.conversation.item.create(item={"type": "message", "role": "user", "content": [
+                {"type": "input_text", "text": f"Note {i}: {filler}"}]})
+        await conn.conversation.item.create(item={"type": "message", "role": "user", "content": [
+            {"type": "input_text", "text": "What is the capital of France?"}]})
+        await conn.response.create()
+        done = (await events_until(conn, "response.done"))[-1][1].response
+    assert done.status in ("completed", "incomplete"), done.status_details
+    assert 1000 < done.usage.input_tokens <= 2048 - 64, done.usage
+    assert "Paris" in done.output[0].content[0].text
+
+
 # --------------------------------------------------------- manual turns
 async def test_manual_commit_and_text_answers(server, france):
     async with aclient(server).realtime.connect(model=MODEL) as conn:

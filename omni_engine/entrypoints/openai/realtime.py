@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 from fastapi import APIRouter, WebSocket, WebSocketDisconnect
 from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+from vllm.exceptions import VLLMValidationError
 
 from omni_engine.entrypoints.openai.audio import (
     _chat_engine_input,
@@ -41,6 +42,14 @@ router = APIRouter()
 
 # Leave the answer this many tokens when the history is cut to fit the LLM's context.
 MIN_ANSWER_TOKENS = 64
+
+
+def _without_oldest_turn(messages: list[dict[str, str]]) -> list[dict[str, str]] | None:
+    """``messages`` less the oldest message after the instructions; None when only the last one is left."""
+    first = 1 if messages and messages[0]["role"] == "system" else 0
+    if len(messages) - first <= 1:
+        return None
+    return messages[:first] + messages[first + 1:]
 
 
 class PipelineRealtimeEngine:
@@ -92,16 +101,18 @@ class PipelineRealtimeEngine:
                 engine_input, params, prompt_len = await _chat_engine_input(self.client, self._scope, request)
             except _Refused as refused:
                 error = json.loads(refused.response.body).get("error")
-                message = error.get("message") if isinstance(error, dict) else str(error)
-                too_long = any(word in str(message).lower() for word in ("context", "too long", "maximum"))
-                if too_long and len(messages) > 2:
-                    messages = messages[:1] + messages[2:]
-                    continue
-                raise ValueError(message) from None
-            if prompt_len + MIN_ANSWER_TOKENS > limit and len(messages) > 2:
-                messages = messages[:1] + messages[2:]  # drop the oldest turn after the instructions
+                message = str(error.get("message") if isinstance(error, dict) else error)
+            except (ValueError, VLLMValidationError) as exc:  # vLLM's renderer raises its validation errors
+                message = str(exc)
+            else:
+                if prompt_len + MIN_ANSWER_TOKENS <= limit or (shorter := _without_oldest_turn(messages)) is None:
+                    return engine_input, params, prompt_len
+                messages = shorter
                 continue
-            return engine_input, params, prompt_len
+            too_long = any(word in message.lower() for word in ("context", "too long", "maximum"))
+            if not too_long or (shorter := _without_oldest_turn(messages)) is None:
+                raise ValueError(message)
+            messages = shorter
 
     async def respond(self, messages: list[dict[str, str]], *, audio: bool, voice: str, speed: float,
                       max_tokens: int | None, temperature: float | None,
