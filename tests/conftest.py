@@ -61,17 +61,6 @@ def text_server(tmp_path_factory, smollm2_path):
         yield srv
 
 
-@pytest.fixture(scope="session")
-def voice_assistant_server(tmp_path_factory, smollm2_path):
-    """``omni-engine serve`` of stage_configs/voice_assistant.yaml (Whisper -> SmolLM2 -> Piper) as model
-    ``voice-assistant`` behind an API key, shared by the voice-assistant and realtime modules."""
-    from tests.serve_helpers import running_server
-
-    with running_server("stage_configs/voice_assistant.yaml", "voice-assistant", tmp_path_factory.mktemp("serve-va"),
-                        api_key="va-key") as srv:
-        yield srv
-
-
 @pytest_asyncio.fixture(scope="session", loop_scope="session")
 async def llm_stage(smollm2_path):
     client = RawFrameClient(0, process=StageProcessSpec("llm", llm_engine_args(smollm2_path)))

@@ -2,7 +2,7 @@
 ``RealtimeEngine`` in place of the pipeline, so the order of what the session asks of the pipeline is
 visible: a turn is transcribed while the VAD still waits for its silence to end, a guess is dropped
 (its request cancelled) when the user speaks on, and the final transcript is of the whole turn.
-The pipeline side is tested over a real server in test_realtime_serve.py."""
+The pipeline side is tested over a real server in tests/voice/test_realtime_serve.py."""
 
 from __future__ import annotations
 

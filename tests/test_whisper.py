@@ -1,6 +1,6 @@
 """Whisper without a server: the CTranslate2 -> Hugging Face conversion (real model files from the
 index), the recipes, cutting long audio, audio prompts and decoding uploads. The served stage is
-tested in test_voice_assistant_serve.py."""
+tested in tests/voice/test_voice_assistant_serve.py."""
 
 from __future__ import annotations
 
