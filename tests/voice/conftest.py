@@ -8,13 +8,19 @@ from __future__ import annotations
 
 import pytest
 
-from tests.serve_helpers import running_server
+from tests.serve_helpers import openai_client, running_server
 
 
 @pytest.fixture(scope="package")
-def voice_assistant_server(tmp_path_factory, smollm2_path):
+def server(tmp_path_factory, smollm2_path):
     """``omni-engine serve`` of stage_configs/voice_assistant.yaml as model ``voice-assistant`` behind an
     API key."""
     with running_server("stage_configs/voice_assistant.yaml", "voice-assistant", tmp_path_factory.mktemp("serve-va"),
                         api_key="va-key") as srv:
         yield srv
+
+
+@pytest.fixture(scope="package")
+def client(server):
+    """The official ``openai`` client for ``server``."""
+    return openai_client(server)

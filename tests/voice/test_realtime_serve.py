@@ -18,23 +18,13 @@ import websockets
 
 from omni_engine.audio import wav_bytes
 from omni_engine.realtime.audio_io import StreamResampler
-from tests.serve_helpers import assert_nothing_in_flight, openai_client
+from tests.serve_helpers import assert_nothing_in_flight
 
 pytestmark = [pytest.mark.llm, pytest.mark.asyncio(loop_scope="session")]
 
 MODEL = "voice-assistant"
 CHUNK = 480  # 20 ms at 24 kHz
 TEXT_ONLY = {"type": "realtime", "output_modalities": ["text"]}
-
-
-@pytest.fixture(scope="module")
-def server(voice_assistant_server):
-    return voice_assistant_server
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    return openai_client(server)
 
 
 def aclient(server) -> openai.AsyncOpenAI:

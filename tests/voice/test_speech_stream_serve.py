@@ -77,11 +77,6 @@ def audio_of(events: list, fmt: str = "audio/pcm", index: int | None = None) -> 
     return np.concatenate(parts) if parts else np.zeros(0, dtype=np.float32)
 
 
-@pytest.fixture(scope="module")
-def server(voice_assistant_server):
-    return voice_assistant_server
-
-
 @pytest_asyncio.fixture(scope="module", loop_scope="session")
 async def streamed(server) -> tuple[list, float]:
     """TEXT streamed in 3-character pieces: the events, and when the commit was sent. The rest of the text

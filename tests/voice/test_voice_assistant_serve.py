@@ -19,7 +19,7 @@ import pytest
 
 from omni_engine.audio import wav_bytes
 from omni_engine.engines.transcription import word_error_rate
-from tests.serve_helpers import auth_headers, openai_client, scrape, value
+from tests.serve_helpers import auth_headers, scrape, value
 
 pytestmark = pytest.mark.llm
 
@@ -29,16 +29,6 @@ QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 PASSAGE = ("The weather today is sunny and warm. We will meet at the library after lunch, "
            "and then we will walk to the park with our friends.")
 MAX_WER = 0.10
-
-
-@pytest.fixture(scope="module")
-def server(voice_assistant_server):
-    return voice_assistant_server
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    return openai_client(server)
 
 
 @pytest.fixture(scope="module")
