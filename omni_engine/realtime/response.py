@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -44,10 +43,7 @@ class ResponseRun:
         self._wait_for = wait_for
         self.text = ""
         self.prompt_tokens = self.output_tokens = 0
-        self.audio_sent_ms = 0.0
         self.cancel_reason: str | None = None
-        self.created_at = time.monotonic()
-        self.first_audio_at: float | None = None
         self.task: asyncio.Task | None = None
 
     def start(self) -> None:
@@ -163,9 +159,6 @@ class ResponseRun:
         if not len(samples):
             return
         fmt = self.config.audio.output.format
-        if self.first_audio_at is None:
-            self.first_audio_at = time.monotonic()
-        self.audio_sent_ms += 1000.0 * len(samples) / fmt.sample_rate
         step = fmt.sample_rate * DELTA_MS // 1000
         for start in range(0, len(samples), step):
             self.send(event("response.output_audio.delta", **self._ids(),
