@@ -35,6 +35,12 @@ class AudioFormat(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=Fals
     def sample_rate(self) -> int:
         return FORMAT_RATES[self.type]
 
+    def check(self, where: str) -> None:
+        """A ``rate`` other than the format's own is refused (``where``: the field's path in the session)."""
+        if self.rate is not None and self.rate != self.sample_rate:
+            raise SessionConfigError(f"{where}.rate must be {self.sample_rate} for {self.type}, got {self.rate}",
+                                     f"session.{where}.rate")
+
 
 class TranscriptionConfig(msgspec.Struct, forbid_unknown_fields=True):
     model: str | None = "whisper-1"
@@ -93,11 +99,8 @@ class SessionConfig(msgspec.Struct, forbid_unknown_fields=True):
 
     def check(self) -> None:
         """Range checks msgspec's types do not express; ``SessionConfigError`` names the field."""
-        fmt_in, fmt_out = self.audio.input.format, self.audio.output.format
-        for where, fmt in (("audio.input.format", fmt_in), ("audio.output.format", fmt_out)):
-            if fmt.rate is not None and fmt.rate != fmt.sample_rate:
-                raise SessionConfigError(f"{where}.rate must be {fmt.sample_rate} for {fmt.type}, got {fmt.rate}",
-                                         f"session.{where}.rate")
+        self.audio.input.format.check("audio.input.format")
+        self.audio.output.format.check("audio.output.format")
         td = self.audio.input.turn_detection
         if td is not None:
             if td.type != "server_vad":

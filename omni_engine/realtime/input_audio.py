@@ -42,7 +42,8 @@ class InputAudio:
 
     @property
     def buffered(self) -> int:
-        return sum(len(c) for c in self._chunks)
+        """Samples held: the chunks cover exactly ``[_start, total)`` (no sum over them on every append)."""
+        return self.total - self._start
 
     def append(self, samples: np.ndarray) -> list[tuple[str, int]]:
         """Add audio at the format's rate; the VAD's ``(kind, absolute sample)`` events it caused."""

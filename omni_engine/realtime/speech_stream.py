@@ -103,12 +103,8 @@ class SpeechStreamSession(EventSession):
         try:
             new = msgspec.convert({**msgspec.to_builtins(self.config), **update}, StreamConfig)
         except msgspec.ValidationError as exc:
-            refused = validation_error(exc)
-            raise RealtimeError(str(refused), "invalid_value", refused.param) from None
-        fmt_new = new.output_audio_format
-        if fmt_new.rate is not None and fmt_new.rate != fmt_new.sample_rate:
-            raise RealtimeError(f"output_audio_format.rate must be {fmt_new.sample_rate} for {fmt_new.type}, "
-                                f"got {fmt_new.rate}", "invalid_value", "session.output_audio_format.rate")
+            raise validation_error(exc) from None  # EventSession sends it as an error naming the field
+        new.output_audio_format.check("output_audio_format")
         try:
             self._check_voice(new.voice, new.speed)
         except ValueError as exc:
