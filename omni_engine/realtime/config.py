@@ -87,7 +87,7 @@ class SessionConfig(msgspec.Struct, forbid_unknown_fields=True):
     audio: AudioConfig = msgspec.field(default_factory=AudioConfig)
     max_output_tokens: int | Literal["inf"] = "inf"
     temperature: float | None = None
-    tools: list[dict[str, Any]] = msgspec.field(default_factory=list)
+    tools: list[dict[str, Any]] = msgspec.field(default_factory=list)  # checked by realtime.tools
     tool_choice: str | dict[str, Any] = "auto"
     # Accepted and echoed, nothing acts on them (tracing, include, truncation: the server keeps no traces,
     # sends no logprobs and cuts the history itself); a stored ``prompt`` is refused in ``check``.
@@ -130,8 +130,6 @@ class SessionConfig(msgspec.Struct, forbid_unknown_fields=True):
         if not 0.25 <= self.audio.output.speed <= 4.0:
             raise SessionConfigError(f"speed must be in [0.25, 4.0], got {self.audio.output.speed}",
                                      "session.audio.output.speed")
-        if self.tools:
-            raise SessionConfigError("tools are not supported by this server yet", "session.tools")
 
     def to_json(self, session_id: str) -> dict[str, Any]:
         body = msgspec.to_builtins(self)

@@ -61,14 +61,17 @@ def item_from_client(body: Any) -> Item:
         raise SessionConfigError("item must be an object", "item")
     kind = body.get("type", "message")
     item = Item(id=body.get("id") or new_id("item"), type=kind)
-    if kind == "function_call_output":
-        if not isinstance(body.get("call_id"), str) or not isinstance(body.get("output"), str):
-            raise SessionConfigError("a function_call_output item needs string call_id and output", "item.call_id")
-        item.call_id, item.output = body["call_id"], body["output"]
+    if kind in ("function_call", "function_call_output"):
+        fields = ("call_id", "name", "arguments") if kind == "function_call" else ("call_id", "output")
+        for name in fields:
+            if not isinstance(body.get(name), str):
+                raise SessionConfigError(f"a {kind} item needs a string {name}", f"item.{name}")
+        for name in fields:
+            setattr(item, name, body[name])
         return item
     if kind != "message":
-        raise SessionConfigError(f"item type {kind!r} is not supported; use 'message' or 'function_call_output'",
-                                 "item.type")
+        raise SessionConfigError(f"item type {kind!r} is not supported; use 'message', 'function_call' or "
+                                 "'function_call_output'", "item.type")
     role = body.get("role")
     if role not in ROLES:
         raise SessionConfigError(f"item.role must be one of {list(ROLES)}, got {role!r}", "item.role")
@@ -145,10 +148,27 @@ class Conversation:
         item.spoken = item.spoken[:len(heard)]
         item.content[content_index]["transcript"] = " ".join(heard)
 
-    def chat_messages(self, instructions: str) -> list[dict[str, str]]:
-        """The conversation as chat messages: instructions first, empty items and tool traffic left out."""
-        messages = [{"role": "system", "content": instructions}] if instructions else []
-        for item in self.items:
-            if item.type == "message" and (text := item.text()):
-                messages.append({"role": item.role or "user", "content": text})
-        return messages
+    def chat_messages(self, instructions: str) -> list[dict[str, Any]]:
+        """The conversation as chat messages: instructions first, empty messages left out. Function calls
+        join the assistant message before them (or make one) as ``tool_calls``; an output is a ``tool``
+        message."""
+        return chat_messages(self.items, instructions)
+
+
+def chat_messages(items: list[Item], instructions: str) -> list[dict[str, Any]]:
+    """``Conversation.chat_messages`` of ``items``."""
+    messages: list[dict[str, Any]] = [{"role": "system", "content": instructions}] if instructions else []
+    for item in items:
+        if item.type == "function_call":
+            call = {"id": item.call_id, "type": "function",
+                    "function": {"name": item.name, "arguments": item.arguments or "{}"}}
+            last = messages[-1] if messages else None
+            if last is not None and last["role"] == "assistant":
+                last.setdefault("tool_calls", []).append(call)
+            else:
+                messages.append({"role": "assistant", "content": "", "tool_calls": [call]})
+        elif item.type == "function_call_output":
+            messages.append({"role": "tool", "tool_call_id": item.call_id, "content": item.output or ""})
+        elif text := item.text():
+            messages.append({"role": item.role or "user", "content": text})
+    return messages

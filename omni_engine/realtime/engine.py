@@ -8,7 +8,7 @@ HTTP; ``omni_engine.entrypoints.openai.realtime`` implements it over ``MultiStag
 from __future__ import annotations
 
 from collections.abc import AsyncGenerator
-from typing import NamedTuple, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import numpy as np
 
@@ -32,12 +32,22 @@ class AudioChunk(NamedTuple):
     rate: int
 
 
-ResponsePiece = ResponseStart | TextDelta | AudioChunk
+class FunctionCallDelta(NamedTuple):
+    """A piece of the ``index``-th function call of the answer: its first piece has the id and name."""
+
+    index: int
+    call_id: str | None
+    name: str | None
+    arguments: str
+
+
+ResponsePiece = ResponseStart | TextDelta | AudioChunk | FunctionCallDelta
 
 
 class RealtimeEngine(Protocol):
     can_hear: bool   # the pipeline has a speech-to-text stage
     can_speak: bool  # the pipeline has a speech stage
+    can_call_tools: bool  # the server parses the LLM's tool calls (--enable-auto-tool-choice)
 
     def check_voice(self, voice: str, speed: float) -> None:
         """``SessionConfigError`` if the speech stage does not take ``voice``/``speed``."""
@@ -49,8 +59,9 @@ class RealtimeEngine(Protocol):
                          request_id: str) -> str:
         """The text of ``audio`` (16 kHz float32 mono)."""
 
-    def respond(self, messages: list[dict[str, str]], *, audio: bool, voice: str, speed: float,
-                max_tokens: int | None, temperature: float | None,
-                request_id: str) -> AsyncGenerator[ResponsePiece, None]:
-        """The LLM's answer to ``messages`` as it is written, and (``audio``) spoken sentence by sentence.
+    def respond(self, messages: list[dict[str, Any]], *, audio: bool, voice: str, speed: float,
+                max_tokens: int | None, temperature: float | None, tools: list[dict[str, Any]],
+                tool_choice: str | dict[str, Any], request_id: str) -> AsyncGenerator[ResponsePiece, None]:
+        """The LLM's answer to ``messages`` (chat messages) as it is written, and (``audio``) spoken
+        sentence by sentence; with ``tools`` (Chat Completions' shape), its calls as ``FunctionCallDelta``s.
         Closing the generator early aborts the request on every stage."""

@@ -4,6 +4,10 @@ A response runs as a task. Cancelling it (``response.cancel``, or barge-in when 
 speaking) cancels the task: leaving the engine's generator aborts the request on every stage, and
 the ``done`` events go out at once with status ``cancelled``; nothing of the response is sent
 after them. The assistant item keeps, of an audio answer, the sentences whose audio was sent.
+
+A response's outputs are opened as they appear: the assistant message at its first text or audio,
+a ``function_call`` item at each call the LLM writes (with tools); a response that only calls a
+function has no message, as with OpenAI.
 """
 
 from __future__ import annotations
@@ -18,8 +22,9 @@ import numpy as np
 from omni_engine.pipeline.input_processors import split_sentences
 from omni_engine.realtime.audio_io import DELTA_MS, StreamResampler, encode_output
 from omni_engine.realtime.config import SessionConfig
-from omni_engine.realtime.conversation import Conversation, Item, new_id
-from omni_engine.realtime.engine import AudioChunk, RealtimeEngine, ResponseStart, TextDelta
+from omni_engine.realtime.conversation import Conversation, Item, chat_messages, new_id
+from omni_engine.realtime.engine import AudioChunk, FunctionCallDelta, RealtimeEngine, ResponseStart, TextDelta
+from omni_engine.realtime.tools import chat_tool_choice, chat_tools
 from omni_engine.realtime.events import event
 
 logger = logging.getLogger(__name__)
@@ -37,9 +42,14 @@ class ResponseRun:
         self.modalities: list[str] = options.get("output_modalities") or list(config.output_modalities)
         self.audio = "audio" in self.modalities
         self.in_conversation = options.get("conversation", "auto") != "none"
+        self.tools: list[dict[str, Any]] = options.get("tools", config.tools)
+        self.tool_choice: str | dict[str, Any] = options.get("tool_choice", config.tool_choice)
+        # The assistant message, opened at its first text or audio; function calls by the LLM's index.
         self.item = Item(id=new_id("item"), role="assistant", status="in_progress",
                          content=[{"type": "output_audio" if self.audio else "output_text",
                                    **({"transcript": ""} if self.audio else {"text": ""})}])
+        self.calls: dict[int, Item] = {}
+        self.outputs: list[Item] = []  # in the order they were opened: their output_index
         self._wait_for = wait_for
         self.text = ""
         self.prompt_tokens = self.output_tokens = 0
@@ -68,7 +78,11 @@ class ResponseRun:
         return self.item.content[0]
 
     def _ids(self) -> dict[str, Any]:
-        return {"response_id": self.id, "item_id": self.item.id, "output_index": 0, "content_index": 0}
+        return {"response_id": self.id, "item_id": self.item.id, "output_index": self._index(self.item),
+                "content_index": 0}
+
+    def _index(self, item: Item) -> int:
+        return next(i for i, out in enumerate(self.outputs) if out is item)
 
     async def _run(self) -> None:
         status, details = "completed", None
@@ -76,7 +90,6 @@ class ResponseRun:
             if self._wait_for:  # the user's audio turns still being transcribed: the LLM needs their text
                 await asyncio.wait(self._wait_for)  # not gather: cancelling us must not cancel them
             messages = self._messages()
-            self._open_item()
             finish = await self._stream(messages)
             if finish == "length":
                 status, details = "incomplete", {"type": "incomplete", "reason": "max_output_tokens"}
@@ -93,25 +106,42 @@ class ResponseRun:
                                             "event_id": None}))
         self._finish(status, details)
 
-    def _messages(self) -> list[dict[str, str]]:
+    def _messages(self) -> list[dict[str, Any]]:
         instructions = self.options.get("instructions") or self.config.instructions
         if self.in_conversation and "input" not in self.options:
             return self.conversation.chat_messages(instructions)
-        extra = Conversation()
-        for item in self.options.get("input") or ():
-            extra.items.append(item)
-        return extra.chat_messages(instructions)
+        return chat_messages(list(self.options.get("input") or ()), instructions)
 
-    def _open_item(self) -> None:
+    def _open(self, item: Item) -> None:
+        """``item`` becomes the response's next output (and the conversation's last item)."""
         previous = self.conversation.last_id()
         if self.in_conversation:
-            self.conversation.add(self.item)
-        self.send(event("response.output_item.added", response_id=self.id, output_index=0, item=self.item.to_json()))
+            self.conversation.add(item)
+        self.outputs.append(item)
+        self.send(event("response.output_item.added", response_id=self.id, output_index=len(self.outputs) - 1,
+                        item=item.to_json()))
         if self.in_conversation:
             for kind in ("conversation.item.added", "conversation.item.created"):
-                self.send(event(kind, previous_item_id=previous, item=self.item.to_json()))
+                self.send(event(kind, previous_item_id=previous, item=item.to_json()))
+
+    def _open_message(self) -> None:
+        if any(out is self.item for out in self.outputs):
+            return
+        self._open(self.item)
         part = {"type": "audio", "transcript": ""} if self.audio else {"type": "text", "text": ""}
         self.send(event("response.content_part.added", **self._ids(), part=part))
+
+    def _call_delta(self, piece: FunctionCallDelta) -> None:
+        call = self.calls.get(piece.index)
+        if call is None:
+            call = Item(id=new_id("item"), type="function_call", status="in_progress",
+                        call_id=piece.call_id or new_id("call"), name=piece.name or "", arguments="")
+            self.calls[piece.index] = call
+            self._open(call)
+        if piece.arguments:
+            call.arguments = (call.arguments or "") + piece.arguments
+            self.send(event("response.function_call_arguments.delta", response_id=self.id, item_id=call.id,
+                            output_index=self._index(call), call_id=call.call_id, delta=piece.arguments))
 
     def _max_tokens(self) -> int | None:
         value = self.options.get("max_output_tokens", self.config.max_output_tokens)
@@ -124,6 +154,7 @@ class ResponseRun:
         sentences_spoken = 0
         pieces = self.engine.respond(messages, audio=self.audio, voice=out.voice, speed=out.speed,
                                      max_tokens=self._max_tokens(), temperature=self.config.temperature,
+                                     tools=chat_tools(self.tools), tool_choice=chat_tool_choice(self.tool_choice),
                                      request_id=self.id)
         try:
             async for piece in pieces:
@@ -133,12 +164,16 @@ class ResponseRun:
                     self.output_tokens += piece.tokens
                     finish = piece.finish_reason or finish
                     if piece.text:
+                        self._open_message()
                         self.text += piece.text
                         kind = "response.output_audio_transcript.delta" if self.audio else "response.output_text.delta"
                         self.send(event(kind, **self._ids(), delta=piece.text))
                         if not self.audio:
                             self._part()["text"] = self.text
+                elif isinstance(piece, FunctionCallDelta):
+                    self._call_delta(piece)
                 elif isinstance(piece, AudioChunk) and len(piece.samples):
+                    self._open_message()
                     resampler = resampler or StreamResampler(piece.rate, out.format.sample_rate)
                     samples = resampler.feed(np.asarray(piece.samples, dtype=np.float32))
                     self._send_audio(samples)
@@ -165,27 +200,36 @@ class ResponseRun:
                             delta=encode_output(samples[start:start + step], fmt.type)))
 
     def _finish(self, status: str, details: dict[str, Any] | None) -> None:
-        opened = self.item.status == "in_progress" and (not self.in_conversation or
-                                                        self.conversation.get(self.item.id) is not None)
-        self.item.status = "completed" if status == "completed" else "incomplete"
-        if opened and self.item.content:
-            part = self._part()
-            if self.audio:
-                self.send(event("response.output_audio.done", **self._ids()))
-                self.send(event("response.output_audio_transcript.done", **self._ids(),
-                                transcript=part.get("transcript", "")))
-                done_part = {"type": "audio", "transcript": part.get("transcript", "")}
+        # An item the client deleted meanwhile is not sent again.
+        kept = [item for item in self.outputs if not self.in_conversation or self.conversation.get(item.id)]
+        for item in kept:
+            item.status = "completed" if status == "completed" else "incomplete"
+            if item is self.item:
+                self._finish_message()
             else:
-                self.send(event("response.output_text.done", **self._ids(), text=part.get("text", "")))
-                done_part = {"type": "text", "text": part.get("text", "")}
-            self.send(event("response.content_part.done", **self._ids(), part=done_part))
-            self.send(event("response.output_item.done", response_id=self.id, output_index=0,
-                            item=self.item.to_json()))
+                self.send(event("response.function_call_arguments.done", response_id=self.id, item_id=item.id,
+                                output_index=self._index(item), call_id=item.call_id, name=item.name,
+                                arguments=item.arguments))
+            self.send(event("response.output_item.done", response_id=self.id, output_index=self._index(item),
+                            item=item.to_json()))
             if self.in_conversation:
-                self.send(event("conversation.item.done", item=self.item.to_json()))
-        self.send(event("response.done", response=self._json(status, details, with_output=opened)))
+                self.send(event("conversation.item.done", item=item.to_json()))
+        self.send(event("response.done", response=self._json(status, details, kept)))
 
-    def _json(self, status: str, details: dict[str, Any] | None = None, with_output: bool = False) -> dict[str, Any]:
+    def _finish_message(self) -> None:
+        part = self._part()
+        if self.audio:
+            self.send(event("response.output_audio.done", **self._ids()))
+            self.send(event("response.output_audio_transcript.done", **self._ids(),
+                            transcript=part.get("transcript", "")))
+            done_part = {"type": "audio", "transcript": part.get("transcript", "")}
+        else:
+            self.send(event("response.output_text.done", **self._ids(), text=part.get("text", "")))
+            done_part = {"type": "text", "text": part.get("text", "")}
+        self.send(event("response.content_part.done", **self._ids(), part=done_part))
+
+    def _json(self, status: str, details: dict[str, Any] | None = None,
+              output: list[Item] | None = None) -> dict[str, Any]:
         out = self.config.audio.output
         usage = None
         if status != "in_progress":
@@ -195,7 +239,7 @@ class ResponseRun:
                                              "cached_tokens": 0},
                      "output_token_details": {"text_tokens": self.output_tokens, "audio_tokens": 0}}
         return {"id": self.id, "object": "realtime.response", "status": status, "status_details": details,
-                "output": [self.item.to_json()] if with_output else [],
+                "output": [item.to_json() for item in output or ()],
                 "conversation_id": "auto" if self.in_conversation else None,
                 "output_modalities": self.modalities,
                 "audio": {"output": {"format": {"type": out.format.type, "rate": out.format.sample_rate},

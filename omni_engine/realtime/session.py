@@ -26,10 +26,13 @@ from omni_engine.realtime.engine import RealtimeEngine
 from omni_engine.realtime.events import ClientEvent, EventSession, RealtimeError, event
 from omni_engine.realtime.input_audio import RATE, InputAudio
 from omni_engine.realtime.response import ResponseRun
+from omni_engine.realtime.tools import check_tool_choice, check_tools
 
 logger = logging.getLogger(__name__)
 
 MIN_COMMIT_MS = 100  # OpenAI refuses to commit less
+NO_TOOL_PARSER = ("this server parses no tool calls: it was started without --enable-auto-tool-choice and "
+                  "--tool-call-parser (e.g. hermes_json for Qwen2.5)")
 # Transcribe a turn once the user's pause is this share of silence_duration_ms (and at least
 # EARLY_MIN_MS), before the VAD confirms its end: Whisper's time then overlaps the VAD's wait.
 # Speech that resumes discards the guess (its request is aborted); pauses inside a sentence are
@@ -79,6 +82,7 @@ class RealtimeSession(EventSession):
             raise SessionConfigError("server_vad needs the realtime extra (pip install silero-vad); set "
                                      "turn_detection to null and commit the audio yourself",
                                      "session.audio.input.turn_detection")
+        self._check_tools(new.tools, new.tool_choice, "session")
         self.engine.check_voice(new.audio.output.voice, new.audio.output.speed)
         if new.audio.input.transcription is not None:
             self.engine.check_language(new.audio.input.transcription.language)
@@ -290,11 +294,18 @@ class RealtimeSession(EventSession):
         if checked.get("conversation", "auto") not in ("auto", "none"):
             raise RealtimeError("response.conversation must be 'auto' or 'none'", "invalid_value",
                                 "response.conversation")
-        if checked.get("tools"):
-            raise RealtimeError("tools are not supported by this server yet", "invalid_value", "response.tools")
+        if "tools" in checked or "tool_choice" in checked:
+            self._check_tools(checked.get("tools", self.config.tools),
+                              checked.get("tool_choice", self.config.tool_choice), "response")
         if "input" in checked:
             checked["input"] = self._response_input(checked["input"])
         return checked
+
+    def _check_tools(self, tools: Any, tool_choice: Any, where: str) -> None:
+        check_tools(tools, where)
+        check_tool_choice(tool_choice, tools, where)
+        if tools and not self.engine.can_call_tools:
+            raise SessionConfigError(NO_TOOL_PARSER, f"{where}.tools")
 
     def _response_input(self, items: Any) -> list[Item]:
         if not isinstance(items, list):

@@ -56,6 +56,9 @@ def build_serve_parser() -> Any:
     from vllm.entrypoints.launchers.cli_args import make_arg_parser
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
+    from omni_engine.entrypoints.openai import tool_parsers
+
+    tool_parsers.register()  # before vLLM lists the parsers in --tool-call-parser's help
     parser = FlexibleArgumentParser(
         prog="omni-engine serve",
         description="Serve a pipeline with vLLM's OpenAI-compatible server. Takes the flags of "

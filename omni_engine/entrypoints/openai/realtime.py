@@ -7,6 +7,11 @@ their order and never interleave), and implements ``RealtimeEngine`` over the
 ``/v1/audio/transcriptions``), answers through the whole pipeline as a chat completion with
 ``modalities: ["audio"]`` (vLLM's own chat rendering, so the LLM's chat template, and its
 context length bounds the history). ``--api-key`` guards the handshake (``auth``).
+
+With tools, the chat request carries them (the chat template shows them to the LLM) and the
+answer goes through the server's tool parser as vLLM's streamed chat completions do
+(``--enable-auto-tool-choice --tool-call-parser ...``): its text as text, its calls as
+``FunctionCallDelta``s. The speech stage never hears a call (``input_processors.SpokenSentences``).
 """
 
 from __future__ import annotations
@@ -33,7 +38,7 @@ from omni_engine.entrypoints.openai.audio import (
 )
 from omni_engine.entrypoints.openai.transcription import speech_to_text_stage, transcript_text
 from omni_engine.realtime.config import SessionConfigError
-from omni_engine.realtime.engine import AudioChunk, ResponsePiece, ResponseStart, TextDelta
+from omni_engine.realtime.engine import AudioChunk, FunctionCallDelta, ResponsePiece, ResponseStart, TextDelta
 from omni_engine.realtime.session import RealtimeSession
 
 logger = logging.getLogger(__name__)
@@ -44,12 +49,27 @@ router = APIRouter()
 MIN_ANSWER_TOKENS = 64
 
 
-def _without_oldest_turn(messages: list[dict[str, str]]) -> list[dict[str, str]] | None:
-    """``messages`` less the oldest message after the instructions; None when only the last one is left."""
+def _without_oldest_turn(messages: list[dict[str, Any]]) -> list[dict[str, Any]] | None:
+    """``messages`` less the oldest message after the instructions (and the outputs of calls it made);
+    None when only the last one is left."""
     first = 1 if messages and messages[0]["role"] == "system" else 0
-    if len(messages) - first <= 1:
+    rest = messages[first + 1:]
+    while len(rest) > 1 and rest[0]["role"] == "tool":  # an output without its call means nothing
+        rest = rest[1:]
+    if not rest or len(messages) - first <= 1:
         return None
-    return messages[:first] + messages[first + 1:]
+    return messages[:first] + rest
+
+
+def _tool_deltas(delta: Any) -> list[FunctionCallDelta]:
+    """The function-call pieces of a vLLM ``DeltaMessage``."""
+    pieces = []
+    for call in getattr(delta, "tool_calls", None) or ():
+        function = call.function
+        name = function.get("name") if isinstance(function, dict) else getattr(function, "name", None)
+        arguments = function.get("arguments") if isinstance(function, dict) else getattr(function, "arguments", None)
+        pieces.append(FunctionCallDelta(call.index, call.id, name, arguments or ""))
+    return pieces
 
 
 class PipelineRealtimeEngine:
@@ -62,6 +82,10 @@ class PipelineRealtimeEngine:
         self.speech_stage = audio_stage_id(self.client)
         self.can_hear = self.stt_stage is not None
         self.can_speak = self.speech_stage is not None
+        self._chat = websocket.app.state.openai_serving_chat
+        self.can_call_tools = bool(self._chat is not None and self._chat.enable_auto_tools
+                                   and self._chat.parser_cls is not None
+                                   and self._chat.parser_cls.tool_parser_cls is not None)
 
     def check_voice(self, voice: str, speed: float) -> None:
         if self.speech_stage is None:
@@ -86,17 +110,21 @@ class PipelineRealtimeEngine:
                                                hint=prompt or "", request_id=request_id)
         return text
 
-    async def _engine_input(self, messages: list[dict[str, str]], max_tokens: int | None,
-                            temperature: float | None) -> tuple[Any, Any, int]:
+    async def _engine_input(self, messages: list[dict[str, Any]], max_tokens: int | None,
+                            temperature: float | None, tools: list[dict[str, Any]],
+                            tool_choice: str | dict[str, Any]) -> tuple[Any, Any, int, ChatCompletionRequest]:
         """The rendered chat prompt; the oldest turns are left out until it fits the LLM's context."""
         limit = self.client.model_config.max_model_len
         # Unset in the session: the text stage's configured defaults (vLLM's chat would take the model's).
         defaults = self.client.stage_default_params(self.client.text_stage_id)
         temperature = defaults.get("temperature") if temperature is None else temperature
         max_tokens = defaults.get("max_tokens") if max_tokens is None else max_tokens
+        # tool_choice "none": the LLM does not see the tools (vLLM's default would still show them).
+        with_tools = {"tools": tools, "tool_choice": tool_choice} if tools and tool_choice != "none" else {}
         while True:
             request = ChatCompletionRequest(model=(_served_names(self.client) or [None])[0], messages=messages,
-                                            max_completion_tokens=max_tokens, temperature=temperature)
+                                            max_completion_tokens=max_tokens, temperature=temperature,
+                                            **with_tools)
             try:
                 engine_input, params, prompt_len = await _chat_engine_input(self.client, self._scope, request)
             except _Refused as refused:
@@ -106,7 +134,7 @@ class PipelineRealtimeEngine:
                 message = str(exc)
             else:
                 if prompt_len + MIN_ANSWER_TOKENS <= limit or (shorter := _without_oldest_turn(messages)) is None:
-                    return engine_input, params, prompt_len
+                    return engine_input, params, prompt_len, request
                 messages = shorter
                 continue
             too_long = any(word in message.lower() for word in ("context", "too long", "maximum"))
@@ -114,12 +142,15 @@ class PipelineRealtimeEngine:
                 raise ValueError(message)
             messages = shorter
 
-    async def respond(self, messages: list[dict[str, str]], *, audio: bool, voice: str, speed: float,
-                      max_tokens: int | None, temperature: float | None,
-                      request_id: str) -> AsyncGenerator[ResponsePiece, None]:
+    async def respond(self, messages: list[dict[str, Any]], *, audio: bool, voice: str, speed: float,
+                      max_tokens: int | None, temperature: float | None, tools: list[dict[str, Any]],
+                      tool_choice: str | dict[str, Any], request_id: str) -> AsyncGenerator[ResponsePiece, None]:
         if self.client.text_stage_id is None:
             raise ValueError("this pipeline has no text (llm) stage to answer with")
-        engine_input, sampling_params, prompt_len = await self._engine_input(messages, max_tokens, temperature)
+        engine_input, sampling_params, prompt_len, request = await self._engine_input(
+            messages, max_tokens, temperature, tools, tool_choice)
+        parser = self._tool_parser(request) if request.tools else None
+        prompt_ids = engine_input.get("prompt_token_ids")
         yield ResponseStart(prompt_len)
         if audio:
             speech = _speech_params(self.client, self.speech_stage, voice, speed)
@@ -135,10 +166,28 @@ class PipelineRealtimeEngine:
                         yield AudioChunk(np.asarray(mm["audio"], dtype=np.float32).copy(),
                                          int(mm.get("sample_rate", 22050)))
                 elif out.outputs:
-                    piece = out.outputs[0]
-                    yield TextDelta(piece.text, len(piece.token_ids), piece.finish_reason)
+                    for text_piece in _text_pieces(out.outputs[0], parser, request, prompt_ids):
+                        yield text_piece
         finally:
             await stream.aclose()
+
+    def _tool_parser(self, request: ChatCompletionRequest) -> Any:
+        """The parser vLLM's chat serving makes for ``request`` (one per request: it keeps stream state)."""
+        if not self.can_call_tools:
+            return None
+        return self._chat._make_parser(request, self._chat.renderer.tokenizer,
+                                       self._chat._effective_chat_template_kwargs(request))
+
+
+def _text_pieces(piece: Any, parser: Any, request: ChatCompletionRequest,
+                 prompt_ids: list[int] | None) -> list[ResponsePiece]:
+    """One text output of the LLM as the answer's text and (with a tool parser) its function-call pieces."""
+    if parser is None:
+        return [TextDelta(piece.text, len(piece.token_ids), piece.finish_reason)]
+    delta = parser.parse_delta(piece.text, list(piece.token_ids), request, prompt_ids,
+                               finished=piece.finish_reason is not None)
+    return [TextDelta(getattr(delta, "content", None) or "", len(piece.token_ids), piece.finish_reason),
+            *_tool_deltas(delta)]
 
 
 def _vad_factory() -> Any:
