@@ -73,7 +73,7 @@ def bad_models(tmp_path: Path, no_config_dir: Path) -> dict[str, tuple[str, str]
     """Each kind of unloadable model, and what its message must say."""
     return {
         "missing-directory": (str(tmp_path / "nowhere" / "model"), "no such directory"),
-        "unknown-recipe": ("smollm3", "'smollm3' is not a prepare-model recipe (smollm2"),
+        "unknown-recipe": ("smollm3", "'smollm3' is not a prepare-model recipe ("),  # then the recipes
         "offline-hub-id": ("HuggingFaceTB/SmolLM2-360M-Instruct", "HF_HUB_OFFLINE=1 is set"),
         "no-config-json": (str(no_config_dir), "has no config.json"),
     }
