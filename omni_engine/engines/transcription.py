@@ -1,6 +1,7 @@
 """Speech in: what an ``llm`` stage running Whisper does with an audio prompt.
 
-vLLM runs Whisper as an encoder-decoder model: the audio (at most one 30 s window) goes to the
+vLLM runs Whisper as an encoder-decoder model: the audio (at most one window: 30 s, or what the
+checkpoint's ``max_source_positions`` holds, 20 ms each) goes to the
 encoder as multimodal data, and the decoder starts from Whisper's task tokens
 (``<|startoftranscript|><|fr|><|transcribe|><|notimestamps|>``; an English-only ``.en`` model
 knows no language or task tokens). A stage's callers should not have to know that, so an audio
@@ -8,7 +9,7 @@ prompt is just ``{"prompt": <optional text hint>, "multi_modal_data": {"audio": 
 (samples, rate)}, "mm_processor_kwargs": {"language": ..., "task": ...}}`` (a dict or an
 ``OmniTextPrompt``), and :class:`SpeechToText` turns it into vLLM requests:
 
-* audio longer than the window is cut at the quietest moment before each 30 s mark and the
+* audio longer than the window is cut at the quietest moment before each window's end and the
   segments are transcribed in order, streamed as one request (vLLM's own transcription server
   does the same);
 * without a language, a multilingual model first names the language itself (one decoding step
@@ -34,8 +35,10 @@ __all__ = ["SAMPLE_RATE", "AudioPrompt", "SpeechToText", "audio_prompt_of", "spl
 
 SAMPLE_RATE = WHISPER_SAMPLE_RATE
 WINDOW_S = 30.0
-# A cut is made at the quietest 100 ms in the last CUT_SEARCH_S seconds before each window's end.
+# A cut is made at the quietest 100 ms in the last CUT_SEARCH_S seconds before each window's end
+# (at most a third of a shorter window, so no segment is left very short).
 CUT_SEARCH_S = 8.0
+_POSITION_S = 0.02  # one encoder position: two 10 ms mel frames (the second conv has stride 2)
 _FRAME_S = 0.1
 MAX_AUDIO_S = 3600.0  # one request's audio; longer uploads are refused, naming the limit
 TASKS = ("transcribe", "translate")
@@ -147,6 +150,8 @@ class SpeechToText:
         # As openai-whisper decides: the English-only models have one token fewer (51864).
         self.multilingual = engine.model_config.hf_config.vocab_size >= 51865
         self.max_prompt_tokens = engine.model_config.hf_config.max_target_positions // 2 - 1
+        # The encoder's window (prepare-model's whisper-*-10s recipes shorten it for voice turns).
+        self.window_s = engine.model_config.hf_config.max_source_positions * _POSITION_S
         # Pipeline request id -> the vLLM request now running for it (a segment or the detection).
         self.running: dict[str, str] = {}
         self.aborted: set[str] = set()  # requests aborted while running: no further segment starts
@@ -190,8 +195,12 @@ class SpeechToText:
         from vllm.sampling_params import RequestOutputKind
 
         self.check(prompt)
-        spans = split_on_silence(prompt.audio)
-        cumulative = params.output_kind == RequestOutputKind.CUMULATIVE
+        spans = split_on_silence(prompt.audio, window_s=self.window_s,
+                                 search_s=min(CUT_SEARCH_S, self.window_s / 3))
+        # CUMULATIVE and FINAL_ONLY outputs carry a segment's whole text so far (the earlier segments'
+        # text goes in front); DELTA outputs only the new piece. FINAL_ONLY yields the last output alone.
+        cumulative = params.output_kind != RequestOutputKind.DELTA
+        final_only = params.output_kind == RequestOutputKind.FINAL_ONLY
         done_text, done_ids, segments = "", [], []
         try:
             language = prompt.language or ("en" if not self.multilingual else
@@ -215,7 +224,7 @@ class SpeechToText:
                     if output.finished and not last:
                         output.finished = False
                         completion.finish_reason = None
-                    if not last or not output.finished:
+                    if not final_only and (not last or not output.finished):
                         yield output
                 segments.append({"id": k, "start": round(start / SAMPLE_RATE, 3),
                                  "end": round(end / SAMPLE_RATE, 3), "text": text.strip(),
@@ -232,7 +241,7 @@ class SpeechToText:
         """The language Whisper hears in the first window: one step over the language tokens."""
         from vllm import SamplingParams
 
-        first = audio[: int(WINDOW_S * SAMPLE_RATE)]
+        first = audio[: int(self.window_s * SAMPLE_RATE)]
         detect = SamplingParams(max_tokens=1, temperature=0.0, allowed_token_ids=list(self.languages.values()))
         prompt = _whisper_prompt(first, [self._token["<|startoftranscript|>"]])
         by_id = {tid: code for code, tid in self.languages.items()}

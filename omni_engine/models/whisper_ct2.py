@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["CT2FormatError", "convert_ct2_whisper", "read_ct2_model", "whisper_state_dict"]
+__all__ = ["CT2FormatError", "convert_ct2_whisper", "read_ct2_model", "whisper_state_dict", "with_window"]
 
 # CTranslate2's DataType ids (include/ctranslate2/types.h); bfloat16 (5) has no numpy dtype.
 _CT2_DTYPES: dict[int, np.dtype] = {
@@ -36,6 +36,8 @@ _CT2_DTYPES: dict[int, np.dtype] = {
 _SUPPORTED_BINARY_VERSIONS = (5, 6)
 # Whisper's attention heads are 64 wide in every size (tiny 6 heads of 384, base 8 of 512, ...).
 _HEAD_DIM = 64
+# Encoder positions per second of audio: 100 mel frames, halved by the second conv's stride.
+_POSITIONS_PER_S = 50
 
 
 class CT2FormatError(ValueError):
@@ -233,18 +235,18 @@ def _whisper_config(sizes: dict[str, int], ct2_config: dict[str, Any], tokens: d
     }
 
 
-def _feature_extractor_config(num_mel_bins: int) -> dict[str, Any]:
-    """Whisper's log-mel front end: 16 kHz, 25 ms windows every 10 ms, 30 s chunks."""
+def _feature_extractor_config(num_mel_bins: int, window_s: int) -> dict[str, Any]:
+    """Whisper's log-mel front end: 16 kHz, 25 ms windows every 10 ms, ``window_s`` chunks."""
     return {
         "feature_extractor_type": "WhisperFeatureExtractor",
         "processor_class": "WhisperProcessor",
         "feature_size": num_mel_bins,
         "sampling_rate": 16000,
         "hop_length": 160,
-        "chunk_length": 30,
+        "chunk_length": window_s,
         "n_fft": 400,
-        "n_samples": 480000,
-        "nb_max_frames": 3000,
+        "n_samples": window_s * 16000,
+        "nb_max_frames": window_s * 100,
         "padding_side": "right",
         "padding_value": 0.0,
         "return_attention_mask": False,
@@ -265,8 +267,22 @@ def _tokenizer_config() -> dict[str, Any]:
     }
 
 
-def convert_ct2_whisper(model_bin: Path, ct2_config: Path, tokenizer_json: Path, out_dir: Path) -> dict[str, Any]:
-    """Write a Hugging Face Whisper checkpoint for ``model_bin`` into ``out_dir``; returns its config."""
+def with_window(tensors: dict[str, np.ndarray], sizes: dict[str, int], window_s: int) -> None:
+    """Shorten the encoder's window to ``window_s`` seconds, in place: the first positions of its
+    (fixed, sinusoidal) table. One position is 20 ms (10 ms mel hop, then a stride-2 conv)."""
+    positions = window_s * _POSITIONS_PER_S
+    if not 1 <= positions <= sizes["max_source_positions"]:
+        raise ValueError(f"window_s must be in [1, {sizes['max_source_positions'] // _POSITIONS_PER_S}], "
+                         f"got {window_s}")
+    table = tensors["model.encoder.embed_positions.weight"]
+    tensors["model.encoder.embed_positions.weight"] = np.ascontiguousarray(table[:positions])
+    sizes["max_source_positions"] = positions
+
+
+def convert_ct2_whisper(model_bin: Path, ct2_config: Path, tokenizer_json: Path, out_dir: Path,
+                        window_s: int = 30) -> dict[str, Any]:
+    """Write a Hugging Face Whisper checkpoint for ``model_bin`` into ``out_dir`` (an encoder window of
+    ``window_s`` seconds); returns its config."""
     from safetensors.numpy import save_file
 
     spec, ct2 = read_ct2_model(model_bin)
@@ -274,6 +290,7 @@ def convert_ct2_whisper(model_bin: Path, ct2_config: Path, tokenizer_json: Path,
         raise CT2FormatError(f"{model_bin}: a {spec!r} model, not WhisperSpec")
     tensors, sizes = whisper_state_dict(ct2)
     del ct2
+    with_window(tensors, sizes, window_s)
     tokenizer = json.loads(Path(tokenizer_json).read_text())
     tokens = {t["content"]: t["id"] for t in tokenizer.get("added_tokens", [])}
     for needed in ("<|endoftext|>", "<|startoftranscript|>", "<|notimestamps|>"):
@@ -288,7 +305,7 @@ def convert_ct2_whisper(model_bin: Path, ct2_config: Path, tokenizer_json: Path,
                                          "begin_suppress_tokens")}
     (out_dir / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
     (out_dir / "preprocessor_config.json").write_text(
-        json.dumps(_feature_extractor_config(sizes["num_mel_bins"]), indent=2) + "\n")
+        json.dumps(_feature_extractor_config(sizes["num_mel_bins"], window_s), indent=2) + "\n")
     (out_dir / "tokenizer.json").write_text(json.dumps(tokenizer, ensure_ascii=False) + "\n")
     (out_dir / "tokenizer_config.json").write_text(json.dumps(_tokenizer_config(), indent=2) + "\n")
     return config
