@@ -25,14 +25,18 @@ RATE = 24000
 
 
 class RecordingEngine:
-    """Transcribes to the audio's length in ms (so tests see which audio was sent) after ``delay`` s."""
+    """Transcribes to the audio's length in ms (so tests see which audio was sent) after ``delay`` s;
+    answers "Fine." after ``answer_delay`` s. ``log`` gets ("respond" | "closed", request id), and
+    can be the session's event list too, so the order of both is visible."""
 
     can_hear = can_speak = True
 
-    def __init__(self, delay: float = 0.3) -> None:
-        self.delay = delay
+    def __init__(self, delay: float = 0.3, answer_delay: float = 0.0, log: list | None = None) -> None:
+        self.delay, self.answer_delay = delay, answer_delay
         self.calls: list[tuple[str, int]] = []      # (request id, ms of audio)
         self.cancelled: list[str] = []
+        self.log = log if log is not None else []
+        self.asked: dict[str, list[dict]] = {}      # request id -> the messages it answered
 
     def check_voice(self, voice, speed):
         pass
@@ -49,9 +53,18 @@ class RecordingEngine:
             raise
         return f"{len(audio) * 1000 // 16000} ms"
 
-    async def respond(self, messages, **kwargs):
-        yield ResponseStart(len(messages))
-        yield TextDelta("Fine.", 2, "stop")
+    async def respond(self, messages, *, request_id, **kwargs):
+        self.log.append(("respond", request_id))
+        self.asked[request_id] = messages
+        try:
+            yield ResponseStart(len(messages))
+            await asyncio.sleep(self.answer_delay)
+            yield TextDelta("Fine.", 2, "stop")
+        finally:
+            self.log.append(("closed", request_id))
+
+    def answers(self, what: str = "respond") -> list[str]:
+        return [rid for entry in self.log if isinstance(entry, tuple) and entry[0] == what for rid in entry[1:]]
 
 
 @pytest.fixture(scope="module")
@@ -86,7 +99,7 @@ async def test_a_turn_is_transcribed_before_the_vad_confirms_its_end(phrase):
     stopped = kinds.index("input_audio_buffer.speech_stopped")
     # Every transcription was a guess made before the VAD confirmed the end; all but the last were
     # dropped (pauses inside the phrase), and the last one is the turn's.
-    assert engine.calls and all(rid.endswith("-stt-early") for rid, _ in engine.calls)
+    assert engine.calls and all("-stt-early-" in rid for rid, _ in engine.calls)
     assert engine.cancelled == [rid for rid, _ in engine.calls[:-1]]
     await asyncio.sleep(engine.delay + 0.2)
     done = next(e for e in out if e["type"] == "conversation.item.input_audio_transcription.completed")
@@ -100,10 +113,10 @@ async def test_a_turn_is_transcribed_before_the_vad_confirms_its_end(phrase):
 async def test_speech_that_resumes_drops_the_guess(phrase):
     engine, out = RecordingEngine(delay=1.0), []
     session = RealtimeSession(engine, out.append, model="m", vad_factory=_vad_factory())
-    # A 400 ms pause: long enough for a guess (300 ms), too short to end the turn (500 ms).
+    # A 400 ms pause: long enough for a guess (200 ms), too short to end the turn (500 ms).
     await feed(session, np.concatenate([zeros(0.3), phrase, zeros(0.4), phrase, zeros(1.0)]), [])
     assert [e["type"] for e in out].count("input_audio_buffer.speech_stopped") == 1
-    guesses = [(rid, ms) for rid, ms in engine.calls if rid.endswith("-stt-early")]
+    guesses = [(rid, ms) for rid, ms in engine.calls if "-stt-early-" in rid]
     assert len(guesses) == len(engine.calls) >= 2
     # The guess at the 350 ms pause (the phrase alone) was dropped when the phrase came again.
     assert any(abs(ms - (300 + len(phrase) * 1000 // RATE)) < 400 for _, ms in guesses[:-1])
@@ -123,3 +136,72 @@ async def test_closing_the_session_cancels_a_guess_in_flight(phrase):
     assert len(in_flight) == 1
     await session.close()
     assert engine.cancelled[-1] == in_flight[0]
+
+
+def position(log: list, kind: str) -> int:
+    return next(i for i, e in enumerate(log) if isinstance(e, dict) and e["type"] == kind)
+
+
+async def done_response(log: list, timeout: float = 3.0) -> dict:
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not any(isinstance(e, dict) and e["type"] == "response.done" for e in log):
+        assert asyncio.get_running_loop().time() < deadline, "no response.done"
+        await asyncio.sleep(0.02)
+    return log[position(log, "response.done")]["response"]
+
+
+async def test_the_answer_starts_in_the_vad_s_silence_and_the_response_adopts_it(phrase):
+    log: list = []
+    engine = RecordingEngine(delay=0.05, log=log)
+    session = RealtimeSession(engine, log.append, model="m", vad_factory=_vad_factory())
+    await feed(session, np.concatenate([zeros(0.3), phrase, zeros(1.0)]), [], pace=0.01)
+    response = await done_response(log)
+    # The LLM was asked before the VAD ended the turn, and the response read that answer: it made no
+    # request of its own. (An answer begun in a pause inside the phrase was dropped as it went on.)
+    *dropped, adopted = engine.answers()
+    assert "-preempted-" in adopted and response["id"] not in engine.asked
+    assert log.index(("respond", adopted)) < position(log, "input_audio_buffer.speech_stopped")
+    assert all(log.index(("closed", rid)) < position(log, "input_audio_buffer.speech_stopped") for rid in dropped)
+    assert response["status"] == "completed" and response["output"][0]["content"][0]["transcript"] == "Fine."
+    transcript = log[position(log, "conversation.item.input_audio_transcription.completed")]["transcript"]
+    assert engine.asked[adopted][-1] == {"role": "user", "content": transcript}
+    # Its events come in the usual order: the turn's transcript, then the response's output.
+    assert (position(log, "input_audio_buffer.committed") < position(log, "response.created")
+            < position(log, "conversation.item.input_audio_transcription.completed")
+            < position(log, "response.output_item.added"))
+    await session.close()
+
+
+async def test_speech_that_resumes_drops_the_answer_begun_in_the_pause(phrase):
+    log: list = []
+    engine = RecordingEngine(delay=0.05, answer_delay=5.0, log=log)
+    session = RealtimeSession(engine, log.append, model="m", vad_factory=_vad_factory())
+    await feed(session, np.concatenate([zeros(0.3), phrase, zeros(0.4), phrase, zeros(0.4)]), [], pace=0.01)
+    await asyncio.sleep(0.1)
+    assert "input_audio_buffer.speech_stopped" not in [e["type"] for e in log if isinstance(e, dict)]
+    answers = engine.answers()
+    assert len(answers) >= 2 and all("-preempted-" in rid for rid in answers)
+    # Each answer but the last was aborted when the user spoke on; the last waits for the VAD.
+    assert engine.answers("closed") == answers[:-1]
+    assert engine.asked[answers[-1]][-1]["content"].split()[0] >= engine.asked[answers[0]][-1]["content"].split()[0]
+    await session.close()  # and closing the session aborts the last one
+    assert engine.answers("closed") == answers
+
+
+async def test_an_answer_to_what_the_session_no_longer_asks_is_not_used(phrase):
+    log: list = []
+    engine = RecordingEngine(delay=0.05, log=log)
+    session = RealtimeSession(engine, log.append, model="m", vad_factory=_vad_factory())
+    await feed(session, np.concatenate([zeros(0.3), phrase, zeros(0.3)]), [], pace=0.01)
+    await asyncio.sleep(0.1)
+    *_, preempted = engine.answers()
+    await session.handle(json.dumps({"type": "session.update", "session": {"type": "realtime",
+                                                                            "instructions": "Be brief."}}))
+    await feed(session, zeros(0.5), [], pace=0.01)
+    response = await done_response(log)
+    assert response["status"] == "completed"
+    # The response asked anew (with the new instructions); the answer begun before was aborted.
+    assert engine.answers()[-2:] == [preempted, response["id"]]
+    assert engine.asked[response["id"]][0] == {"role": "system", "content": "Be brief."}
+    assert preempted in engine.answers("closed")
+    await session.close()

@@ -253,6 +253,16 @@ def test_spoken_sentences_leave_tool_calls_out(chunks, expected) -> None:
     assert spoken(chunks) == expected
 
 
+def test_a_streamed_sentence_ends_at_its_full_stop_without_waiting_for_the_next_token() -> None:
+    splitter = SpokenSentences([0], 1)
+    assert [s.prompt for s in splitter.on_output(None, "The capital is Paris")] == []  # type: ignore[arg-type]
+    assert [s.prompt for s in splitter.on_output(None, ".")] == ["The capital is Paris."]  # type: ignore[arg-type]
+    # Not after a number, a capital or a dotted abbreviation: the text may go on.
+    assert spoken(["It is 3", ".", "5 m long", ". Mr", ".", "Smith too."]) == ["It is 3.5 m long.", "Mr.Smith too."]
+    splitter = SpokenSentences([0], 1)
+    assert [s.prompt for chunk in ("See e.g", ".") for s in splitter.on_output(None, chunk)] == []  # type: ignore[arg-type]
+
+
 def test_spoken_sentences_of_a_whole_text() -> None:
     """In sequential mode the text goes whole, as SentenceSplitter sends it, less the call."""
     splitter = SpokenSentences([0], 1)

@@ -24,10 +24,22 @@ from omni_engine.realtime.audio_io import DELTA_MS, StreamResampler, encode_outp
 from omni_engine.realtime.config import SessionConfig
 from omni_engine.realtime.conversation import Conversation, Item, chat_messages, new_id
 from omni_engine.realtime.engine import AudioChunk, FunctionCallDelta, RealtimeEngine, ResponseStart, TextDelta
-from omni_engine.realtime.tools import chat_tool_choice, chat_tools
 from omni_engine.realtime.events import event
+from omni_engine.realtime.preemptive import PreemptiveAnswer
+from omni_engine.realtime.tools import chat_tool_choice, chat_tools
 
 logger = logging.getLogger(__name__)
+
+
+def engine_request(config: SessionConfig, options: dict[str, Any], messages: list[dict[str, Any]]) -> dict[str, Any]:
+    """What ``RealtimeEngine.respond`` is asked for a response with ``options`` (but its request id):
+    one place, so that a preemptive answer is adopted exactly when it is the same request."""
+    out = config.audio.output
+    max_tokens = options.get("max_output_tokens", config.max_output_tokens)
+    return {"messages": messages, "audio": "audio" in (options.get("output_modalities") or config.output_modalities),
+            "voice": out.voice, "speed": out.speed, "max_tokens": None if max_tokens == "inf" else int(max_tokens),
+            "temperature": config.temperature, "tools": chat_tools(options.get("tools", config.tools)),
+            "tool_choice": chat_tool_choice(options.get("tool_choice", config.tool_choice))}
 
 
 class ResponseRun:
@@ -35,15 +47,13 @@ class ResponseRun:
 
     def __init__(self, *, engine: RealtimeEngine, config: SessionConfig, conversation: Conversation,
                  send: Callable[[dict[str, Any]], None], options: dict[str, Any],
-                 wait_for: list[asyncio.Future]) -> None:
+                 wait_for: list[asyncio.Future], preempted: PreemptiveAnswer | None = None) -> None:
         self.id = new_id("resp")
         self.engine, self.config, self.conversation, self.send = engine, config, conversation, send
         self.options = options
         self.modalities: list[str] = options.get("output_modalities") or list(config.output_modalities)
         self.audio = "audio" in self.modalities
         self.in_conversation = options.get("conversation", "auto") != "none"
-        self.tools: list[dict[str, Any]] = options.get("tools", config.tools)
-        self.tool_choice: str | dict[str, Any] = options.get("tool_choice", config.tool_choice)
         # The assistant message, opened at its first text or audio; function calls by the LLM's index.
         self.item = Item(id=new_id("item"), role="assistant", status="in_progress",
                          content=[{"type": "output_audio" if self.audio else "output_text",
@@ -51,6 +61,7 @@ class ResponseRun:
         self.calls: dict[int, Item] = {}
         self.outputs: list[Item] = []  # in the order they were opened: their output_index
         self._wait_for = wait_for
+        self._preempted = preempted  # the answer already running, if it is this response's request
         self.text = ""
         self.prompt_tokens = self.output_tokens = 0
         self.cancel_reason: str | None = None
@@ -104,6 +115,9 @@ class ResponseRun:
             self.send(event("error", error={"type": details["error"]["type"], "code": "response_failed",
                                             "message": f"response {self.id}: {exc}", "param": None,
                                             "event_id": None}))
+        finally:
+            if self._preempted is not None and not self._preempted.adopted:
+                self._preempted.cancel()  # ended before it could take the answer
         self._finish(status, details)
 
     def _messages(self) -> list[dict[str, Any]]:
@@ -143,19 +157,15 @@ class ResponseRun:
             self.send(event("response.function_call_arguments.delta", response_id=self.id, item_id=call.id,
                             output_index=self._index(call), call_id=call.call_id, delta=piece.arguments))
 
-    def _max_tokens(self) -> int | None:
-        value = self.options.get("max_output_tokens", self.config.max_output_tokens)
-        return None if value == "inf" else int(value)
-
     async def _stream(self, messages: list[dict[str, str]]) -> str | None:
         out = self.config.audio.output
         resampler: StreamResampler | None = None
         finish = None
         sentences_spoken = 0
-        pieces = self.engine.respond(messages, audio=self.audio, voice=out.voice, speed=out.speed,
-                                     max_tokens=self._max_tokens(), temperature=self.config.temperature,
-                                     tools=chat_tools(self.tools), tool_choice=chat_tool_choice(self.tool_choice),
-                                     request_id=self.id)
+        request = engine_request(self.config, self.options, messages)
+        pieces = self._preempted.adopt(request) if self._preempted is not None else None
+        if pieces is None:
+            pieces = self.engine.respond(**request, request_id=self.id)
         try:
             async for piece in pieces:
                 if isinstance(piece, ResponseStart):

@@ -21,11 +21,12 @@ import numpy as np
 
 from omni_engine.realtime.audio_io import AudioInputError, StreamResampler, decode_input, rate_of
 from omni_engine.realtime.config import SessionConfig, SessionConfigError, updated
-from omni_engine.realtime.conversation import Conversation, Item, item_from_client, new_id
+from omni_engine.realtime.conversation import Conversation, Item, chat_messages, item_from_client, new_id
 from omni_engine.realtime.engine import RealtimeEngine
 from omni_engine.realtime.events import ClientEvent, EventSession, RealtimeError, event
 from omni_engine.realtime.input_audio import RATE, InputAudio
-from omni_engine.realtime.response import ResponseRun
+from omni_engine.realtime.preemptive import PreemptiveAnswer
+from omni_engine.realtime.response import ResponseRun, engine_request
 from omni_engine.realtime.tools import check_tool_choice, check_tools
 
 logger = logging.getLogger(__name__)
@@ -34,10 +35,11 @@ MIN_COMMIT_MS = 100  # OpenAI refuses to commit less
 NO_TOOL_PARSER = ("this server parses no tool calls: it was started without --enable-auto-tool-choice and "
                   "--tool-call-parser (e.g. hermes_json for Qwen2.5)")
 # Transcribe a turn once the user's pause is this share of silence_duration_ms (and at least
-# EARLY_MIN_MS), before the VAD confirms its end: Whisper's time then overlaps the VAD's wait.
-# Speech that resumes discards the guess (its request is aborted); pauses inside a sentence are
-# mostly shorter than this, so few guesses are wasted.
-EARLY_SHARE, EARLY_MIN_MS = 0.6, 200
+# EARLY_MIN_MS), before the VAD confirms its end, and start its answer (``PreemptiveAnswer``)
+# when the transcript is in: Whisper's time and the LLM's first words then overlap the VAD's
+# wait. Speech that resumes discards the guess (its requests are aborted); pauses inside a
+# sentence are mostly shorter than this, so few guesses are wasted.
+EARLY_SHARE, EARLY_MIN_MS = 0.4, 200
 
 
 class RealtimeSession(EventSession):
@@ -62,6 +64,7 @@ class RealtimeSession(EventSession):
                                  vad_factory)
         self._speech: tuple[str, int] | None = None  # (item id, start sample) while the VAD hears speech
         self._early: tuple[str, int, asyncio.Task] | None = None  # (item id, pause start, transcription)
+        self._preempted: tuple[str, int, PreemptiveAnswer] | None = None  # (item id, pause start, answer)
 
     async def close(self) -> None:
         """The connection is gone: end the response and the transcriptions (their stage requests are aborted)."""
@@ -71,6 +74,8 @@ class RealtimeSession(EventSession):
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+        if self._preempted is not None:
+            await self._preempted[2].aclose()
 
     # -------------------------------------------------------------- session
     async def _on_session_update(self, body: dict[str, Any]) -> None:
@@ -116,14 +121,39 @@ class RealtimeSession(EventSession):
         if self._early is not None and (self._speech is None or self._early[:2] != (self._speech[0], pause)):
             self._early[2].cancel()
             self._early = None
+            self._drop_preempted()
         if (self._early is None and self._speech is not None and pause is not None and self.engine.can_hear
                 and self._input.total - pause >= max(EARLY_MIN_MS * RATE // 1000,
                                                      int(EARLY_SHARE * self._input.silence_samples()))):
             item_id, start = self._speech
             audio = self._input.peek(start, self._input.total)
-            task = asyncio.ensure_future(self._recognize(audio, f"{item_id}-stt-early"))
+            # The pause's offset in the id: a dropped guess's request may still be aborting in the stages.
+            task = asyncio.ensure_future(self._recognize(audio, f"{item_id}-stt-early-{pause}"))
             task.add_done_callback(lambda t: t.cancelled() or t.exception())  # a dropped guess's error is moot
+            task.add_done_callback(lambda t, key=(item_id, pause): self._preempt(key, t))
             self._early = (item_id, pause, task)
+
+    def _preempt(self, key: tuple[str, int], transcription: asyncio.Task) -> None:
+        """The early transcript of the turn ``key`` is in: start the answer the VAD's end of the turn
+        would start (the same request, built the same way), unless anything would make it differ."""
+        turn = self.config.audio.input.turn_detection
+        if (self._early is None or self._early[:2] != key or transcription.cancelled() or transcription.exception()
+                or not transcription.result().strip() or turn is None or not turn.create_response
+                or (self.response is not None and not self.response.done) or self._transcriptions):
+            return
+        self._drop_preempted()
+        item_id = key[0]
+        heard = Item(id=item_id, role="user",
+                     content=[{"type": "input_audio", "transcript": transcription.result()}])
+        messages = chat_messages([*self.conversation.items, heard], self.config.instructions)
+        answer = PreemptiveAnswer(self.engine, engine_request(self.config, {}, messages),
+                                  f"{item_id}-preempted-{key[1]}")
+        self._preempted = (item_id, key[1], answer)
+
+    def _drop_preempted(self) -> None:
+        if self._preempted is not None:
+            self._preempted[2].cancel()
+            self._preempted = None
 
     async def _speech_started(self, sample: int) -> None:
         item_id = new_id("item")
@@ -140,11 +170,18 @@ class RealtimeSession(EventSession):
         if self._early is not None and self._early[:2] == (item_id, sample - self._input.silence_samples()):
             early = self._early[2]  # the pause that ended the turn is the one already being transcribed
             self._early = None
+        preempted = None
+        if early is not None and self._preempted is not None and self._preempted[0] == item_id:
+            preempted = self._preempted[2]  # the answer to that transcript (the same pause)
+            self._preempted = None
+        self._drop_preempted()
         self.send(event("input_audio_buffer.speech_stopped", audio_end_ms=sample * 1000 // RATE, item_id=item_id))
         self._commit(self._input.take(start, sample), item_id, early)
         turn = self.config.audio.input.turn_detection
         if turn is not None and turn.create_response and (self.response is None or self.response.done):
-            self._start_response({})
+            self._start_response({}, preempted)
+        elif preempted is not None:
+            preempted.cancel()
 
     async def _on_input_audio_buffer_commit(self, body: dict[str, Any]) -> None:
         buffered_ms = self._input.buffered * 1000 // RATE
@@ -322,9 +359,9 @@ class RealtimeSession(EventSession):
                 resolved.append(item_from_client(body))
         return resolved
 
-    def _start_response(self, options: dict[str, Any]) -> None:
+    def _start_response(self, options: dict[str, Any], preempted: PreemptiveAnswer | None = None) -> None:
         run = ResponseRun(engine=self.engine, config=self.config, conversation=self.conversation, send=self.send,
-                          options=options, wait_for=list(self._transcriptions.values()))
+                          options=options, wait_for=list(self._transcriptions.values()), preempted=preempted)
         self.response = run
         run.start()
 

@@ -56,7 +56,7 @@ def _without_oldest_turn(messages: list[dict[str, Any]]) -> list[dict[str, Any]]
     rest = messages[first + 1:]
     while len(rest) > 1 and rest[0]["role"] == "tool":  # an output without its call means nothing
         rest = rest[1:]
-    if not rest or len(messages) - first <= 1:
+    if not rest:
         return None
     return messages[:first] + rest
 

@@ -19,11 +19,10 @@ from typing import Any
 from vllm.tool_parsers.abstract_tool_parser import ToolParserManager
 from vllm.tool_parsers.hermes_tool_parser import Hermes2ProToolParser
 
-from omni_engine.pipeline.input_processors import BARE_TOOL_CALL, MAYBE_BARE_TOOL_CALL
+from omni_engine.pipeline.input_processors import BARE_TOOL_CALL, opens_with_bare_call
 
 NAME = "hermes_json"
 _FENCE = re.compile(r"\s*```(json)?")
-
 
 
 def register() -> None:
@@ -64,12 +63,9 @@ class HermesJsonToolParser(Hermes2ProToolParser):
     def _tagged(self, text: str) -> str | None:
         """``text`` as ``hermes`` reads it; None while its start is undecided."""
         if self._bare is None:
-            if BARE_TOOL_CALL.match(text):
-                self._bare = True
-            elif MAYBE_BARE_TOOL_CALL.fullmatch(text):
+            self._bare = opens_with_bare_call(text)
+            if self._bare is None:
                 return None
-            else:
-                self._bare = False
         if not self._bare:
             return text
         return tag_bare_calls(text, self.tool_call_start_token, self.tool_call_end_token)
