@@ -26,7 +26,10 @@ pytestmark = pytest.mark.llm
 MODEL = "voice-assistant"
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 # Read aloud by the Piper voice (and eSpeak), then transcribed by Whisper: the words it must get back.
-PASSAGE = ("The weather today is sunny and warm. We will meet at the library after lunch, "
+# "Today the weather", not "The weather today": Piper's voice (its noise differs per synthesis) made
+# tiny.en hear "But whether today" / "But what if today" in about one passage of ten (3 errors in 26
+# words, over MAX_WER); 40 syntheses of this one were all transcribed exactly.
+PASSAGE = ("Today the weather is sunny and warm. We will meet at the library after lunch, "
            "and then we will walk to the park with our friends.")
 MAX_WER = 0.10
 
