@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Whisper's real-time factor in its stage: seconds of processing per second of audio.
 
-    python benchmarks/bench_whisper.py [--models whisper-tiny-en whisper-tiny-en-10s whisper-base] [--rounds 3] [--concurrency 8]
+    python benchmarks/bench_whisper.py [--models whisper-tiny-en whisper-tiny-en-15s whisper-base] [--rounds 3] [--concurrency 8]
 
 Each model runs as stage_configs/whisper.yaml (Whisper in vLLM, in its own stage process), fed a
 spoken passage (the Piper voice reads a 10-15 s text; made in-process, not timed). Reported per
@@ -9,7 +9,7 @@ model: the median time of one request alone and its real-time factor (RTF = time
 below 1 is faster than real time), and the RTF of ``--concurrency`` requests at once (total time /
 total audio: what batching in vLLM buys), plus the word error rate of the transcript. A voice turn
 (a ~2 s question, as a realtime session commits it) is timed alone too: there the window's padding,
-not the speech, is most of the encoder's work (compare whisper-tiny-en with whisper-tiny-en-10s).
+not the speech, is most of the encoder's work (compare whisper-tiny-en with whisper-tiny-en-15s).
 Writes JSON to ``benchmarks/results/``.
 """
 
@@ -104,7 +104,7 @@ async def main_async(args: argparse.Namespace) -> list[dict[str, Any]]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--models", nargs="+", default=["whisper-tiny-en", "whisper-tiny-en-10s", "whisper-base"])
+    parser.add_argument("--models", nargs="+", default=["whisper-tiny-en", "whisper-tiny-en-15s", "whisper-base"])
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--concurrency", type=int, default=8)
     args = parser.parse_args()

@@ -87,24 +87,24 @@ def test_whisper_base_is_joined_from_two_packages_and_is_multilingual(tmp_path):
     assert lines == [f"done: whisper-base already prepared at {target}"]
 
 
-def test_a_10_s_window_keeps_the_first_positions_of_the_same_model_and_says_so(tiny_dir):
-    """whisper-tiny-en-10s is tiny.en with its encoder's (sinusoidal) position table cut to 500
-    rows; the front end pads to 10 s; everything else is the same tensors."""
-    short_dir = prepare_model("whisper-tiny-en-10s")
+def test_a_15_s_window_keeps_the_first_positions_of_the_same_model_and_says_so(tiny_dir):
+    """whisper-tiny-en-15s is tiny.en with its encoder's (sinusoidal) position table cut to 750
+    rows; the front end pads to 15 s; everything else is the same tensors."""
+    short_dir = prepare_model("whisper-tiny-en-15s")
     full, short = load_file(str(tiny_dir / "model.safetensors")), load_file(str(short_dir / "model.safetensors"))
     assert set(full) == set(short)
     positions = "model.encoder.embed_positions.weight"
-    assert full[positions].shape == (1500, 384) and short[positions].shape == (500, 384)
-    assert np.array_equal(short[positions], full[positions][:500])
+    assert full[positions].shape == (1500, 384) and short[positions].shape == (750, 384)
+    assert np.array_equal(short[positions], full[positions][:750])
     assert all(np.array_equal(full[name], short[name]) for name in full if name != positions)
     config = json.loads((short_dir / "config.json").read_text())
-    assert config["max_source_positions"] == 500
+    assert config["max_source_positions"] == 750
     assert json.loads((tiny_dir / "config.json").read_text())["max_source_positions"] == 1500
     front = json.loads((short_dir / "preprocessor_config.json").read_text())
-    assert (front["chunk_length"], front["n_samples"], front["nb_max_frames"]) == (10, 160000, 1000)
+    assert (front["chunk_length"], front["n_samples"], front["nb_max_frames"]) == (15, 240000, 1500)
     # The full-window recipe's marker is what it was before windows existed (no rebuild of caches).
     assert "window_s" not in RECIPES["whisper-tiny-en"].marker()
-    assert RECIPES["whisper-tiny-en-10s"].marker()["window_s"] == 10
+    assert RECIPES["whisper-tiny-en-15s"].marker()["window_s"] == 15
 
 
 def test_a_window_longer_than_the_model_s_or_empty_is_refused(ct2_tiny):

@@ -150,7 +150,7 @@ class SpeechToText:
         # As openai-whisper decides: the English-only models have one token fewer (51864).
         self.multilingual = engine.model_config.hf_config.vocab_size >= 51865
         self.max_prompt_tokens = engine.model_config.hf_config.max_target_positions // 2 - 1
-        # The encoder's window (prepare-model's whisper-*-10s recipes shorten it for voice turns).
+        # The encoder's window (prepare-model's whisper-tiny-en-15s recipe shortens it for voice turns).
         self.window_s = engine.model_config.hf_config.max_source_positions * _POSITION_S
         # Pipeline request id -> the vLLM request now running for it (a segment or the detection).
         self.running: dict[str, str] = {}

