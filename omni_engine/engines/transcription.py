@@ -30,6 +30,7 @@ import numpy as np
 
 from omni_engine.audio import WHISPER_SAMPLE_RATE
 from omni_engine.inputs import OmniTextPrompt
+from omni_engine.models.whisper_ct2 import POSITIONS_PER_S
 
 __all__ = ["SAMPLE_RATE", "AudioPrompt", "SpeechToText", "audio_prompt_of", "split_on_silence", "word_error_rate"]
 
@@ -38,7 +39,6 @@ WINDOW_S = 30.0
 # A cut is made at the quietest 100 ms in the last CUT_SEARCH_S seconds before each window's end
 # (at most a third of a shorter window, so no segment is left very short).
 CUT_SEARCH_S = 8.0
-_POSITION_S = 0.02  # one encoder position: two 10 ms mel frames (the second conv has stride 2)
 _FRAME_S = 0.1
 MAX_AUDIO_S = 3600.0  # one request's audio; longer uploads are refused, naming the limit
 TASKS = ("transcribe", "translate")
@@ -151,7 +151,7 @@ class SpeechToText:
         self.multilingual = engine.model_config.hf_config.vocab_size >= 51865
         self.max_prompt_tokens = engine.model_config.hf_config.max_target_positions // 2 - 1
         # The encoder's window (prepare-model's whisper-tiny-en-15s recipe shortens it for voice turns).
-        self.window_s = engine.model_config.hf_config.max_source_positions * _POSITION_S
+        self.window_s = engine.model_config.hf_config.max_source_positions / POSITIONS_PER_S
         # Pipeline request id -> the vLLM request now running for it (a segment or the detection).
         self.running: dict[str, str] = {}
         self.aborted: set[str] = set()  # requests aborted while running: no further segment starts

@@ -23,7 +23,8 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["CT2FormatError", "convert_ct2_whisper", "read_ct2_model", "whisper_state_dict", "with_window"]
+__all__ = ["CT2FormatError", "POSITIONS_PER_S", "convert_ct2_whisper", "read_ct2_model", "whisper_state_dict",
+           "with_window"]
 
 # CTranslate2's DataType ids (include/ctranslate2/types.h); bfloat16 (5) has no numpy dtype.
 _CT2_DTYPES: dict[int, np.dtype] = {
@@ -37,7 +38,7 @@ _SUPPORTED_BINARY_VERSIONS = (5, 6)
 # Whisper's attention heads are 64 wide in every size (tiny 6 heads of 384, base 8 of 512, ...).
 _HEAD_DIM = 64
 # Encoder positions per second of audio: 100 mel frames, halved by the second conv's stride.
-_POSITIONS_PER_S = 50
+POSITIONS_PER_S = 50
 
 
 class CT2FormatError(ValueError):
@@ -270,9 +271,9 @@ def _tokenizer_config() -> dict[str, Any]:
 def with_window(tensors: dict[str, np.ndarray], sizes: dict[str, int], window_s: int) -> None:
     """Shorten the encoder's window to ``window_s`` seconds, in place: the first positions of its
     (fixed, sinusoidal) table. One position is 20 ms (10 ms mel hop, then a stride-2 conv)."""
-    positions = window_s * _POSITIONS_PER_S
+    positions = window_s * POSITIONS_PER_S
     if not 1 <= positions <= sizes["max_source_positions"]:
-        raise ValueError(f"window_s must be in [1, {sizes['max_source_positions'] // _POSITIONS_PER_S}], "
+        raise ValueError(f"window_s must be in [1, {sizes['max_source_positions'] // POSITIONS_PER_S}], "
                          f"got {window_s}")
     table = tensors["model.encoder.embed_positions.weight"]
     tensors["model.encoder.embed_positions.weight"] = np.ascontiguousarray(table[:positions])

@@ -113,7 +113,6 @@ _OBJECT_START = r'\{\s*("(n(a(m(e)?)?)?)?)?'
 MAYBE_BARE_TOOL_CALL = re.compile(rf'\s*(`{{1,2}}|```(j(s(o(n)?)?)?)?|```(json)?\s*({_OBJECT_START})?|{_OBJECT_START})?')
 
 
-
 def opens_with_bare_call(text: str, final: bool = False) -> bool | None:
     """Whether a reply that begins with ``text`` is a bare (or fenced) JSON call; None while its start
     could still become one (unless ``final``: no more text comes). The speech stage and the
