@@ -129,7 +129,8 @@ class RawFrameClient(StageEngineCoreClient):
 
     async def send_raw(self, *frames: bytes) -> None:
         """Frames to the stage as they are, after the stage's identity (as the client's ROUTER sends)."""
-        await self._input.send_multipart([self._identity, *frames])
+        if not self._requests_out.send_multipart([self._identity, *frames]):
+            await self._requests_out.flushed()
 
     def output_readable(self) -> bool:
         """Whether a message waits on the client's output socket (unread)."""

@@ -387,6 +387,23 @@ def test_unknown_transport(tmp_path: Path) -> None:
     one_error(tmp_path, data, "stage 0", "stage_args[0].runtime.transport", "'udp'", "'ipc'")
 
 
+def test_stage_io_is_checked_and_reaches_the_process_spec(tmp_path: Path) -> None:
+    data = base()
+    data["stage_args"][0]["runtime"]["io"] = "epoll"
+    one_error(tmp_path, data, "stage_args[0].runtime.io", "'epoll' is not one of ['loop', 'threads']")
+    data["stage_args"][0]["runtime"]["io"] = "threads"
+    cfg = load_pipeline_config(write(tmp_path, yaml.safe_dump(data, sort_keys=False)))
+    specs = [stage_process_spec(cfg.stage(i), ConnectorSettings(), device_variable="CUDA_VISIBLE_DEVICES")
+             for i in (0, 1)]
+    assert [spec.io for spec in specs] == ["threads", "loop"]  # unset: on the stage's loop
+
+
+def test_stage_io_threads_is_for_stage_processes(tmp_path: Path) -> None:
+    data = base()
+    data["stage_args"][1]["runtime"] = {"process": False, "io": "threads"}
+    one_error(tmp_path, data, "stage_args[1].runtime.io", "applies to stage processes only")
+
+
 def test_llm_without_model(tmp_path: Path) -> None:
     data = base()
     del data["stage_args"][0]["engine_args"]["model"]

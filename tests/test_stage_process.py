@@ -166,3 +166,27 @@ async def test_a_stage_on_another_host_that_sends_a_shm_handle_is_stopped_loudly
     finally:
         await client.shutdown()
     assert not process_exists(client.process.pid) and not list_segments(client.shm_prefix)
+
+
+@pytest.mark.parametrize("io", ["loop", "threads"])
+async def test_both_io_modes_serve_abort_health_and_heartbeats(io):
+    """``runtime.io``: the stage's sockets on its event loop or in threads; the same answers
+    either way, and a stage given a heartbeat interval says it is alive while idle."""
+    spec = tts_spec().replace(io=io, heartbeat_interval=0.05)
+    client = StageEngineCoreClient(3, process=spec)
+    await client.start()
+    try:
+        heard = client._last_heard
+        await asyncio.sleep(0.3)  # idle: only heartbeats arrive
+        assert client._last_heard > heard
+        await client.submit_request("long", "A sentence that takes a while to speak, said slowly. " * 4,
+                                    {"speed": 0.5})
+        await client.submit_request("short", "Short.", None)
+        await client.abort_request("long")
+        (output,) = await collect(client, "short")
+        assert output.finished and len(output.multimodal_output["audio"]) > 0
+        await client.check_health()
+        assert await client.call_utility_async("num_unfinished_requests") == 0
+    finally:
+        await client.shutdown()
+    assert not process_exists(client.process.pid)

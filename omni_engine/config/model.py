@@ -42,6 +42,8 @@ AFFINITIES = ("none", "request")
 RETRY_POLICIES = ("before_first_output", "never")
 # Where an in-process stage's event loop runs: a thread of its own, or the client's.
 EVENT_LOOPS = ("own", "client")
+# Where a stage process reads and writes its sockets (StageRuntimeConfig.io).
+STAGE_IO = ("loop", "threads")
 FINAL_OUTPUT_TYPES = ("text", "audio", "image", "latent", "tensor")
 PLACEMENT_BACKENDS = ("local", "ray")
 # Ray's placement-group strategies: how one stage's replicas are laid out over nodes.
@@ -173,6 +175,10 @@ class StageRuntimeConfig(_Base):
     # its thread; "client": on the client's event loop, no thread (fastest; its model must
     # not block the loop: async, or its work in threads of its own).
     event_loop: str | None = None
+    # Stage processes only. "loop" (the default): the stage reads and writes its sockets on
+    # its event loop; "threads": an input and an output thread do, for a model that computes
+    # on its loop (its messages are then decoded and sent while it computes).
+    io: str | None = None
     # Accelerator ids for the stage ("0,1", 0 or [0, 1]), given to its process
     # through the platform's device-control variable (README "Devices").
     devices: str | int | list[int | str] | None = None

@@ -17,6 +17,7 @@ from omni_engine.config.model import (
     LOAD_BALANCE_POLICIES,
     RESTART_POLICIES,
     RETRY_POLICIES,
+    STAGE_IO,
     StageConfig,
     StageRuntimeConfig,
     device_parts,
@@ -68,6 +69,7 @@ def _check_runtime(stage: StageConfig, path: str, report: Report, transports: tu
     if not runtime.process:
         _check_in_process(stage, f"{path}.runtime.process", report)
     _check_event_loop(runtime, f"{path}.runtime.event_loop", report)
+    _check_io(runtime, f"{path}.runtime.io", report)
     if runtime.devices is not None:
         _check_devices(runtime.devices, f"{path}.runtime.devices", report)
     _check_replicas(stage, f"{path}.runtime", report)
@@ -153,6 +155,17 @@ def _check_event_loop(runtime: StageRuntimeConfig, field_path: str, report: Repo
         report(field_path, f"{runtime.event_loop!r} is not one of {list(EVENT_LOOPS)}")
     elif runtime.process:
         report(field_path, "applies to in-process stages only (process: false); a stage process runs its own loop")
+
+
+def _check_io(runtime: StageRuntimeConfig, field_path: str, report: Report) -> None:
+    """Where a stage process's socket I/O runs; an in-process stage's runs on its loop."""
+    if runtime.io is None:
+        return
+    if runtime.io not in STAGE_IO:
+        report(field_path, f"{runtime.io!r} is not one of {list(STAGE_IO)}")
+    elif not runtime.process and runtime.io != "loop":
+        report(field_path, "applies to stage processes only; an in-process stage (process: false) does its I/O "
+                           "on its event loop")
 
 
 def _check_replicas(stage: StageConfig, path: str, report: Report) -> None:

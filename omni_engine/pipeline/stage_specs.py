@@ -106,6 +106,7 @@ def stage_process_spec(stage: StageConfig, connectors: ConnectorSettings, device
         connectors=connectors,
         devices=devices,
         env=dict(stage.env),
+        io=stage.runtime.io or "loop",
     )
 
 

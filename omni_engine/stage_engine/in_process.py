@@ -27,10 +27,8 @@ from __future__ import annotations
 import asyncio
 import atexit
 import logging
-import os
 import threading
 import weakref
-from collections.abc import Callable
 from typing import Any
 
 import msgspec
@@ -38,13 +36,11 @@ import zmq
 
 from omni_engine.errors import StageDeadError, StageStartupError
 from omni_engine.loop_context import LoopContext, cancel_now, loop_context, own_tasks, running_loop
-from omni_engine.stage_engine.socket_reader import SocketReader
 from omni_engine.stage_engine.stage_core_client import StageEngineCoreClient
-from omni_engine.stage_engine.stage_core import StageEngineCoreProc
+from omni_engine.stage_engine.stage_core_proc import StageEngineCoreProc
 from omni_engine.stage_engine.stage_process import cleanup_stage
 from omni_engine.stage_engine.stage_spec import StageProcessSpec
-from omni_engine.wire.protocol import REQUEST_STRUCTS, StageReady, StageRequestType, StageResponseType
-from omni_engine.wire.stage_serialization import StageMsgpackDecoder, StageMsgpackEncoder
+from omni_engine.wire.protocol import StageReady
 
 logger = logging.getLogger(__name__)
 
@@ -53,71 +49,14 @@ logger = logging.getLogger(__name__)
 _DEAD_STAGE_WAIT_S = 5.0
 
 
-class _LoopOutbox:
-    """The stage core's response sink when its transport runs on its event loop: ``put`` (on
-    the loop) collects, and one flush per loop turn sends everything collected, consecutive
-    outputs as one message (what the output thread does in a stage process)."""
-
-    def __init__(self, send: Callable[[list[Any]], object]) -> None:
-        self._send = send
-        self._items: list[Any] = []
-        self.loop: asyncio.AbstractEventLoop | None = None
-
-    def put(self, item: Any) -> None:
-        self._items.append(item)
-        if len(self._items) == 1:
-            self.loop.call_soon(self.flush)
-
-    def flush(self) -> None:
-        items, self._items = self._items, []
-        if items:
-            self._send(items)
-
-
 class StageEngineCoreInProc(StageEngineCoreProc):
-    """The stage core with its transport on its event loop, without the input and output
-    threads of a stage process (in a process each thread hop is also a GIL hand-over)."""
+    """The stage core of a stage process, in the client's process: its signals and globals are
+    the client's, and it can be stopped, or its sockets closed, from the client's side."""
 
-    HANDLES_SIGNALS = False  # the client's process's signals are the client's
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self._out_q = self._outbox = _LoopOutbox(self._send_collected)
-        self._in_sock: zmq.Socket | None = None
-        self._out_sock: zmq.Socket | None = None
-        self._input_reader: SocketReader | None = None
-
-    def _start_transport(self) -> None:
-        loop = self._outbox.loop = asyncio.get_running_loop()
-        self._in_sock = self.ctx.socket(zmq.DEALER)
-        self._in_sock.setsockopt(zmq.LINGER, 0)
-        self._in_sock.connect(self.input_address)
-        self._out_sock = self.ctx.socket(zmq.PUSH)
-        self._out_sock.setsockopt(zmq.LINGER, 2000)
-        self._out_sock.connect(self.output_address)
-        self._encoder = StageMsgpackEncoder.from_settings(self.connectors, self.pool)
-        ready = StageReady(self.stage_id, os.getpid(), self.shm_prefix, self.engine.info(), self.host_id)
-        self._in_sock.send_multipart([StageResponseType.READY.value, msgspec.msgpack.encode(ready)])
-        decoders = {t: StageMsgpackDecoder(cls, shm=self.attachments, allow_pickle=self.connectors.allow_pickle)
-                    for t, cls in REQUEST_STRUCTS.items()}
-        self._input_reader = SocketReader(loop, self._in_sock, lambda frames: self._handle_frames(frames, decoders),
-                                          self._on_input_failed)
-
-    def _on_input_failed(self, exc: BaseException) -> None:
-        """A stage that cannot read is dead: say so."""
-        logger.error("stage %d: input failed", self.stage_id, exc_info=exc)
-        self._fatal(exc)
-
-    def _dispatch_threadsafe(self, req_type: StageRequestType, msg: Any) -> None:
-        self._dispatch(req_type, msg)  # already on the loop
-
-    def _send_collected(self, items: list[Any]) -> None:
-        if self._out_sock is not None:  # (closed: the client is gone, nobody to tell)
-            self._send_items(self._out_sock, self._encoder, items)
+    OWNS_PROCESS = False
 
     async def _stop_transport(self) -> None:
-        if self._out_sock is not None:
-            self._outbox.flush()  # what is left (a DEAD above all)
+        self._out_q.flush()  # what is left (a DEAD above all)
         self.close_now(linger=None)  # (each socket's own: what is sent still reaches the client)
 
     def request_stop(self) -> None:
@@ -135,17 +74,7 @@ class StageEngineCoreInProc(StageEngineCoreProc):
     def close_now(self, linger: int | None = 0) -> None:
         """Close the transport without the loop (idempotent): the client's context can only end
         once these sockets are closed, and a stage on a loop that no longer runs cannot close them."""
-        if self._input_reader is not None:
-            try:
-                self._input_reader.close()
-            except RuntimeError:  # the loop is closed: nothing watches the socket any more
-                pass
-            self._input_reader = None
-        for sock in (self._in_sock, self._out_sock):
-            if sock is not None:
-                sock.close(linger=linger)
-        self._in_sock = self._out_sock = None
-        self.attachments.detach()
+        self._close_sockets(linger)
 
 
 class InProcessStageClient(StageEngineCoreClient):

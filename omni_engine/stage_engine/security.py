@@ -196,12 +196,34 @@ def watch_handshake(sock: zmq.Socket) -> zmq.Socket:
     return sock.get_monitor_socket(_HANDSHAKE_EVENTS, addr=f"inproc://omni-handshake-{next(_MONITORS)}")
 
 
-def wait_for_handshake(sock: zmq.Socket, monitor: zmq.Socket, wake: zmq.Socket, address: str) -> None:
-    """Block until the first handshake on ``sock`` ends; ``CurveHandshakeError`` saying why it failed.
+def handshake_ended(event: dict, address: str) -> bool:
+    """Whether a monitor ``event`` ends the first handshake (True: it succeeded);
+    ``CurveHandshakeError`` saying why it failed. A failure is final: a wrong key does
+    not get right by retrying, and failing now gives a clear error instead of a
+    startup timeout."""
+    kind = event["event"]
+    if kind == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+        return True
+    if kind == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
+        raise CurveHandshakeError(
+            f"CURVE: the client at {address} refused this stage's key (ZAP status {event['value']}); "
+            "the stage's client key is not one the client allows")
+    if kind in (zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL, zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL):
+        raise CurveHandshakeError(
+            f"CURVE handshake with the client at {address} failed ({zmq.Event(kind).name}): "
+            "the stage has the wrong server public key, or the client does not use CURVE")
+    return False
 
-    Returns early, without consuming it, when ``wake`` becomes readable
-    (shutdown). A failure is final: a wrong key does not get right by retrying,
-    and failing now gives a clear error instead of a startup timeout.
+
+def stop_watching_handshake(sock: zmq.Socket, monitor: zmq.Socket) -> None:
+    sock.disable_monitor()
+    monitor.close(linger=0)
+
+
+def wait_for_handshake(sock: zmq.Socket, monitor: zmq.Socket, wake: zmq.Socket, address: str) -> None:
+    """Block until the first handshake on ``sock`` ends (``handshake_ended``).
+
+    Returns early, without consuming it, when ``wake`` becomes readable (shutdown).
     """
     poller = zmq.Poller()
     poller.register(monitor, zmq.POLLIN)
@@ -209,20 +231,7 @@ def wait_for_handshake(sock: zmq.Socket, monitor: zmq.Socket, wake: zmq.Socket, 
     try:
         while True:
             events = dict(poller.poll())
-            if wake in events:
+            if wake in events or handshake_ended(recv_monitor_message(monitor), address):
                 return
-            event = recv_monitor_message(monitor)
-            kind = event["event"]
-            if kind == zmq.EVENT_HANDSHAKE_SUCCEEDED:
-                return
-            if kind == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
-                raise CurveHandshakeError(
-                    f"CURVE: the client at {address} refused this stage's key (ZAP status {event['value']}); "
-                    "the stage's client key is not one the client allows")
-            if kind in (zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL, zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL):
-                raise CurveHandshakeError(
-                    f"CURVE handshake with the client at {address} failed ({zmq.Event(kind).name}): "
-                    "the stage has the wrong server public key, or the client does not use CURVE")
     finally:
-        sock.disable_monitor()
-        monitor.close(linger=0)
+        stop_watching_handshake(sock, monitor)

@@ -36,7 +36,6 @@ from omni_engine.connectors.shm import (
     unlink_prefix,
 )
 from omni_engine.errors import StageDeadError
-from omni_engine.loop_context import cancel_now
 from omni_engine.stage_engine import security
 from omni_engine.stage_engine.base_client import BaseStageClient
 from omni_engine.wire.protocol import (
@@ -47,6 +46,7 @@ from omni_engine.wire.protocol import (
     StageRequestType,
     StageResponseType,
     decode_frames,
+    message_kind,
 )
 from omni_engine.stage_engine.security import CurveKeys
 from omni_engine.stage_engine.stage_process import (
@@ -55,7 +55,7 @@ from omni_engine.stage_engine.stage_process import (
     cleanup_stage,
     default_log_dir,
 )
-from omni_engine.stage_engine.socket_reader import SocketReader
+from omni_engine.stage_engine.loop_socket import LoopSocket
 from omni_engine.stage_engine.stage_spec import StageTransport
 from omni_engine.utils import machine_host_id
 from omni_engine.wire.stage_serialization import (
@@ -72,7 +72,6 @@ from omni_engine.stage_engine.stage_sockets import (
 )
 from omni_engine.stage_engine.stage_startup import (
     check_ready,
-    drain_after_ready,
     recv_ready,
 )
 
@@ -165,8 +164,8 @@ class StageEngineCoreClient(BaseStageClient):
         self._identity: bytes | None = None
         self._encoder = StageMsgpackEncoder.from_settings(self.connectors)
         self._decoders: dict[StageResponseType, StageMsgpackDecoder] = {}
-        self._output_reader: SocketReader | None = None
-        self._drain_task: asyncio.Task | None = None
+        self._output_reader: LoopSocket | None = None
+        self._requests_out: LoopSocket | None = None  # the ROUTER after READY: sends, and strays read
         self._finalizer: weakref.finalize | None = None
         # This end's shared-memory domain; a stage that reports another gets and sends frames only.
         self.host_id = machine_host_id()
@@ -212,9 +211,9 @@ class StageEngineCoreClient(BaseStageClient):
         self._meet_host(self.ready.host_id)
         self.shm.producer_prefix = self.ready.shm_prefix
         self.shm.book.add_producer(self.ready.shm_prefix, self._send_release)
-        self._output_reader = SocketReader(self._loop, self._output, self._take_response, self._on_reader_failed)
-        self._drain_task = asyncio.create_task(drain_after_ready(self._input, self.stage_id),
-                                               name=f"stage{self.stage_id}-drain")
+        self._output_reader = LoopSocket(self._loop, self._output, self._take_response, self._on_reader_failed)
+        self._requests_out = LoopSocket(self._loop, self._input, self._on_stray_request_frames,
+                                        self._on_reader_failed, copy=True)
         self._watch_process()
         self._watch_heartbeats()
 
@@ -295,15 +294,12 @@ class StageEngineCoreClient(BaseStageClient):
         self._stopped = True
         if self._input is not None:
             await self._stop_process(timeout)
-        if self._drain_task is not None:
-            self._drain_task.cancel()
-            await asyncio.gather(self._drain_task, return_exceptions=True)
         self._release_now()
 
     def _release_now(self) -> None:
-        if self._output_reader is not None:
-            self._output_reader.close()
-        cancel_now((self._drain_task,))
+        for watch in (self._output_reader, self._requests_out):
+            if watch is not None:
+                watch.close()
         if self._heartbeat_timer is not None:
             self._heartbeat_timer.cancel()
         # (Through self.shm.close(): the stage's producer leaves the lease book, its segments are unlinked.)
@@ -334,14 +330,25 @@ class StageEngineCoreClient(BaseStageClient):
     async def _send(self, req_type: StageRequestType, msg: Any) -> None:
         bufs = self._encoder.encode(msg)
         self.bytes_sent += sum(memoryview(b).nbytes for b in bufs)
+        frames = [self._identity, req_type.value, *bufs]
         try:
-            await self._input.send_multipart([self._identity, req_type.value, *bufs], copy=False)
+            if self._requests_out is None:  # (SHUTDOWN during startup)
+                await self._input.send_multipart(frames, copy=False)
+            elif not self._requests_out.send_multipart(frames):
+                await self._requests_out.flushed()  # the stage's queue is full: wait for room, in order
         except zmq.ZMQError as exc:
             if exc.errno == zmq.EHOSTUNREACH:
                 raise self._set_dead(StageDeadError(
                     self.stage_id, f"stage {self.stage_id} is unreachable (disconnected)"),
                     notify=not self._stopped) from None
             raise
+
+    def _on_stray_request_frames(self, frames: list[bytes]) -> None:
+        """After READY nothing should arrive on the ROUTER: log and drop whatever does (unread it
+        would sit in ZMQ's queue; read, a second READY, a stage that restarted or a stranger, is
+        at least visible in the log)."""
+        logger.warning("stage %d: unexpected %s from peer %s on the request socket dropped",
+                       self.stage_id, message_kind(frames, RESPONSE_TYPES), frames[0].hex())
 
     def _on_shm_view(self, name: str, owner: str | None, view: memoryview) -> None:
         self.bytes_received += view.nbytes

@@ -86,16 +86,18 @@ def serve_stage(stage_id: int, make_core: Callable[[], StageEngineCore]) -> None
 def serve_zmq_stage(spec: StageProcessSpec) -> None:
     """A ZMQ stage process's serving function (after ``enter_stage_process``)."""
     from omni_engine.engines import build_stage_engine
-    from omni_engine.stage_engine.stage_core import StageEngineCoreProc
+    from omni_engine.stage_engine.stage_core_proc import StageEngineCoreProc
+    from omni_engine.stage_engine.stage_core_threads import ThreadedStageEngineCoreProc
 
     transport = spec.transport
     if transport is None:
         raise ValueError(f"stage {spec.stage_id}: a ZMQ stage process needs spec.transport (its addresses)")
+    core_class = ThreadedStageEngineCoreProc if spec.io == "threads" else StageEngineCoreProc
 
     def make_core() -> StageEngineCoreProc:
         engine = build_stage_engine(spec)
-        return StageEngineCoreProc(spec.stage_id, engine, transport.input_address, transport.output_address,
-                                   transport.shm_prefix, spec.curve, spec.connectors, host_id=spec.host_id,
-                                   heartbeat_interval=spec.heartbeat_interval)
+        return core_class(spec.stage_id, engine, transport.input_address, transport.output_address,
+                            transport.shm_prefix, spec.curve, spec.connectors, host_id=spec.host_id,
+                            heartbeat_interval=spec.heartbeat_interval)
 
     serve_stage(spec.stage_id, make_core)

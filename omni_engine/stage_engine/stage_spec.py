@@ -66,8 +66,11 @@ class StageProcessSpec(msgspec.Struct):
     parent_pid: int | None = None
     # Its shared-memory domain as whoever placed it knows it (a Ray node id); None: this machine's.
     host_id: str | None = None
-    # Seconds of quiet after which the stage sends a HEARTBEAT (a stage on another host); None: never.
+    # Seconds between the stage's HEARTBEATs (a stage on another host); None: none.
     heartbeat_interval: float | None = None
+    # Where the stage's socket I/O runs: "loop" (its event loop) or "threads" (an input and an
+    # output thread, for a model that computes on its loop).
+    io: str = "loop"
 
     def __repr__(self) -> str:  # the CURVE secret must not end up in a log line
         return (f"StageProcessSpec(stage_id={self.stage_id}, stage_type={self.stage_type!r}, "

@@ -17,12 +17,7 @@ import zmq
 
 from omni_engine.connectors.shm import is_stage_prefix
 from omni_engine.errors import StageStartupError
-from omni_engine.wire.protocol import (
-    RESPONSE_TYPES,
-    StageReady,
-    StageResponseType,
-    message_kind,
-)
+from omni_engine.wire.protocol import StageReady, StageResponseType
 from omni_engine.stage_engine.stage_process import StageProcess
 from omni_engine.stage_engine.stage_sockets import recv_frames
 
@@ -107,14 +102,3 @@ async def wait_ready(stage_id: int, process: StageProcess | None, timeout: float
     tail = f"; last lines of {process.log_path}:\n{process.log_tail()}" if process else ""
     raise StageStartupError(stage_id, f"stage {stage_id} did not become ready within {timeout:g} s{hint}{tail}")
 
-
-async def drain_after_ready(sock: zmq.Socket, stage_id: int) -> None:
-    """After READY nothing should arrive on the ROUTER: log and drop whatever does.
-
-    Unread, it would sit in ZMQ's queue; read, a second READY (a stage that
-    restarted, or a stranger) is at least visible in the log.
-    """
-    while True:
-        frames = await recv_frames(sock)
-        logger.warning("stage %d: unexpected %s from peer %s on the request socket dropped",
-                       stage_id, message_kind(frames, RESPONSE_TYPES), frames[0].hex())

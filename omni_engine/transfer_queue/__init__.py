@@ -1,7 +1,7 @@
 """TransferQueue: the rollout-to-training trajectory queue (slime-compatible HTTP, ZMQ RPC,
 exact uid dedup, blocking and streaming reads, spill to disk, a write-ahead log).
 
-It uses a few engine parts (SocketReader); the engine imports nothing of it.
+It uses a few engine parts (LoopSocket); the engine imports nothing of it.
 """
 
 from omni_engine.transfer_queue.client import (

@@ -25,7 +25,7 @@ import msgspec
 import zmq
 
 from omni_engine.stage_engine.security import StageCurveKeys
-from omni_engine.stage_engine.socket_reader import SocketReader
+from omni_engine.stage_engine.loop_socket import LoopSocket
 from omni_engine.transfer_queue.data_model import (
     BatchReadResult,
     BufferConfig,
@@ -337,14 +337,14 @@ class AsyncTransferQueueClient(_Endpoints):
         super().__init__(url, rpc_address, api_key, curve)
         self.timeout = timeout
         self._http = None
-        # Replies are read by a SocketReader (every waiting reply in one loop callback) and sends
+        # Replies are read by a LoopSocket (every waiting reply in one loop callback) and sends
         # never wait (no send high-water mark: calls in flight are bounded by their callers), so
         # the socket is a plain one, on the process's one shared context.
         self._ctx = zmq.Context.instance()
         self._sock: zmq.Socket | None = None
         self._calls: dict[int, asyncio.Future] = {}
         self._subs: dict[int, asyncio.Queue] = {}
-        self._reader: SocketReader | None = None
+        self._reader: LoopSocket | None = None
 
     async def __aenter__(self) -> AsyncTransferQueueClient:
         return self
@@ -384,7 +384,7 @@ class AsyncTransferQueueClient(_Endpoints):
             sock.setsockopt(zmq.SNDHWM, 0)
             secure_rpc_client(sock, self._curve)
             sock.connect(self.rpc_address)
-            self._reader = SocketReader(asyncio.get_running_loop(), sock, self._on_reply, self._on_reader_failed,
+            self._reader = LoopSocket(asyncio.get_running_loop(), sock, self._on_reply, self._on_reader_failed,
                                         copy=True)
         self._sock.send_multipart(frames, zmq.NOBLOCK, copy=False)
         self._reader.check()  # the send may have taken the edge the reader waits for

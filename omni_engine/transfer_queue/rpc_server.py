@@ -1,6 +1,6 @@
 """The RPC server: a ROUTER socket on the service's event loop.
 
-Requests are read by a ``SocketReader`` (every waiting message per loop turn)
+Requests are read by a ``LoopSocket`` (every waiting message per loop turn)
 and each becomes a task; replies are sent with ``NOBLOCK`` on the same socket.
 ``ROUTER_MANDATORY`` makes a reply to a client that has gone raise instead of
 vanishing: groups handed to such a reader go back to the queue at once (they
@@ -17,7 +17,7 @@ import msgspec
 import zmq
 
 from omni_engine.stage_engine.security import CurveKeys
-from omni_engine.stage_engine.socket_reader import SocketReader
+from omni_engine.stage_engine.loop_socket import LoopSocket
 from omni_engine.transfer_queue.data_model import (
     InvalidTrajectory,
     PayloadFormat,
@@ -71,12 +71,12 @@ class TransferQueueRpcServer:
         self._sock.setsockopt(zmq.RCVHWM, 0)
         self._sock.bind(address)
         self.address = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
-        self._reader: SocketReader | None = None
+        self._reader: LoopSocket | None = None
         self._tasks: set[asyncio.Task] = set()
         self._subscriptions: dict[tuple[bytes, int], _Subscription] = {}
 
     def start(self) -> None:
-        self._reader = SocketReader(asyncio.get_running_loop(), self._sock, self._on_frames, self._on_reader_failed)
+        self._reader = LoopSocket(asyncio.get_running_loop(), self._sock, self._on_frames, self._on_reader_failed)
 
     async def close(self) -> None:
         if self._reader is not None:

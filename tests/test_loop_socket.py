@@ -1,4 +1,4 @@
-"""``SocketReader``: every message read, in order, without pyzmq's asyncio recv.
+"""``LoopSocket``: every message read, in order, without pyzmq's asyncio recv.
 
 Real ZMQ sockets over ipc (a PUSH in a thread, the reader on the loop's PULL).
 """
@@ -12,7 +12,7 @@ import time
 import pytest
 import zmq
 
-from omni_engine.stage_engine.socket_reader import MAX_MESSAGES_PER_TURN, SocketReader
+from omni_engine.stage_engine.loop_socket import MAX_MESSAGES_PER_TURN, LoopSocket
 
 
 @pytest.fixture
@@ -35,7 +35,7 @@ async def _collect(reader_args, expect: int, timeout: float = 10.0) -> list[byte
         if len(got) == expect:
             done.set()
 
-    reader = SocketReader(asyncio.get_running_loop(), *reader_args(on_frames))
+    reader = LoopSocket(asyncio.get_running_loop(), *reader_args(on_frames))
     try:
         await asyncio.wait_for(done.wait(), timeout)
     finally:
@@ -93,7 +93,7 @@ async def test_check_after_reading_events_keeps_messages_flowing(pull_push, skip
         got.append(frames[0].bytes)
         arrived.set()
 
-    reader = SocketReader(asyncio.get_running_loop(), pull, on_frames, pytest.fail)
+    reader = LoopSocket(asyncio.get_running_loop(), pull, on_frames, pytest.fail)
     try:
         for i in range(20):
             arrived.clear()
@@ -123,7 +123,7 @@ async def test_a_failing_handler_stops_the_reader_and_reports(pull_push):
         errors.append(exc)
         failed.set()
 
-    reader = SocketReader(asyncio.get_running_loop(), pull, on_frames, on_error)
+    reader = LoopSocket(asyncio.get_running_loop(), pull, on_frames, on_error)
     push.send(b"bad")
     await asyncio.wait_for(failed.wait(), 5)
     assert reader.closed
@@ -132,3 +132,39 @@ async def test_a_failing_handler_stops_the_reader_and_reports(pull_push):
     await asyncio.sleep(0.05)
     assert len(errors) == 1
     reader.close()  # idempotent
+
+
+async def test_sends_that_find_the_socket_full_wait_in_order_and_never_block(tmp_path):
+    """A peer that stops reading fills the socket (high-water marks of one message): sends
+    return at once, keep what could not go, in order, and send it when the peer reads again."""
+    ctx = zmq.Context()
+    try:
+        pull = ctx.socket(zmq.PULL)
+        pull.setsockopt(zmq.RCVHWM, 1)
+        pull.bind(f"ipc://{tmp_path}/w")
+        push = ctx.socket(zmq.PUSH)
+        push.setsockopt(zmq.SNDHWM, 1)
+        push.connect(f"ipc://{tmp_path}/w")
+        writer = LoopSocket(asyncio.get_running_loop(), push, None, pytest.fail)
+        n = 2000  # (the kernel's socket buffers take a few hundred of these small ones)
+        sent_now = [writer.send_multipart([b"m", str(i).encode()]) for i in range(n)]
+        assert not all(sent_now) and writer.backlog > 0, "the peer never read: the socket must have filled"
+        assert sent_now.index(False) > 0 and not any(sent_now[sent_now.index(False):]), "order kept"
+        flushed = asyncio.ensure_future(writer.flushed())
+        await asyncio.sleep(0.05)
+        assert not flushed.done()
+        got = []
+        async with asyncio.timeout(10):
+            while len(got) < n:
+                if pull.poll(0):
+                    got.append(pull.recv_multipart()[1])
+                else:
+                    await asyncio.sleep(0.001)  # the loop sends the backlog as room appears
+            await flushed
+        assert got == [str(i).encode() for i in range(n)] and writer.backlog == 0
+        writer.close()
+        assert writer.closed
+        with pytest.raises(zmq.ZMQError):
+            writer.send_multipart([b"after close"])
+    finally:
+        ctx.destroy(linger=0)
