@@ -190,3 +190,32 @@ async def test_both_io_modes_serve_abort_health_and_heartbeats(io):
     finally:
         await client.shutdown()
     assert not process_exists(client.process.pid)
+
+
+async def test_generates_of_one_loop_turn_go_as_one_message_and_nothing_overtakes_them():
+    """The first GENERATE of a loop turn leaves at once, the rest of that turn as one
+    GENERATE_BATCH; an ABORT in the same turn goes after them, so it reaches its request."""
+    spec = StageProcessSpec("generation", {"model_factory": "tests.models:make_checked_tensor_source"},
+                            max_batch_size=8)
+    client = StageEngineCoreClient(4, process=spec)
+    await client.start()
+    try:
+        sent: list[bytes] = []
+        send = client._requests_out.send_multipart
+        client._requests_out.send_multipart = lambda frames, copy=False: sent.append(frames[1]) or send(frames, copy)
+        rids = [f"turn-{i}" for i in range(6)]
+        for rid in rids:  # (no await here suspends: one loop turn)
+            await client.submit_request(rid, {"nbytes": 8, "delay": 3.0 if rid == "turn-3" else 0.0}, None)
+        await client.abort_request("turn-3", keep_final=True)
+        assert sent == [StageRequestType.GENERATE.value, StageRequestType.GENERATE_BATCH.value,
+                        StageRequestType.ABORT.value]
+        finals = {}
+        async with asyncio.timeout(2.5):  # turn-3 ends by its abort, not after its 3 s
+            while len(finals) < len(rids):
+                for output in await client.get_outputs_async():
+                    finals[output.request_id] = output
+        assert finals["turn-3"].outputs[0].finish_reason == "abort"
+        assert all(finals[rid].multimodal_output["tensor"].numel() == 8 for rid in rids if rid != "turn-3")
+        assert await client.call_utility_async("num_unfinished_requests") == 0
+    finally:
+        await client.shutdown()

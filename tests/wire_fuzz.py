@@ -183,7 +183,11 @@ def hostile_request_frames(extra_names: tuple[str, ...] = ()) -> st.SearchStrate
                          st.text(max_size=12), values, params, _AUX)
     truncated = _truncated(_valid_requests()).map(lambda bufs: [StageRequestType.GENERATE.value, *bufs])
     others = _typed([t.value for t in StageRequestType], names)
-    frames = st.one_of(generate, generate, generate, truncated, others, _JUNK)
+    # Several of those GENERATEs as a client batches them (the parts decoded one by one).
+    batch = st.lists(st.one_of(generate, truncated).filter(lambda f: len(f) > 1), min_size=1, max_size=3).map(
+        lambda messages: [StageRequestType.GENERATE_BATCH.value, _encode([len(m) - 1 for m in messages]),
+                          *(frame for m in messages for frame in m[1:])])
+    frames = st.one_of(generate, generate, generate, truncated, others, batch, _JUNK)
     return frames.filter(lambda f: not _decodes_as(f, StageRequestType.SHUTDOWN, StageShutdown))
 
 
@@ -247,11 +251,19 @@ class RequestOracle:
         self.attachments = ShmAttachments(owner_process_prefix(shm_prefix))
         self.decoders = {t: StageMsgpackDecoder(cls, shm=self.attachments) for t, cls in REQUEST_STRUCTS.items()}
 
-    def expect(self, frames: list[bytes]) -> tuple[str, str | None]:
-        """("malformed", request id or None) | ("generate", request id) | ("other", None)."""
-        from omni_engine.wire.protocol import guess_request_id
+    def expect(self, frames: list[bytes]) -> tuple[str, Any]:
+        """("malformed", request id or None) | ("generate", request id) | ("other", None) |
+        ("batch", [the expectation of each GENERATE in a GENERATE_BATCH])."""
+        from omni_engine.wire.protocol import guess_request_id, split_generate_batch
 
         zframes = [zmq.Frame(f) for f in frames]
+        if len(frames) > 1 and frames[0] == StageRequestType.GENERATE_BATCH.value:
+            try:
+                parts = split_generate_batch(zframes)
+            except WireFormatError:
+                return "malformed", None
+            return "batch", [self.expect([StageRequestType.GENERATE.value, *(f.bytes for f in part)])
+                             for part in parts]
         try:
             kind, msg = decode_frames(zframes, REQUEST_TYPES, self.decoders)
         except WireFormatError:
@@ -352,7 +364,15 @@ def check_answers(stage_id: int, expected: tuple[str, str | None], answers: list
     for err in errors:
         assert f"stage {stage_id}" in err.message, err
     verdict, rid = expected
-    if verdict == "malformed":
+    if verdict == "batch":  # each GENERATE of it answered as if it had come alone
+        malformed = Counter(r for v, r in rid if v == "malformed")
+        assert Counter(e.request_id for e in errors if e.error_type == "MalformedMessage") == malformed, (
+            frames, answers)
+        for part_verdict, part_rid in rid:
+            if part_verdict == "generate":
+                done = [o for k, m in answers if k is StageResponseType.OUTPUT for o in m.outputs if o.request_id == part_rid]
+                assert done or any(e.request_id == part_rid for e in errors), (frames, answers)
+    elif verdict == "malformed":
         assert [(e.request_id, e.error_type) for e in errors] == [(rid, "MalformedMessage")], (frames, answers)
     elif verdict == "generate":
         # The model refuses a prompt it cannot use; a valid one is answered.

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import atexit
 import functools
+import itertools
 import logging
 import os
 import tempfile
@@ -166,6 +167,9 @@ class StageEngineCoreClient(BaseStageClient):
         self._decoders: dict[StageResponseType, StageMsgpackDecoder] = {}
         self._output_reader: LoopSocket | None = None
         self._requests_out: LoopSocket | None = None  # the ROUTER after READY: sends, and strays read
+        # GENERATEs submitted this loop turn after its first, sent together at its end (None: none
+        # was submitted this turn yet).
+        self._turn_generates: list[list[Any]] | None = None
         self._finalizer: weakref.finalize | None = None
         # This end's shared-memory domain; a stage that reports another gets and sends frames only.
         self.host_id = machine_host_id()
@@ -330,18 +334,57 @@ class StageEngineCoreClient(BaseStageClient):
     async def _send(self, req_type: StageRequestType, msg: Any) -> None:
         bufs = self._encoder.encode(msg)
         self.bytes_sent += sum(memoryview(b).nbytes for b in bufs)
-        frames = [self._identity, req_type.value, *bufs]
+        if self._requests_out is None:  # (SHUTDOWN during startup)
+            await self._input.send_multipart([self._identity, req_type.value, *bufs], copy=False)
+            return
+        if req_type is StageRequestType.GENERATE:
+            if self._turn_generates is not None:
+                # Not the first of this loop turn: it goes with the others at the turn's end.
+                self._turn_generates.append(bufs)
+                return
+            self._turn_generates = []
+            self._loop.call_soon(self._end_generate_turn)
+        elif self._turn_generates:
+            self._send_generates()  # nothing may overtake a GENERATE (an ABORT of it above all)
+        await self._send_frames([self._identity, req_type.value, *bufs])
+
+    async def _send_frames(self, frames: list[Any]) -> None:
         try:
-            if self._requests_out is None:  # (SHUTDOWN during startup)
-                await self._input.send_multipart(frames, copy=False)
-            elif not self._requests_out.send_multipart(frames):
+            if not self._requests_out.send_multipart(frames):
                 await self._requests_out.flushed()  # the stage's queue is full: wait for room, in order
         except zmq.ZMQError as exc:
-            if exc.errno == zmq.EHOSTUNREACH:
-                raise self._set_dead(StageDeadError(
-                    self.stage_id, f"stage {self.stage_id} is unreachable (disconnected)"),
-                    notify=not self._stopped) from None
-            raise
+            raise self._unreachable(exc) from None
+
+    def _end_generate_turn(self) -> None:
+        if self._turn_generates:
+            self._send_generates()
+        self._turn_generates = None
+
+    def _send_generates(self) -> None:
+        """The GENERATEs held back this turn, as one message (a batch's errors reach its requests
+        through the stage's death: they have been submitted)."""
+        batch, self._turn_generates = self._turn_generates, []
+        if len(batch) == 1:
+            frames = [self._identity, StageRequestType.GENERATE.value, *batch[0]]
+        else:
+            counts = msgspec.msgpack.encode([len(bufs) for bufs in batch])
+            frames = [self._identity, StageRequestType.GENERATE_BATCH.value, counts,
+                      *itertools.chain.from_iterable(batch)]
+        if self.dead_error is not None or self._requests_out is None or self._requests_out.closed:
+            return  # (its requests failed with the stage)
+        try:
+            self._requests_out.send_multipart(frames)  # (a full socket keeps it; the next send waits for room)
+        except zmq.ZMQError as exc:
+            if not isinstance(self._unreachable(exc), StageDeadError):  # requests that never left would hang
+                self._set_dead(StageDeadError(self.stage_id, f"stage {self.stage_id}: requests could not be "
+                                                             f"sent: {exc}"), notify=not self._stopped)
+
+    def _unreachable(self, exc: zmq.ZMQError) -> BaseException:
+        """A failed send: the stage is dead if it is unreachable (returned, to raise), else ``exc``."""
+        if exc.errno == zmq.EHOSTUNREACH:
+            return self._set_dead(StageDeadError(self.stage_id, f"stage {self.stage_id} is unreachable "
+                                                                "(disconnected)"), notify=not self._stopped)
+        return exc
 
     def _on_stray_request_frames(self, frames: list[bytes]) -> None:
         """After READY nothing should arrive on the ROUTER: log and drop whatever does (unread it

@@ -66,6 +66,7 @@ from omni_engine.wire.protocol import (
     StageResponseType,
     decode_frames,
     guess_request_id,
+    split_generate_batch,
 )
 from omni_engine.wire.stage_serialization import (
     StageMsgpackDecoder,
@@ -76,6 +77,8 @@ from omni_engine.wire.stage_serialization import (
 logger = logging.getLogger(__name__)
 
 _OUTPUT = StageResponseType.OUTPUT
+_GENERATE_BATCH = StageRequestType.GENERATE_BATCH.value
+_GENERATE_FRAME = zmq.Frame(StageRequestType.GENERATE.value)  # the type frame a batch's parts lack
 # Output-queue marker: every output of this request is encoded once the marker is reached.
 REQUEST_DONE = object()
 # How long a stopping stage waits for a client that stopped reading to take what is left
@@ -281,26 +284,40 @@ class StageEngineCoreProc(StageEngineCore):
 
     # ---------------------------------------------------------- input side
     def _handle_frames(self, frames: list[zmq.Frame]) -> None:
-        """Decode one request and dispatch it.
+        """Decode one request message and dispatch what it carries.
 
-        A malformed one is dropped with a warning and answered with ERROR
+        A malformed request is dropped with a warning and answered with ERROR
         (naming its request when the id can be read), never fatal: the next
-        valid request is served as usual.
+        valid request (of a batch too) is served as usual.
         """
+        if len(frames) > 1 and frames[0].bytes == _GENERATE_BATCH:
+            try:
+                parts = split_generate_batch(frames)
+            except WireFormatError as exc:
+                self._refuse_malformed(exc, None)
+                return
+            for part in parts:
+                self._handle_request([_GENERATE_FRAME, *part])
+            return
+        self._handle_request(frames)
+
+    def _handle_request(self, frames: list[zmq.Frame]) -> None:
         try:
             req_type, msg = decode_frames(frames, REQUEST_TYPES, self._decoders)
         except WireFormatError as exc:
-            request_id = guess_request_id(frames)
-            where = f"stage {self.stage_id}: malformed request message" + (
-                f" for request {request_id!r:.100}" if request_id is not None else "")
-            logger.warning("%s dropped: %s", where, exc)
-            self._send_error(f"{where}: {exc}", request_id, MALFORMED_MESSAGE)
+            self._refuse_malformed(exc, guess_request_id(frames))
             return
         if req_type is StageRequestType.RELEASE:
             if self.pool is not None:
                 self.pool.release(msg.segments)  # names not leased (any more) are ignored
             return
         self._deliver(req_type, msg)
+
+    def _refuse_malformed(self, exc: WireFormatError, request_id: str | None) -> None:
+        where = f"stage {self.stage_id}: malformed request message" + (
+            f" for request {request_id!r:.100}" if request_id is not None else "")
+        logger.warning("%s dropped: %s", where, exc)
+        self._send_error(f"{where}: {exc}", request_id, MALFORMED_MESSAGE)
 
     def _deliver(self, req_type: StageRequestType, msg: Any) -> None:
         """Hand a decoded request to the core (here: on its loop already)."""

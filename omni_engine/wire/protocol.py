@@ -2,7 +2,11 @@
 
 Frames: request ``[identity, type, body, *aux]`` on the client's ROUTER (the
 stage's DEALER sees ``[type, body, *aux]``); response ``[type, body, *aux]``
-on the stage's PUSH. ``type`` is one byte, so a peer can dispatch before
+on the stage's PUSH. The GENERATEs a client sends in one turn of its loop go
+as one ``[GENERATE_BATCH, counts, *(body, *aux) of each]`` message (``counts``:
+the frames of each request), as a stage's outputs of one turn go as one
+``StageOutputs``: a message costs both ends (and ZMQ's I/O threads) far more
+than a request's decoding does. ``type`` is one byte, so a peer can dispatch before
 decoding the body; anything wrong with the frames is a ``WireFormatError``
 naming the frame at fault.
 """
@@ -28,6 +32,8 @@ class StageRequestType(bytes, enum.Enum):
     SHUTDOWN = b"\x04"
     # Shared-memory slots whose views the client no longer holds.
     RELEASE = b"\x05"
+    # Several GENERATEs in one message (see the module docstring); decoded by split_generate_batch.
+    GENERATE_BATCH = b"\x06"
 
 
 class StageResponseType(bytes, enum.Enum):
@@ -37,8 +43,8 @@ class StageResponseType(bytes, enum.Enum):
     HEALTH = b"\x13"
     UTILITY_RESULT = b"\x14"
     DEAD = b"\x15"
-    # "Still here", sent by a stage told to (one on another host) whenever it has been
-    # quiet for its heartbeat interval: its client takes silence as the loss of its node.
+    # "Still here", sent by a stage told to (one on another host) every heartbeat
+    # interval: its client takes silence as the loss of its node.
     HEARTBEAT = b"\x16"
 
 
@@ -164,10 +170,34 @@ def decode_frames(frames: list[Any], types: dict[bytes, T], decoders: dict[T, St
     kind = types.get(frames[0].bytes)
     if kind is None:
         raise WireFormatError(f"frame 0: unknown message type {frames[0].bytes[:8]!r}")
+    decoder = decoders.get(kind)
+    if decoder is None:  # (GENERATE_BATCH: its parts are decoded one by one, split_generate_batch)
+        raise WireFormatError(f"frame 0: {kind.name} is not decoded as one message")
     try:
-        return kind, decoders[kind].decode(frames[1:])
+        return kind, decoder.decode(frames[1:])
     except WireFormatError as exc:
         raise type(exc)(f"{kind.name} body (frame 1): {exc}") from None
+
+
+_BATCH_COUNTS = msgspec.msgpack.Decoder(list[int])
+
+
+def split_generate_batch(frames: list[Any]) -> list[list[Any]]:
+    """The ``[body, *aux]`` frames of each GENERATE in a GENERATE_BATCH message."""
+    if len(frames) < 3:
+        raise WireFormatError(f"GENERATE_BATCH: expected [type, counts, *requests] frames, got {len(frames)}")
+    try:
+        counts = _BATCH_COUNTS.decode(frames[1].buffer)
+    except msgspec.DecodeError as exc:
+        raise WireFormatError(f"GENERATE_BATCH counts (frame 1): {exc}") from None
+    if not counts or min(counts) < 1 or sum(counts) != len(frames) - 2:
+        raise WireFormatError(f"GENERATE_BATCH counts (frame 1): {counts!r:.80} do not split the "
+                              f"{len(frames) - 2} request frame(s) into requests of one frame or more")
+    parts, start = [], 2
+    for count in counts:
+        parts.append(frames[start:start + count])
+        start += count
+    return parts
 
 
 def guess_request_id(frames: list[Any]) -> str | None:
@@ -179,8 +209,13 @@ def guess_request_id(frames: list[Any]) -> str | None:
     """
     if len(frames) < 2 or frames[0].bytes != StageRequestType.GENERATE.value:
         return None
+    return guess_generate_id(frames[1])
+
+
+def guess_generate_id(body: Any) -> str | None:
+    """``guess_request_id`` of a GENERATE's body frame."""
     try:
-        fields = msgspec.msgpack.decode(frames[1].bytes, type=list[msgspec.Raw])
+        fields = msgspec.msgpack.decode(body.bytes, type=list[msgspec.Raw])
         return msgspec.msgpack.decode(fields[0], type=str) if fields else None
     except (msgspec.DecodeError, RecursionError):
         return None
