@@ -398,7 +398,8 @@ def stage_barrage(stage: RawStage, examples: int, extra_names: tuple[str, ...] =
     @given(frames=hostile_request_frames(extra_names))
     def barrage(frames: list[bytes]) -> None:
         expected = oracle.expect(frames)
-        verdicts[expected[0] + (" with request id" if expected[1] is not None else "")] += 1
+        for verdict, rid in expected[1] if expected[0] == "batch" else [expected]:  # (a batch: each part)
+            verdicts[verdict + (" with request id" if rid is not None else "")] += 1
         stage.send_frames(frames)
         check_answers(stage.stage_id, expected, stage.settle(), frames)
 
