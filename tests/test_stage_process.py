@@ -219,3 +219,30 @@ async def test_generates_of_one_loop_turn_go_as_one_message_and_nothing_overtake
         assert await client.call_utility_async("num_unfinished_requests") == 0
     finally:
         await client.shutdown()
+
+
+async def test_the_outputs_of_one_batch_leave_as_one_message():
+    """A batched engine's answers to one batch go out together (a request's end, which the
+    stage marks for its shared-memory pool, does not split them), so a client reading many
+    small answers pays per message, not per answer."""
+    spec = StageProcessSpec("generation", {"model_factory": "tests.models:make_checked_tensor_source"},
+                            max_batch_size=64)
+    client = StageEngineCoreClient(5, process=spec)
+    await client.start()
+    try:
+        messages: list[int] = []
+        on_outputs = client._on_outputs
+        client._on_outputs = lambda outputs: messages.append(len(outputs)) or on_outputs(outputs)
+        rids = [f"batch-{i}" for i in range(40)]
+        for rid in rids:  # one loop turn: one GENERATE, then one GENERATE_BATCH of 39
+            await client.submit_request(rid, {"nbytes": 8}, None)
+        finals = set()
+        async with asyncio.timeout(30):
+            while len(finals) < len(rids):
+                finals.update(output.request_id for output in await client.get_outputs_async())
+        assert sum(messages) == len(rids)
+        assert len(messages) <= 3, messages  # the first request alone, the rest in one or two
+        assert await client.call_utility_async("num_unfinished_requests") == 0
+    finally:
+        await client.shutdown()
+    assert not process_exists(client.process.pid)

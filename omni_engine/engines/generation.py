@@ -9,6 +9,7 @@ sleeps on an event: no timer, no polling.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 from collections import deque
 from collections.abc import AsyncIterator, Sequence
@@ -73,23 +74,33 @@ class GenerationStageEngine(StageEngine):
         self.model = model
         self._batcher = asyncio.create_task(self._run_batches(), name=f"stage{self.stage_id}-batcher")
 
-    async def generate(self, request_id: str, prompt: Any, sampling_params: Any) -> AsyncIterator[OmniRequestOutput]:
+    def submit(self, request_id: str, prompt: Any, sampling_params: Any) -> asyncio.Future:
+        """Queue the request for the next batch; the future holds its one output."""
+        future = asyncio.get_running_loop().create_future()
         if self._batcher is None or self._batcher.done():
-            raise StageEngineError(f"stage {self.stage_id}: generation batcher is not running")
-        pending = _Pending(GenerationRequest(request_id, prompt, sampling_params), asyncio.get_running_loop().create_future())
+            future.set_exception(StageEngineError(f"stage {self.stage_id}: generation batcher is not running"))
+            return future
+        pending = _Pending(GenerationRequest(request_id, prompt, sampling_params), future)
         self._pending[request_id] = pending
         self._queue.append(pending)
         self._wakeup.set()
-        try:
-            result = await pending.future
-        finally:
-            pending.request.aborted = True  # a no-op if done; stops the model if cancelled
-            self._pending.pop(request_id, None)
-            self._cancel_abandoned_batch()
-        yield OmniRequestOutput(
-            request_id, finished=True, stage_id=self.stage_id,
-            final_output_type=self.output_type, multimodal_output=result,
-        )
+        future.add_done_callback(functools.partial(self._settled, pending))
+        return future
+
+    def _settled(self, pending: _Pending, future: asyncio.Future) -> None:
+        """A request's future is done: answered, failed, or cancelled (aborted)."""
+        pending.request.aborted = True  # a no-op if answered; stops the model if cancelled
+        request_id = pending.request.request_id
+        if self._pending.get(request_id) is pending:
+            del self._pending[request_id]
+        self._cancel_abandoned_batch()
+
+    async def generate(self, request_id: str, prompt: Any, sampling_params: Any) -> AsyncIterator[OmniRequestOutput]:
+        yield await self.submit(request_id, prompt, sampling_params)
+
+    def _output(self, request_id: str, result: dict[str, Any]) -> OmniRequestOutput:
+        return OmniRequestOutput(request_id, finished=True, stage_id=self.stage_id,
+                                 final_output_type=self.output_type, multimodal_output=result)
 
     async def _run_batches(self) -> None:
         assert self.model is not None
@@ -137,7 +148,7 @@ class GenerationStageEngine(StageEngine):
             if isinstance(result, BaseException):
                 pending.future.set_exception(result)
             else:
-                pending.future.set_result(result)
+                pending.future.set_result(self._output(pending.request.request_id, result))
 
     def _cancel_abandoned_batch(self) -> None:
         """Stop the model call of a batch nobody waits for any more: a model that

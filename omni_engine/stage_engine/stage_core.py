@@ -1,6 +1,6 @@
 """The stage's engine side: ``StageEngineCore``, the request handling of a stage.
 
-``StageEngineCore`` runs one engine (one task per request, abort, health,
+``StageEngineCore`` runs one engine (a task per streamed request, abort, health,
 utility calls, a fatal error ending the stage) and does not depend on how
 requests arrive and answers leave: ``StageEngineCoreProc``
 (``stage_core_proc``, vLLM's ``EngineCoreProc``) carries them over ZMQ, the
@@ -10,6 +10,7 @@ legacy architecture (``omni_engine.legacy``) over ``multiprocessing.Queue``.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import os
 import signal
@@ -63,9 +64,9 @@ class StageEngineCore:
         self.stage_id = stage_id
         self.engine = engine
         self._out_q = out_q
-        self._requests: dict[str, asyncio.Task] = {}
+        self._requests: dict[str, asyncio.Future] = {}  # a task, or a submitted request's future
         # Aborted requests whose streams are ending (their final output still to send).
-        self._aborting: dict[str, asyncio.Task] = {}
+        self._aborting: dict[str, asyncio.Future] = {}
         self._exit_code = 0
         self._loop: asyncio.AbstractEventLoop | None = None
         self._shutdown: asyncio.Event | None = None
@@ -199,11 +200,38 @@ class StageEngineCore:
             self._send_error(f"stage {self.stage_id}: GENERATE for request {rid!r} refused: that request id is "
                              "already running", rid, DUPLICATE_REQUEST)
             return
-        task = asyncio.create_task(self._generate(req, self._aborting.get(rid)), name=f"stage{self.stage_id}-{rid}")
+        aborted_before = self._aborting.get(rid)
+        # An engine that answers once takes the request without a task (``StageEngine.submit``);
+        # a request whose id is still ending an aborted stream waits for it in a task.
+        submitted = self._submit(req) if aborted_before is None else None
+        if submitted is not None:
+            self._requests[rid] = submitted
+            submitted.add_done_callback(functools.partial(self._submitted_done, rid))
+            return
+        task = asyncio.create_task(self._generate(req, aborted_before), name=f"stage{self.stage_id}-{rid}")
         self._requests[rid] = task
-        task.add_done_callback(lambda t, rid=rid: self._request_done(rid, t))
+        task.add_done_callback(functools.partial(self._request_done, rid))
 
-    def _request_done(self, rid: str, task: asyncio.Task) -> None:
+    def _submit(self, req: StageGenerateRequest) -> asyncio.Future | None:
+        try:
+            return self.engine.submit(req.request_id, req.prompt, req.sampling_params)
+        except Exception as exc:  # noqa: BLE001 - as if raised by generate(): its future fails
+            future = asyncio.get_running_loop().create_future()
+            future.set_exception(exc)
+            return future
+
+    def _submitted_done(self, rid: str, future: asyncio.Future) -> None:
+        """A submitted request ended: send its output, or its abort's, or its error."""
+        if future.cancelled():
+            if self._aborting.get(rid) is future:
+                self._out_q.put((_OUTPUT, self._abort_output(rid)))
+        elif (exc := future.exception()) is not None:
+            self._request_failed(rid, exc)
+        else:
+            self._out_q.put((_OUTPUT, future.result()))
+        self._request_done(rid, future)
+
+    def _request_done(self, rid: str, task: asyncio.Future) -> None:
         if self._requests.get(rid) is task:
             del self._requests[rid]
         if self._aborting.get(rid) is task:
@@ -231,14 +259,19 @@ class StageEngineCore:
             if not finished and self._is_aborting(req.request_id):
                 put((_OUTPUT, self._abort_output(req.request_id)))
             raise
-        except StageEngineError as exc:
-            self._send_error(f"stage {self.stage_id}: request {req.request_id!r} failed: {exc}", req.request_id,
+        except Exception as exc:  # noqa: BLE001 - a request failure is not a stage failure (but see below)
+            self._request_failed(req.request_id, exc)
+
+    def _request_failed(self, request_id: str, exc: BaseException) -> None:
+        """ERROR for the request; a ``StageEngineError`` (the engine cannot serve) also ends the stage."""
+        if isinstance(exc, StageEngineError):
+            self._send_error(f"stage {self.stage_id}: request {request_id!r} failed: {exc}", request_id,
                              type(exc).__name__)
             self._fatal(exc)
-        except Exception as exc:  # noqa: BLE001 - a request failure is not a stage failure
-            logger.info("stage %d: request %s failed", self.stage_id, req.request_id, exc_info=True)
-            self._send_error(f"stage {self.stage_id}: request {req.request_id!r} failed: {type(exc).__name__}: {exc}",
-                             req.request_id, type(exc).__name__)
+            return
+        logger.info("stage %d: request %s failed", self.stage_id, request_id, exc_info=exc)
+        self._send_error(f"stage {self.stage_id}: request {request_id!r} failed: {type(exc).__name__}: {exc}",
+                         request_id, type(exc).__name__)
 
     def _is_aborting(self, request_id: str) -> bool:
         return self._aborting.get(request_id) is asyncio.current_task()
@@ -246,7 +279,7 @@ class StageEngineCore:
     def _abort_output(self, request_id: str) -> OmniRequestOutput:
         return aborted_output(request_id, self.stage_id, self.engine.output_type)
 
-    async def _abort(self, aborted: dict[str, asyncio.Task]) -> None:
+    async def _abort(self, aborted: dict[str, asyncio.Future]) -> None:
         # Spare a new request with an aborted one's id: one that ending aborted
         # streams wait for starts once the old one is done; a cancelled one's
         # id may be running again already.

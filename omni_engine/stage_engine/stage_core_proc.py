@@ -336,13 +336,16 @@ class StageEngineCoreProc(StageEngineCore):
             if rtype is _OUTPUT:
                 outputs.append(payload)
                 continue
-            self._send_outputs(sock, outputs)
-            outputs = []
             if rtype is REQUEST_DONE:
-                # Its outputs are encoded (above): its unsent output slots may go back.
-                if payload in self.pool.unsent:  # a model wrote into slots (empty_output) it did not send
+                # A model wrote into slots (empty_output) it did not send: they may go back once
+                # the request's outputs are encoded. Only then does the marker split the outputs.
+                if payload in self.pool.unsent:
+                    self._send_outputs(sock, outputs)
+                    outputs = []
                     self.pool.release_unsent(payload)
                 continue
+            self._send_outputs(sock, outputs)
+            outputs = []
             self._send(sock, rtype, payload)
         self._send_outputs(sock, outputs)
 

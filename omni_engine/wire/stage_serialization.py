@@ -249,7 +249,9 @@ class StageMsgpackEncoder:
             self._depth -= 1
 
     def _fields(self, obj: Any, names: Sequence[str]) -> list[Any]:
-        return [self._wrap(getattr(obj, name, None)) for name in names]
+        # Most fields of an output are None or scalars: skip the call to _wrap for them.
+        wrap = self._wrap
+        return [v if type(v := getattr(obj, name, None)) in _SCALARS else wrap(v) for name in names]
 
     def _enc_hook(self, obj: Any) -> Any:
         if isinstance(obj, torch.Tensor):
