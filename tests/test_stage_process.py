@@ -224,7 +224,8 @@ async def test_generates_of_one_loop_turn_go_as_one_message_and_nothing_overtake
 async def test_the_outputs_of_one_batch_leave_as_one_message():
     """A batched engine's answers to one batch go out together (a request's end, which the
     stage marks for its shared-memory pool, does not split them), so a client reading many
-    small answers pays per message, not per answer."""
+    small answers pays per message, not per answer; the requests of one loop turn leave in
+    pieces of GENERATES_PER_MESSAGE, so the stage starts before the client has encoded them all."""
     spec = StageProcessSpec("generation", {"model_factory": "tests.models:make_checked_tensor_source"},
                             max_batch_size=64)
     client = StageEngineCoreClient(5, process=spec)
@@ -233,15 +234,23 @@ async def test_the_outputs_of_one_batch_leave_as_one_message():
         messages: list[int] = []
         on_outputs = client._on_outputs
         client._on_outputs = lambda outputs: messages.append(len(outputs)) or on_outputs(outputs)
+        sent: list[bytes] = []
+        send_multipart = client._requests_out.send_multipart
+        client._requests_out.send_multipart = lambda frames, **kw: (
+            sent.append(bytes(frames[1])) or send_multipart(frames, **kw))
         rids = [f"batch-{i}" for i in range(40)]
-        for rid in rids:  # one loop turn: one GENERATE, then one GENERATE_BATCH of 39
+        for rid in rids:  # one loop turn: one GENERATE, then GENERATE_BATCHes of 32 and 7
             await client.submit_request(rid, {"nbytes": 8}, None)
+        await asyncio.sleep(0)  # (the turn's end sends the last piece)
+        assert sent == [StageRequestType.GENERATE.value, StageRequestType.GENERATE_BATCH.value,
+                        StageRequestType.GENERATE_BATCH.value]
         finals = set()
         async with asyncio.timeout(30):
             while len(finals) < len(rids):
                 finals.update(output.request_id for output in await client.get_outputs_async())
         assert sum(messages) == len(rids)
-        assert len(messages) <= 3, messages  # the first request alone, the rest in one or two
+        # The first request alone, the pieces' answers in one or two messages each.
+        assert len(messages) <= 5, messages
         assert await client.call_utility_async("num_unfinished_requests") == 0
     finally:
         await client.shutdown()

@@ -78,6 +78,11 @@ from omni_engine.stage_engine.stage_startup import (
 
 logger = logging.getLogger(__name__)
 
+# The GENERATEs of one loop turn leave as one message, but in pieces of at most this many: a
+# turn that submits hundreds would otherwise leave the stage idle until its end, then flood it
+# (with 32 the stage works on the first piece while the client encodes the rest).
+GENERATES_PER_MESSAGE = 32
+
 
 class ShmRequestResources:
     """The shared-memory slots a stage's outputs hold, per request (``RequestResources``).
@@ -341,6 +346,8 @@ class StageEngineCoreClient(BaseStageClient):
             if self._turn_generates is not None:
                 # Not the first of this loop turn: it goes with the others at the turn's end.
                 self._turn_generates.append(bufs)
+                if len(self._turn_generates) >= GENERATES_PER_MESSAGE:
+                    self._send_generates()  # the stage starts on these while this turn goes on
                 return
             self._turn_generates = []
             self._loop.call_soon(self._end_generate_turn)

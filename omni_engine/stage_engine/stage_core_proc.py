@@ -88,16 +88,29 @@ OUTPUT_LINGER_S = 2.0
 
 class LoopOutbox:
     """The stage core's response sink on its event loop: ``put`` collects, and one flush at
-    the end of the loop turn sends everything collected (``send``), in order."""
+    the end of the loop turn sends everything collected (``send``), in order.
 
-    def __init__(self, send: Callable[[list[Any]], object]) -> None:
+    A turn that produces many items (a big batch ending) sends them in pieces of
+    ``per_message``: the client decodes the first piece while this side encodes the next.
+    """
+
+    def __init__(self, send: Callable[[list[Any]], object], per_message: int = 64) -> None:
         self._send = send
+        self._per_message = per_message
         self._items: list[Any] = []
+        self._flush_pending = False  # an end-of-turn flush is scheduled
 
     def put(self, item: Any) -> None:
         self._items.append(item)
-        if len(self._items) == 1:
-            asyncio.get_running_loop().call_soon(self.flush)
+        if len(self._items) >= self._per_message:
+            self.flush()
+        elif not self._flush_pending:
+            self._flush_pending = True
+            asyncio.get_running_loop().call_soon(self._end_turn)
+
+    def _end_turn(self) -> None:
+        self._flush_pending = False
+        self.flush()
 
     def flush(self) -> None:
         items, self._items = self._items, []
