@@ -344,7 +344,7 @@ class StageEngineCoreClient(BaseStageClient):
             return
         if req_type is StageRequestType.GENERATE:
             if self._turn_generates is not None:
-                # Not the first of this loop turn: it goes with the others at the turn's end.
+                # Not the first of this loop turn: it goes with the others, at the turn's end or in a full piece.
                 self._turn_generates.append(bufs)
                 if len(self._turn_generates) >= GENERATES_PER_MESSAGE:
                     self._send_generates()  # the stage starts on these while this turn goes on
