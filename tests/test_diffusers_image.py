@@ -116,7 +116,9 @@ async def test_images_are_uint8_of_the_size_and_count_asked_for(model):
 @on_session_loop
 async def test_a_seed_gives_the_same_images_and_another_seed_others(model):
     first, other = await model.generate([request("a", {"n": 2, "seed": 7}), request("b", {"n": 2, "seed": 8})])
-    again, = await model.generate([request("c", {"n": 2, "seed": 7})])
+    # The same batch again: bit-identical. (Alone, it may differ by a level here and there: a batch's
+    # size changes float summation order on some CPUs, as on the H200 machine's; see the next test.)
+    again, _ = await model.generate([request("c", {"n": 2, "seed": 7}), request("d", {"n": 2, "seed": 8})])
     np.testing.assert_array_equal(first["images"], again["images"])
     assert differ(first["images"], other["images"]) > 1
     # Image i depends on (seed, i) alone: seed 8's first image is not seed 7's second.

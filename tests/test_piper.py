@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import pytest_asyncio
 
-from omni_engine.engines.generation_model import GenerationRequest
+from omni_engine.engines.generation_model import SPOKEN_TEXT, GenerationRequest
 from omni_engine.engines.piper import make_piper_phonemizer, make_piper_voice
 from omni_engine.entrypoints.multi_stage_engine_client import MultiStageEngineClient
 from omni_engine.entrypoints.openai.audio import _speak
@@ -127,9 +127,9 @@ async def piper_pipeline(smollm2_path):
     assert not await after_shutdown(client)
 
 
-async def spoken_answer(client, prompt: str, request_id: str) -> tuple[str, list[np.ndarray]]:
+async def spoken_answer(client, prompt: str, request_id: str, said: list[str] | None = None) -> tuple[str, list[np.ndarray]]:
     """The answer's text and each utterance's audio (copied: no output, so no shared-memory
-    view of a stage, is kept once this returns)."""
+    view of a stage, is kept once this returns); ``said`` gets what each utterance says."""
     text, audio = "", []
     async for out in client.generate(prompt, text_params(96), request_id, modalities=["text", "audio"]):
         if out.outputs:
@@ -137,16 +137,20 @@ async def spoken_answer(client, prompt: str, request_id: str) -> tuple[str, list
         if out.multimodal_output and out.multimodal_output.get("audio") is not None:
             assert out.multimodal_output["sample_rate"] == RATE
             audio.append(np.asarray(out.multimodal_output["audio"], dtype=np.float32).copy())
+            if said is not None:
+                said.append(out.multimodal_output.get(SPOKEN_TEXT))
     return text, audio
 
 
 @on_session_loop
 async def test_an_answer_is_spoken_sentence_by_sentence_with_tensors_between_the_stages(piper_pipeline, chat_prompt):
     client = piper_pipeline
-    text, audio = await spoken_answer(client, chat_prompt("Tell me a short story about a cat."), "cat")
+    said: list[str] = []
+    text, audio = await spoken_answer(client, chat_prompt("Tell me a short story about a cat."), "cat", said)
     sentences = split_sentences(text)
     assert len(sentences) >= 2, text
     assert len(audio) == len(sentences), (len(audio), sentences)  # one utterance per sentence, in order
+    assert said == sentences  # each utterance says which text it speaks (through both Piper stages)
     assert rms(np.concatenate(audio)) > 0.01
     # The phonemizer's ids went out through its shared-memory pool (its segments hold bytes).
     stats = await client.stage_contexts[1].client.call_each_replica_async("shm_stats", call_timeout=10)

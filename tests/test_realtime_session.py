@@ -113,13 +113,14 @@ async def test_a_turn_is_transcribed_before_the_vad_confirms_its_end(phrase):
 async def test_speech_that_resumes_drops_the_guess(phrase):
     engine, out = RecordingEngine(delay=1.0), []
     session = RealtimeSession(engine, out.append, model="m", vad_factory=_vad_factory())
-    # A 400 ms pause: long enough for a guess (200 ms), too short to end the turn (500 ms).
+    # A 400 ms pause: long enough for a guess (125 ms), too short to end the turn (500 ms).
     await feed(session, np.concatenate([zeros(0.3), phrase, zeros(0.4), phrase, zeros(1.0)]), [])
     assert [e["type"] for e in out].count("input_audio_buffer.speech_stopped") == 1
     guesses = [(rid, ms) for rid, ms in engine.calls if "-stt-early-" in rid]
     assert len(guesses) == len(engine.calls) >= 2
-    # The guess at the 350 ms pause (the phrase alone) was dropped when the phrase came again.
-    assert any(abs(ms - (300 + len(phrase) * 1000 // RATE)) < 400 for _, ms in guesses[:-1])
+    # The guess at the 400 ms pause (the phrase alone, padded with the 500 ms of silence that would
+    # end its turn) was dropped when the phrase came again.
+    assert any(abs(ms - (300 + len(phrase) * 1000 // RATE + 500)) < 400 for _, ms in guesses[:-1])
     assert engine.cancelled == [rid for rid, _ in guesses[:-1]]
     await asyncio.sleep(1.2)
     done = next(e for e in out if e["type"] == "conversation.item.input_audio_transcription.completed")

@@ -11,13 +11,16 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 from typing import Any
 
 import pytest
 
 from omni_engine.entrypoints.openai.tool_parsers import HermesJsonToolParser, tag_bare_calls
-from omni_engine.pipeline.input_processors import SpokenSentences
-from omni_engine.realtime.engine import FunctionCallDelta, ResponseStart, TextDelta
+import numpy as np
+
+from omni_engine.pipeline.input_processors import SpokenSentences, split_sentences, spoken_fragments
+from omni_engine.realtime.engine import AudioChunk, FunctionCallDelta, ResponseStart, TextDelta
 from omni_engine.realtime.session import RealtimeSession
 
 aio = pytest.mark.asyncio(loop_scope="session")
@@ -268,6 +271,71 @@ def test_spoken_sentences_of_a_whole_text() -> None:
     splitter = SpokenSentences([0], 1)
     [whole] = splitter.on_finish({}, {0: 'Hi. <tool_call>{"name": "x"}</tool_call> Bye.'})
     assert whole.prompt.split() == ["Hi.", "Bye."]
+
+
+def fragments(chunks: list[str]) -> list[str]:
+    splitter = spoken_fragments([0], 1)
+    pieces = [s.prompt for chunk in chunks for s in splitter.on_output(None, chunk)]  # type: ignore[arg-type]
+    return pieces + [s.prompt for s in splitter.on_finish({}, {})]
+
+
+@pytest.mark.parametrize(("text", "expected"), [
+    # No clause and no sentence end in the first 4 words: the first piece is those words, cut as the
+    # 5th begins; the rest goes by whole sentences.
+    ("The capital of France is Paris. It is a big city with many people in it.",
+     ["The capital of France", "is Paris.", "It is a big city with many people in it."]),
+    ("Sure, here it is. Then a longer sentence, with a comma.",
+     ["Sure,", "here it is.", "Then a longer sentence, with a comma."]),  # a clause first
+    ("Hi! How are you doing today, my friend?", ["Hi!", "How are you doing today, my friend?"]),  # a sentence first
+    ("It costs 1,000 dollars and 10:30 is late.", ["It costs 1,000 dollars", "and 10:30 is late."]),  # not a clause
+    ("Yes.", ["Yes."]),
+])
+def test_a_live_voice_s_first_piece_is_cut_early_and_the_rest_by_sentences(text, expected) -> None:
+    by_token = [text[:1], *re.findall(r"\s*\S+", text[1:])]
+    assert "".join(by_token) == text
+    assert fragments(by_token) == expected  # streamed a word at a time
+    assert fragments([text]) == expected    # or all at once: the same cuts
+    assert split_sentences(text, first_fragment_words=4) == expected
+    assert spoken([text]) == split_sentences(text)  # spoken_sentences keeps whole sentences
+
+
+def test_fragments_leave_tool_calls_out_too() -> None:
+    assert fragments(['<tool_call>{"name": "x"}</tool_call>', " I looked it up for you and it says", " rain."]) \
+        == ["I looked it up", "for you and it says rain."]
+
+
+@aio
+async def test_an_audio_answer_s_transcript_is_what_its_pieces_say() -> None:
+    """The speech stage says what each piece of audio speaks (a live voice's first piece is no
+    sentence): the assistant item's transcript, and its truncation, go by those pieces."""
+    rate = 1000
+    text = "The capital of France is Paris. It is big."
+    pieces = ["The capital of France", "is Paris.", "It is big."]
+    engine = ScriptedEngine([TextDelta(text, 9, "stop"),
+                             *(AudioChunk(np.zeros(rate, dtype=np.float32), rate, piece) for piece in pieces)])
+    engine.can_speak = True
+    session, out = await session_with(engine)
+    response = await ask(session, out, "Where?", {"output_modalities": ["audio"]})
+    item = response["output"][0]
+    assert item["content"][0]["transcript"] == " ".join(pieces)
+    # Heard 1.5 s of three 1 s pieces: the first piece only.
+    await session.handle(json.dumps({"type": "conversation.item.truncate", "item_id": item["id"],
+                                     "content_index": 0, "audio_end_ms": 1500}))
+    await session.handle(json.dumps({"type": "conversation.item.retrieve", "item_id": item["id"]}))
+    assert out[-1]["type"] == "conversation.item.retrieved"
+    assert out[-1]["item"]["content"][0]["transcript"] == "The capital of France"
+
+
+@aio
+async def test_without_the_pieces_text_the_transcript_goes_by_sentences() -> None:
+    rate = 1000
+    engine = ScriptedEngine([TextDelta("One two. Three four.", 4, "stop"),
+                             AudioChunk(np.zeros(rate, dtype=np.float32), rate),
+                             AudioChunk(np.zeros(rate, dtype=np.float32), rate)])
+    engine.can_speak = True
+    session, out = await session_with(engine)
+    response = await ask(session, out, "Count.", {"output_modalities": ["audio"]})
+    assert response["output"][0]["content"][0]["transcript"] == "One two. Three four."
 
 
 def test_bare_calls_get_their_tags() -> None:

@@ -31,7 +31,7 @@ from typing import Any
 
 import numpy as np
 
-from omni_engine.engines.generation_model import GenerationRequest, ThreadedGenerationModel
+from omni_engine.engines.generation_model import SPOKEN_TEXT, GenerationRequest, ThreadedGenerationModel
 from omni_engine.engines.tts import OPENAI_VOICES
 from omni_engine.inputs import prompt_text
 from omni_engine.params import SpeechParams, speech_params
@@ -113,7 +113,8 @@ class PiperPhonemizer(ThreadedGenerationModel):
         return np.asarray(self._to_ids(phonemes, self.voice.phoneme_id_map), dtype=np.int64)
 
     def _render(self, request: GenerationRequest) -> dict[str, Any]:
-        return {PHONEME_IDS: self.phoneme_ids(prompt_text(request.prompt))}
+        text = prompt_text(request.prompt)
+        return {PHONEME_IDS: self.phoneme_ids(text), SPOKEN_TEXT: text}  # the text rides on to the voice
 
     def info(self) -> dict[str, Any]:
         return {"engine": "piper-phonemizer", "espeak_voice": self.voice.espeak_voice}
@@ -144,6 +145,8 @@ class PiperVoice(ThreadedGenerationModel):
         # oversubscribed intra-op threads slow both down.
         options.intra_op_num_threads = threads
         options.inter_op_num_threads = 1
+        # Threads that spin between runs would take those cores from the LLM the rest of the time.
+        options.add_session_config_entry("session.intra_op.allow_spinning", "0")
         self._session = onnxruntime.InferenceSession(str(self.voice.onnx_path), options,
                                                      providers=providers or ["CPUExecutionProvider"])
         self.voice_map = self._voice_map()
@@ -191,8 +194,9 @@ class PiperVoice(ThreadedGenerationModel):
         params = self._params(request.params)
         params.validate()
         speaker = self._speaker(params.voice)
+        spoken = {SPOKEN_TEXT: request.prompt[SPOKEN_TEXT]} if isinstance(request.prompt.get(SPOKEN_TEXT), str) else {}
         if ids.size == 0:
-            return {"audio": np.zeros(0, dtype=np.float32), "sample_rate": self.voice.sample_rate}
+            return {"audio": np.zeros(0, dtype=np.float32), "sample_rate": self.voice.sample_rate, **spoken}
         feeds = {
             "input": ids.astype(np.int64, copy=False)[None, :],
             "input_lengths": np.array([ids.size], dtype=np.int64),
@@ -202,7 +206,8 @@ class PiperVoice(ThreadedGenerationModel):
         if speaker is not None:
             feeds["sid"] = np.array([speaker], dtype=np.int64)
         audio = self._session.run(None, feeds)[0].reshape(-1)
-        return {"audio": np.ascontiguousarray(audio, dtype=np.float32), "sample_rate": self.voice.sample_rate}
+        return {"audio": np.ascontiguousarray(audio, dtype=np.float32), "sample_rate": self.voice.sample_rate,
+                **spoken}
 
     def info(self) -> dict[str, Any]:
         """Backs ``GET /v1/audio/voices`` as eSpeak's does: OpenAI's names, then the voice's own."""

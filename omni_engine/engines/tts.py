@@ -27,7 +27,7 @@ from typing import Any
 import msgspec
 import numpy as np
 
-from omni_engine.engines.generation_model import GenerationRequest
+from omni_engine.engines.generation_model import SPOKEN_TEXT, GenerationRequest
 from omni_engine.inputs import prompt_text
 from omni_engine.params import SpeechParams, speech_params
 
@@ -312,7 +312,7 @@ class EspeakTTSModel:
             return e
         if request.aborted:
             return RuntimeError("aborted")
-        return {"audio": audio, "sample_rate": self._synth.sample_rate}
+        return {"audio": audio, "sample_rate": self._synth.sample_rate, SPOKEN_TEXT: text}
 
     def _render_batch(self, requests: list[GenerationRequest]) -> list[dict[str, Any] | Exception]:
         return [self._render(r) for r in requests]

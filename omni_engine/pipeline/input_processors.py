@@ -61,9 +61,18 @@ class TextPassthrough:
 _SENTENCE_END = re.compile(r"""[.!?。！？…]+["'”’)\]]*(?=\s)|[。！？]|(?<=[a-z]{2})[.!?]+$""")
 
 
-def split_sentences(text: str, min_chars: int = 2) -> list[str]:
+# A clause ends at , ; : or a dash, then whitespace (not inside 1,000 or 10:30).
+_CLAUSE_END = re.compile(r"""[,;:—–]["'”’)\]]*(?=\s)""")
+
+
+def _words(n: int) -> re.Pattern[str]:
+    """The first ``n`` words of a text, once the whitespace after the last shows it is whole."""
+    return re.compile(rf"\s*(?:\S+\s+){{{n - 1}}}\S+(?=\s)")
+
+
+def split_sentences(text: str, min_chars: int = 2, first_fragment_words: int = 0) -> list[str]:
     """``text`` as its sentences (the last one may lack an ending), as ``SentenceSplitter`` cuts them."""
-    splitter = SentenceSplitter([], 0, min_chars=min_chars)
+    splitter = SentenceSplitter([], 0, min_chars=min_chars, first_fragment_words=first_fragment_words)
     inputs = splitter.on_output(None, text) + splitter.on_finish({}, {})  # type: ignore[arg-type]
     return [inp.prompt for inp in inputs]
 
@@ -76,23 +85,37 @@ class SentenceSplitter:
     In ``sequential`` mode the whole text goes as one input.
     """
 
-    def __init__(self, sources: list[int], dst: int, prompt: Any = None, min_chars: int = 2) -> None:
+    def __init__(self, sources: list[int], dst: int, prompt: Any = None, min_chars: int = 2,
+                 first_fragment_words: int = 0) -> None:
         self.sources, self.dst = sources, dst
         self.min_chars = min_chars
+        self.first_fragment_words = first_fragment_words
         self._pending = ""
         self._streamed = False
+        self._sent = False  # a piece of this reply has gone downstream
 
     def on_output(self, output: OmniRequestOutput, new_text: str) -> list[StageInput]:
         self._streamed = True
         self._pending += new_text
         inputs = []
-        while match := _SENTENCE_END.search(self._pending):
+        while match := self._next_end():
             sentence, self._pending = self._pending[: match.end()], self._pending[match.end():]
             if len(sentence.strip()) >= self.min_chars:
                 inputs.append(StageInput(sentence.strip()))
+                self._sent = True
             elif inputs:  # a stray "." joins the previous sentence
                 inputs[-1].prompt += sentence.strip()
         return inputs
+
+    def _next_end(self) -> re.Match[str] | None:
+        """Where the next piece ends: a sentence's end; for a reply's first piece with
+        ``first_fragment_words``, also the first clause's end or the end of that many words."""
+        end = _SENTENCE_END.search(self._pending)
+        if self.first_fragment_words <= 0 or self._sent or not self._pending.strip():
+            return end
+        cuts = [m for m in (end, _CLAUSE_END.search(self._pending),
+                            _words(self.first_fragment_words).match(self._pending)) if m is not None]
+        return min(cuts, key=lambda m: m.end(), default=None)
 
     def on_finish(self, outputs: dict[int, list[OmniRequestOutput]], text: dict[int, str]) -> list[StageInput]:
         if not self._streamed:
@@ -132,8 +155,9 @@ class SpokenSentences(SentenceSplitter):
     can be told from text.
     """
 
-    def __init__(self, sources: list[int], dst: int, prompt: Any = None, min_chars: int = 2) -> None:
-        super().__init__(sources, dst, prompt, min_chars)
+    def __init__(self, sources: list[int], dst: int, prompt: Any = None, min_chars: int = 2,
+                 first_fragment_words: int = 0) -> None:
+        super().__init__(sources, dst, prompt, min_chars, first_fragment_words)
         self._raw = ""  # text not yet judged speech or markup
         self._closing: str | None = None  # inside a call: its closing marker ("" = to the end)
         self._opened = False  # the reply's start has been judged (bare call or not)
@@ -226,6 +250,19 @@ def sentences(sources: list[int], dst: int, prompt: Any = None) -> SentenceSplit
 def spoken_sentences(sources: list[int], dst: int, prompt: Any = None) -> SpokenSentences:
     """Factory for stage configs: ``omni_engine.pipeline.input_processors:spoken_sentences``."""
     return SpokenSentences(sources, dst, prompt)
+
+
+# A live voice's first piece of a reply: its first clause or sentence, or its first 4 words,
+# whichever ends first. The first audio then waits for ~4 tokens and the synthesis of ~1.4 s of
+# speech instead of a whole sentence's; later sentences are synthesized while the earlier ones
+# play, so they stay whole (a cut costs a little prosody, paid once).
+FIRST_FRAGMENT_WORDS = 4
+
+
+def spoken_fragments(sources: list[int], dst: int, prompt: Any = None) -> SpokenSentences:
+    """Factory for stage configs: ``omni_engine.pipeline.input_processors:spoken_fragments``:
+    ``spoken_sentences`` whose first piece is cut early (``FIRST_FRAGMENT_WORDS``), for real-time voice."""
+    return SpokenSentences(sources, dst, prompt, first_fragment_words=FIRST_FRAGMENT_WORDS)
 
 
 def text(sources: list[int], dst: int, prompt: Any = None) -> TextPassthrough:

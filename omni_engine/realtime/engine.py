@@ -26,10 +26,12 @@ class TextDelta(NamedTuple):
 
 
 class AudioChunk(NamedTuple):
-    """One spoken sentence (float32 mono) at the speech stage's ``rate``."""
+    """One spoken piece of the answer (float32 mono) at the speech stage's ``rate``: a sentence, or
+    the first fragment of one; ``text`` is what it says, where the speech stage reports it."""
 
     samples: np.ndarray
     rate: int
+    text: str | None = None
 
 
 class FunctionCallDelta(NamedTuple):

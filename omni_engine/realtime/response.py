@@ -187,8 +187,10 @@ class ResponseRun:
                     resampler = resampler or StreamResampler(piece.rate, out.format.sample_rate)
                     samples = resampler.feed(np.asarray(piece.samples, dtype=np.float32))
                     self._send_audio(samples)
-                    sentences = split_sentences(self.text)
-                    sentence = sentences[sentences_spoken] if sentences_spoken < len(sentences) else ""
+                    sentence = piece.text
+                    if sentence is None:  # a speech stage that does not say: sentences, as spoken_sentences cuts
+                        sentences = split_sentences(self.text)
+                        sentence = sentences[sentences_spoken] if sentences_spoken < len(sentences) else ""
                     sentences_spoken += 1
                     self.item.spoken.append((sentence, 1000.0 * len(piece.samples) / piece.rate))
                     self._part()["transcript"] = " ".join(s for s, _ in self.item.spoken)

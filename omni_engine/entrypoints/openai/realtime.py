@@ -27,6 +27,7 @@ from fastapi import APIRouter, WebSocket, WebSocketDisconnect
 from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
 from vllm.exceptions import VLLMValidationError
 
+from omni_engine.engines.generation_model import SPOKEN_TEXT
 from omni_engine.entrypoints.openai.audio import (
     _chat_engine_input,
     _Refused,
@@ -163,8 +164,9 @@ class PipelineRealtimeEngine:
                 if out.final_output_type == "audio":
                     mm = out.multimodal_output
                     if mm and mm.get("audio") is not None:
+                        spoken = mm.get(SPOKEN_TEXT)
                         yield AudioChunk(np.asarray(mm["audio"], dtype=np.float32).copy(),
-                                         int(mm.get("sample_rate", 22050)))
+                                         int(mm.get("sample_rate", 22050)), spoken if isinstance(spoken, str) else None)
                 elif out.outputs:
                     for text_piece in _text_pieces(out.outputs[0], parser, request, prompt_ids):
                         yield text_piece
