@@ -11,6 +11,11 @@ from typing import Any
 
 from vllm.outputs import CompletionOutput, RequestOutput
 
+# A speech output's ``multimodal_output`` key for the text it speaks: the edge's input processor
+# cuts a reply into pieces (sentences, or a live voice's first fragment), and whoever plays the
+# audio learns from this exactly what was said, whatever the cut.
+SPOKEN_TEXT = "transcript"
+
 # The RequestOutput attributes that travel on the wire, in wire order. Adding
 # a field means appending here; never reorder (older peers decode by position).
 REQUEST_OUTPUT_FIELDS: tuple[str, ...] = (

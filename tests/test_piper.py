@@ -8,12 +8,13 @@ import numpy as np
 import pytest
 import pytest_asyncio
 
-from omni_engine.engines.generation_model import SPOKEN_TEXT, GenerationRequest
+from omni_engine.engines.generation_model import GenerationRequest
 from omni_engine.engines.piper import make_piper_phonemizer, make_piper_voice
 from omni_engine.entrypoints.multi_stage_engine_client import MultiStageEngineClient
 from omni_engine.entrypoints.openai.audio import _speak
 from omni_engine.errors import StageRequestError
 from omni_engine.models.prepare import MARKER_FILE, prepare_model
+from omni_engine.outputs import SPOKEN_TEXT
 from omni_engine.pipeline.input_processors import split_sentences
 from tests.stress.checks import after_shutdown, wait_clean
 from tests.stress.pipeline import REPO, speech_config, text_params

@@ -13,11 +13,6 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
-# A speech result's key for the text it speaks: a piece of a reply is cut by the edge's input
-# processor (a sentence, or a live voice's first fragment), and whoever plays the audio learns
-# from this exactly what was said, whatever the cut.
-SPOKEN_TEXT = "transcript"
-
 
 @dataclass(slots=True)
 class GenerationRequest:

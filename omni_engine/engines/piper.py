@@ -31,9 +31,10 @@ from typing import Any
 
 import numpy as np
 
-from omni_engine.engines.generation_model import SPOKEN_TEXT, GenerationRequest, ThreadedGenerationModel
+from omni_engine.engines.generation_model import GenerationRequest, ThreadedGenerationModel
 from omni_engine.engines.tts import OPENAI_VOICES
 from omni_engine.inputs import prompt_text
+from omni_engine.outputs import SPOKEN_TEXT
 from omni_engine.params import SpeechParams, speech_params
 
 PHONEME_IDS = "phoneme_ids"

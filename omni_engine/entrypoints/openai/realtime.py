@@ -27,7 +27,6 @@ from fastapi import APIRouter, WebSocket, WebSocketDisconnect
 from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
 from vllm.exceptions import VLLMValidationError
 
-from omni_engine.engines.generation_model import SPOKEN_TEXT
 from omni_engine.entrypoints.openai.audio import (
     _chat_engine_input,
     _Refused,
@@ -38,6 +37,7 @@ from omni_engine.entrypoints.openai.audio import (
     audio_stage_id,
 )
 from omni_engine.entrypoints.openai.transcription import speech_to_text_stage, transcript_text
+from omni_engine.outputs import SPOKEN_TEXT
 from omni_engine.realtime.config import SessionConfigError
 from omni_engine.realtime.engine import AudioChunk, FunctionCallDelta, ResponsePiece, ResponseStart, TextDelta
 from omni_engine.realtime.session import RealtimeSession
