@@ -290,6 +290,39 @@ def test_kl_symmetry_alpha_balances_the_two_kls():
     assert gap.abs().max() < 1e-6 and ((alpha > 0) & (alpha < 1)).all()
 
 
+def _bisected_root(log_theta: torch.Tensor, log_teacher: torch.Tensor) -> torch.Tensor:
+    """E_q[log π_t - log π_θ] = 0 by plain float64 bisection to 1e-12: the reference."""
+    d = (log_teacher - log_theta).double()
+    lo, hi = torch.zeros(len(d), dtype=torch.float64), torch.ones(len(d), dtype=torch.float64)
+    for _ in range(45):
+        mid = (lo + hi) / 2
+        above = (torch.softmax(log_theta.double() + mid[:, None] * d, -1) * d).sum(-1) > 0
+        lo, hi = torch.where(above, lo, mid), torch.where(above, mid, hi)
+    return (lo + hi) / 2
+
+
+def test_kl_symmetry_alpha_matches_a_bisected_root_on_hard_rows():
+    """The Newton solver, in float32 on vocabulary-sized rows: peaked, flat, nearly equal, masked
+    (floored) and identical rows all land within 1e-4 of the float64 root (identical rows: any α)."""
+    from omni_engine.logits.alpha import LOGPROB_FLOOR, kl_symmetry_alpha, log_softmax
+
+    gen = torch.Generator().manual_seed(1)
+    base = torch.randn(8, 49152, generator=gen)
+    theta = base * torch.tensor([3.0, 10.0, 0.3, 3.0, 3.0, 25.0, 3.0, 3.0])[:, None]
+    teacher = torch.randn(8, 49152, generator=gen) * 3
+    teacher[3] = theta[3] + torch.randn(49152, generator=gen) * 1e-3  # nearly the same model
+    teacher[4, :40000] = float("-inf")  # a processor masked most of the vocabulary
+    teacher[6] = theta[6]  # identical rows
+    teacher[7] = theta[7] * 0.5  # the same ranking, flatter
+    log_theta, log_teacher = log_softmax(theta), log_softmax(teacher)
+    assert log_teacher[4].min() == LOGPROB_FLOOR
+    alpha = kl_symmetry_alpha(log_theta, log_teacher)
+    reference = _bisected_root(log_theta, log_teacher)
+    solvable = torch.tensor([True] * 6 + [False, True])
+    assert torch.isfinite(alpha).all() and ((alpha >= 0) & (alpha <= 1)).all()
+    assert (alpha - reference).abs()[solvable].max() < 1e-4, (alpha, reference)
+
+
 def test_theta_needs_a_session_for_every_request_the_teacher_decodes(tmp_path):
     stages = [{"stage_id": 0, "stage_type": "llm", "final_output": True, "final_output_type": "text",
                "runtime": {"max_batch_size": 8}, "engine_args": {"model": "/some/model"},

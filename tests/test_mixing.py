@@ -214,6 +214,25 @@ async def test_each_request_stays_on_one_theta_replica_with_its_own_prompt(mixin
         assert held[holders[0]][rid][:len(prompt)] == prompt  # its own prompt, then its tokens
 
 
+async def test_theta_runs_each_step_of_a_batch_as_one_forward_pass(mixing):
+    """A step's chunks reach theta's engine core one by one (one input task per session); an
+    idle engine core would start on the first and run the rest as a second pass. Held until
+    the whole batch is in, every step of 4 requests on one replica is one forward pass."""
+    client, tok = mixing["client"], mixing["tokenizer"]
+    rids = [rid for rid in (f"together-{i}" for i in range(64)) if replica_of(rid) == 0][:4]
+
+    async def one(i: int, rid: str) -> None:
+        params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True,
+                                extra_args={"theta_prompt": QUESTIONS[i]})
+        async for _ in client.generate({"prompt_token_ids": teacher_ids(tok, QUESTIONS[i])}, params, rid):
+            pass
+
+    await asyncio.gather(*(one(i, rid) for i, rid in enumerate(rids)))
+    lines = await history_of(mixing, rids)
+    assert all(lines[rid]["steps"] == 12 for rid in rids), {rid: lines[rid]["steps"] for rid in rids}
+    assert {rid: lines[rid]["theta_split_steps"] for rid in rids} == dict.fromkeys(rids, 0)
+
+
 async def test_alpha_history_has_one_line_per_request_and_aborts_release_theta(mixing):
     client, tok = mixing["client"], mixing["tokenizer"]
     rng = random.Random(5)

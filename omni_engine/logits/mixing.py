@@ -51,6 +51,9 @@ class MixState:
     # Seconds its steps waited for theta's rows, and the transport's part of that wait.
     theta_wait_s: float = 0.0
     transport_s: float = 0.0
+    # Steps whose batch theta's replica ran in more than one forward pass (its engine core
+    # began with part of the batch): each such step costs theta a second pass.
+    theta_split_steps: int = 0
 
 
 def mixing_params_problem(extra: dict[str, Any]) -> str | None:
@@ -147,6 +150,7 @@ class ThetaMixingProcessor(RequestKeyedLogitsProcessor):
                                        "theta_prompt_token_ids": theta_prompt,
                                        "theta_wait_s": round(state.theta_wait_s, 6),
                                        "transport_s": round(state.transport_s, 6),
+                                       "theta_split_steps": state.theta_split_steps,
                                        **({"errors": state.errors} if state.errors else {})})
 
     def batch_ready(self, requests: Sequence[LiveRequest]) -> None:
@@ -254,6 +258,7 @@ class ThetaMixingProcessor(RequestKeyedLogitsProcessor):
         errors = {rid: f"theta replica {rep} missed an earlier step (not answering)"
                   for rid, rep in replica_of.items() if rep in self._unresponsive}
         got: dict[str, np.ndarray] = {}
+        passes: dict[int, int] = {}  # row messages (theta forward passes) per replica
         transport = 0.0
         deadline = time.monotonic() + self.timeout_ms / 1000
         while missing := set(replica_of) - got.keys() - errors.keys():
@@ -272,6 +277,10 @@ class ThetaMixingProcessor(RequestKeyedLogitsProcessor):
             errors.update(header.errors)
             if header.request_ids:
                 transport = max(transport, header.outbound_s + max(0.0, time.time() - header.sent_at))
+                passes[header.replica] = passes.get(header.replica, 0) + 1
+        for request in requests:
+            if passes.get(request.state.replica, 0) > 1:
+                request.state.theta_split_steps += 1
         return got, errors, transport
 
     def _vocab(self) -> int:

@@ -67,6 +67,7 @@ class ThetaScorer:
         self._pushes = PushSockets()
         self._tokenizer: Any = None
         self._task: asyncio.Task | None = None
+        self._utility_calls: set[asyncio.Task] = set()
 
     @property
     def tokens(self) -> dict[str, list[int]]:
@@ -101,6 +102,9 @@ class ThetaScorer:
         outbound = max(0.0, time.time() - batch.sent_at) if batch.sent_at else 0.0
         errors: dict[str, str] = {}
         prompts: dict[str, list[int]] = {}
+        hold = len(batch.items) > 1
+        if hold:
+            self._engine_utility("pause_scheduler", "keep", False)
         for item in batch.items:
             params = SamplingParams(max_tokens=1, detokenize=False, extra_args={
                 CAPTURE_KEY: [batch.reply, batch.step, item.request_id, outbound, batch.replica]})
@@ -112,8 +116,36 @@ class ThetaScorer:
             session.tokens.extend(item.new_tokens)
             session.batch = batch
             session.inputs.put_nowait(StreamingInput({"prompt_token_ids": chunk}, params))
+        if hold:
+            # Two turns of the loop later: the session tasks these chunks woke send them in
+            # the first; a session opened here gets its input task in the first and sends in
+            # the second.
+            loop = asyncio.get_running_loop()
+            loop.call_soon(loop.call_soon, self._engine_utility, "resume_scheduler")
         if errors or prompts:
             self._send(batch, errors, prompts)
+
+    def _engine_utility(self, method: str, *args: Any) -> None:
+        """Call an engine core utility, in order with the sessions' chunks.
+
+        The chunks of one batch reach theta's engine core one by one, as each session's
+        input task processes its own; an idle engine core steps as soon as the first
+        arrives, so a batch of 8 ran as two or more forward passes. Pausing the scheduler
+        (``keep``: nothing is dropped) before the chunks and resuming after them makes the
+        batch one forward pass. The calls are tasks on the loop, in order with the session
+        tasks' sends on the same socket: the pause is created before the chunks are queued,
+        the resume after the session tasks have sent them, so the engine core receives
+        pause, chunks, resume in that order and nothing here waits for a round trip. A
+        chunk that still misses the resume (a session task that yields first) only costs a
+        second forward pass, never a stall: the resume always goes."""
+        task = asyncio.get_running_loop().create_task(self.engine.engine_core.call_utility_async(method, *args))
+        self._utility_calls.add(task)
+        task.add_done_callback(self._utility_done)
+
+    def _utility_done(self, task: asyncio.Task) -> None:
+        self._utility_calls.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            logger.warning("theta scorer %s: engine utility failed: %s", self.address, task.exception())
 
     def _session_for(self, item: ScoreItem, prompts: dict[str, list[int]]) -> tuple[_Session, list[int]]:
         """The request's session and this step's chunk; a prompt (re)opens the session."""
