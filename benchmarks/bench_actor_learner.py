@@ -33,11 +33,15 @@ from bench_common import REPO, RESULTS, machine_info, progress, write_json
 EXAMPLE = REPO / "examples" / "rl" / "actor_learner.py"
 PUSH = REPO / "examples" / "rl" / "push_weights.py"
 PIPELINE = REPO / "stage_configs" / "smollm2_text.yaml"
-# The benchmark's run: every step wants B (the seed's rollout-bound regime), one micro-step per step, a push
-# every 4 steps.
+# The benchmark's run: every step wants B, one micro-step per step, a push every 4 steps, and rollouts of
+# 64 tokens (min_tokens: the model keeps naming words after its answer; the target stays the matched
+# ground truth). The seed's rollouts are object lists from a model on 6 GPUs of 8: generation, not
+# training, is the longer phase. The example's own answers (~10 tokens) make training the longer one
+# here, which bounds any overlap at 1.37x: --set rollout.min_tokens=0 --set rollout.max_tokens=32.
 BASE = {"train.gradient_accumulation_steps": 1, "sync.every_steps": 4, "packing.packing_length": 160,
         "packing.packing_min_fill_ratio": 0.5, "data.heldout": "null", "stage2_ab.async.rollout_batch_size": 4,
-        "stage2_ab.async.queue_limit": 4, "stage2_ab.schedule.b_ratio": 1.0, "rollout.max_tokens": 32}
+        "stage2_ab.async.queue_limit": 4, "stage2_ab.schedule.b_ratio": 1.0, "rollout.max_tokens": 64,
+        "rollout.min_tokens": 64}
 
 
 def run_example(url: str, asynchronous: bool, args: argparse.Namespace, log_dir: Path,

@@ -140,3 +140,16 @@ def test_no_rollout_is_in_flight_during_a_sync_and_consumed_packs_are_fresh(exam
     lags = [lag for rank in example_run["ranks"] for r in rank for lag in r["lags"]]
     assert all(0 <= lag <= REDUCED["stage2_ab.async.version_window"] for lag in lags), lags
     assert summary["version_mismatches"] == 0
+
+
+def test_min_tokens_reaches_the_server_and_lengthens_the_rollouts(gateway, chat_prompt):
+    """``rollout.min_tokens`` (vLLM's own knob) goes in the body: answers that stop on their own
+    (EOS within 24 tokens) run to the limit instead."""
+    gateway.reset()
+    asked = prompts(chat_prompt, 3)
+    plain = HTTPRolloutClient(gateway.url, "smollm2-test", {**DECODING, "max_tokens": 24})
+    long = HTTPRolloutClient(gateway.url, "smollm2-test", {**DECODING, "max_tokens": 24, "min_tokens": 24})
+    assert {r.finish_reason for r in plain.generate(asked, version=0)} == {"stop"}
+    assert {r.finish_reason for r in long.generate(asked, version=0)} == {"length"}
+    plain.close()
+    long.close()

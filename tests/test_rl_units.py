@@ -270,12 +270,13 @@ def test_every_config_error_names_its_field(tmp_path):
         assert f"learner.yaml: {field}:" in str(info.value), (field, str(info.value))
     # ...then what the values mean together, all at once.
     bad = _config(tmp_path, train={"gradient_accumulation_steps": 4}, stage2_ab={"async": {"queue_limit": 2}},
-                  sync={"mode": "delta", "backend": "nccl"}, rollout={"top_k": 0})
+                  sync={"mode": "delta", "backend": "nccl"}, rollout={"top_k": 0, "min_tokens": 65})
     bad["data"]["heldout"] = str(tmp_path / "missing.jsonl")
     bad["model"] = str(tmp_path / "no-model")
     with pytest.raises(ConfigError) as info:
         parse_actor_learner_config(bad, "learner.yaml")
     text = str(info.value)
     for field in ("stage2_ab.async.queue_limit: 2 is below train.gradient_accumulation_steps", "sync.mode",
-                  "sync.backend", "rollout.top_k", "data.heldout: no such file", "model: no such directory"):
+                  "sync.backend", "rollout.top_k", "rollout.min_tokens: 65 is above rollout.max_tokens (64)",
+                  "data.heldout: no such file", "model: no such directory"):
         assert f"learner.yaml: {field}" in text, (field, text)

@@ -98,13 +98,19 @@ class RolloutConfig(_Base):
     top_k: int = -1
     seed: int | None = 0
     max_tokens: PositiveInt = 64
+    # vLLM's min_tokens: EOS is not sampled before this many tokens. Models a task whose rollouts
+    # are long (the seed's object lists) while its training targets stay the matched ground truth.
+    min_tokens: NonNegativeInt = 0
     timeout_s: PositiveFloat = 120.0
     # A failed or timed-out batch is halved and retried, at most this many halvings deep.
     max_split_depth: NonNegativeInt = 3
 
     def decoding(self) -> dict[str, Any]:
-        return {"temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k, "seed": self.seed,
-                "max_tokens": self.max_tokens}
+        knobs = {"temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k, "seed": self.seed,
+                 "max_tokens": self.max_tokens}
+        if self.min_tokens:  # vLLM's extension of the OpenAI body: sent only when set
+            knobs["min_tokens"] = self.min_tokens
+        return knobs
 
 
 class ActorLearnerConfig(_Base):
@@ -142,6 +148,9 @@ def _check(config: ActorLearnerConfig, report: cv.Report) -> None:
         report("sync.fence", f"unknown fence mode {config.sync.fence!r}; expected one of: {', '.join(FENCE_MODES)}")
     if config.rollout.top_k == 0 or config.rollout.top_k < -1:
         report("rollout.top_k", f"{config.rollout.top_k}: -1 (off) or a positive number of tokens")
+    if config.rollout.min_tokens > config.rollout.max_tokens:
+        report("rollout.min_tokens", f"{config.rollout.min_tokens} is above rollout.max_tokens "
+                                     f"({config.rollout.max_tokens})")
     if config.rollout.temperature == 0 and config.rollout.top_p < 1:
         report("rollout.top_p", "has no effect with temperature 0 (greedy); leave it at 1.0 or sample")
     from omni_engine.models.check import model_problem

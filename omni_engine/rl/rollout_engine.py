@@ -43,7 +43,8 @@ class EngineRolloutClient(RolloutClient):
 
         d = self.decoding
         return SamplingParams(temperature=d.get("temperature", 1.0), top_p=d.get("top_p", 1.0),
-                              top_k=d.get("top_k", -1), seed=d.get("seed"), max_tokens=d.get("max_tokens", 64))
+                              top_k=d.get("top_k", -1), seed=d.get("seed"), max_tokens=d.get("max_tokens", 64),
+                              min_tokens=d.get("min_tokens", 0))
 
     async def _one(self, prompt: str, params: Any) -> Any:
         final = None
