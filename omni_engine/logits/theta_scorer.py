@@ -105,23 +105,25 @@ class ThetaScorer:
         hold = len(batch.items) > 1
         if hold:
             self._engine_utility("pause_scheduler", "keep", False)
-        for item in batch.items:
-            params = SamplingParams(max_tokens=1, detokenize=False, extra_args={
-                CAPTURE_KEY: [batch.reply, batch.step, item.request_id, outbound, batch.replica]})
-            try:
-                session, chunk = self._session_for(item, prompts)
-            except Exception as exc:  # noqa: BLE001 - reported to the teacher, per request
-                errors[item.request_id] = f"theta could not take request {item.request_id!r}: {exc}"
-                continue
-            session.tokens.extend(item.new_tokens)
-            session.batch = batch
-            session.inputs.put_nowait(StreamingInput({"prompt_token_ids": chunk}, params))
-        if hold:
-            # Two turns of the loop later: the session tasks these chunks woke send them in
-            # the first; a session opened here gets its input task in the first and sends in
-            # the second.
-            loop = asyncio.get_running_loop()
-            loop.call_soon(loop.call_soon, self._engine_utility, "resume_scheduler")
+        try:
+            for item in batch.items:
+                params = SamplingParams(max_tokens=1, detokenize=False, extra_args={
+                    CAPTURE_KEY: [batch.reply, batch.step, item.request_id, outbound, batch.replica]})
+                try:
+                    session, chunk = self._session_for(item, prompts)
+                except Exception as exc:  # noqa: BLE001 - reported to the teacher, per request
+                    errors[item.request_id] = f"theta could not take request {item.request_id!r}: {exc}"
+                    continue
+                session.tokens.extend(item.new_tokens)
+                session.batch = batch
+                session.inputs.put_nowait(StreamingInput({"prompt_token_ids": chunk}, params))
+        finally:
+            if hold:
+                # Two turns of the loop later: the session tasks these chunks woke send them in
+                # the first; a session opened here gets its input task in the first and sends in
+                # the second.
+                loop = asyncio.get_running_loop()
+                loop.call_soon(loop.call_soon, self._engine_utility, "resume_scheduler")
         if errors or prompts:
             self._send(batch, errors, prompts)
 
@@ -205,6 +207,8 @@ class ThetaScorer:
     async def close(self) -> None:
         for rid in list(self.sessions):
             self._close(rid)
+        for call in list(self._utility_calls):  # the engine is going: no answer will come
+            call.cancel()
         if self._task is not None:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
