@@ -47,12 +47,12 @@ def kl_symmetry_alpha(log_theta: torch.Tensor, log_teacher: torch.Tensor) -> tor
     kept = torch.zeros_like(alpha)  # which end stayed last step: -1 low, +1 high (Illinois)
     x = _inside(_false_position(lo, hi, f_lo, f_hi), lo, hi, (lo + hi) / 2)
     active = torch.arange(rows, device=log_theta.device)
-    base, slope_d = log_theta, d
+    theta_rows, d_rows = log_theta, d
     for _ in range(MAX_SOLVER_STEPS):
-        q = torch.softmax(torch.addcmul(base, x.unsqueeze(-1), slope_d), dim=-1)
-        qd = q * slope_d
+        q = torch.softmax(torch.addcmul(theta_rows, x.unsqueeze(-1), d_rows), dim=-1)
+        qd = q * d_rows
         f = qd.sum(-1)  # E_q[d] = KL(q‖π_θ) - KL(q‖π_t)
-        slope = (qd * slope_d).sum(-1) - f * f  # Var_q(d) = df/dα
+        slope = (qd * d_rows).sum(-1) - f * f  # Var_q(d) = df/dα
         below = f > 0  # the root is below x: the high end moves, the low one stays
         f_lo = torch.where(below & (kept < 0), f_lo / 2, f_lo)
         f_hi = torch.where(~below & (kept > 0), f_hi / 2, f_hi)
@@ -73,7 +73,7 @@ def kl_symmetry_alpha(log_theta: torch.Tensor, log_teacher: torch.Tensor) -> tor
             if not bool(left.any()):
                 return alpha
             active, x, lo, hi, f_lo, f_hi, kept = (t[left] for t in (active, x, lo, hi, f_lo, f_hi, kept))
-            base, slope_d = log_theta[active], d[active]
+            theta_rows, d_rows = log_theta[active], d[active]  # the unsolved rows
     alpha[active] = x
     return alpha
 
