@@ -45,7 +45,7 @@ def kl_symmetry_alpha(log_theta: torch.Tensor, log_teacher: torch.Tensor) -> tor
     lo, hi = torch.zeros_like(alpha), torch.ones_like(alpha)
     f_lo, f_hi = (log_theta.exp() * d).sum(-1), (log_teacher.exp() * d).sum(-1)
     kept = torch.zeros_like(alpha)  # which end stayed last step: -1 low, +1 high (Illinois)
-    x = _inside(_false_position(lo, hi, f_lo, f_hi), lo, hi, (lo + hi) / 2)
+    x = _false_position(lo, hi, f_lo, f_hi)
     active = torch.arange(rows, device=log_theta.device)
     theta_rows, d_rows = log_theta, d
     for _ in range(MAX_SOLVER_STEPS):
@@ -60,7 +60,7 @@ def kl_symmetry_alpha(log_theta: torch.Tensor, log_teacher: torch.Tensor) -> tor
         hi, f_hi = torch.where(below, x, hi), torch.where(below, f, f_hi)
         lo, f_lo = torch.where(below, lo, x), torch.where(below, f_lo, f)
         delta = f / slope  # Newton's step, and its estimate of x's distance to the root
-        step = _inside(x - delta, lo, hi, _inside(_false_position(lo, hi, f_lo, f_hi), lo, hi, (lo + hi) / 2))
+        step = _inside(x - delta, lo, hi, _false_position(lo, hi, f_lo, f_hi))
         # Solved: a negligible Newton step (which may round onto an end of the bracket, so it
         # is tested before the bracket is), a collapsed bracket, or E_q[d] exactly 0
         # (identical rows: every α is a root).
@@ -79,7 +79,9 @@ def kl_symmetry_alpha(log_theta: torch.Tensor, log_teacher: torch.Tensor) -> tor
 
 
 def _false_position(lo: torch.Tensor, hi: torch.Tensor, f_lo: torch.Tensor, f_hi: torch.Tensor) -> torch.Tensor:
-    return (lo * f_hi - hi * f_lo) / (f_hi - f_lo)
+    """Where the chord between the bracket's ends crosses zero; the midpoint where that is not
+    strictly inside (equal ends give NaN)."""
+    return _inside((lo * f_hi - hi * f_lo) / (f_hi - f_lo), lo, hi, (lo + hi) / 2)
 
 
 def _inside(candidate: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, fallback: torch.Tensor) -> torch.Tensor:
