@@ -259,6 +259,21 @@ def test_mixing_wires_teacher_and_theta():
     assert CAPTURE_PROCESSOR in theta["logits_processors"] and theta["enable_chunked_prefill"] is False
 
 
+def test_mixing_stages_get_the_short_openmp_spin_unless_their_env_sets_it():
+    from omni_engine.logits.mixing_wiring import MIXING_STAGE_ENV
+    from omni_engine.pipeline.stage_specs import build_stage_specs
+
+    config = load_pipeline_config("stage_configs/smollm2_mixing.yaml")
+    specs = build_stage_specs(config)
+    assert specs[0][0].env == specs[1][0].env == MIXING_STAGE_ENV
+    theta = config.stage(1)
+    own = config.replace(stage_args=[config.stage(0), theta.replace(env={"GOMP_SPINCOUNT": "7", "X": "1"})])
+    specs = build_stage_specs(own)
+    assert specs[1][0].env == {"GOMP_SPINCOUNT": "7", "X": "1"} and specs[0][0].env == MIXING_STAGE_ENV
+    alone = config.replace(stage_args=[config.stage(0).replace(mixing=None)])
+    assert "GOMP_SPINCOUNT" not in build_stage_specs(alone)[0][0].env
+
+
 @pytest.mark.parametrize("xargs, needle", [
     ({}, "needs its theta prompt"),
     ({"theta_prompt": "q", "mixing_alpha": "median"}, "mixing_alpha must be one of"),

@@ -23,6 +23,14 @@ CAPTURE_PROCESSOR = "omni_engine.logits.theta:ThetaCaptureProcessor"
 # llm stage engine before vLLM sees them).
 MIXING_KEY = "omni_mixing"
 THETA_KEY = "omni_theta"
+# Environment defaults of a mixing teacher and its theta (a stage's own ``env`` wins). The
+# two engine cores take turns on the same CPU cores at every step. torch's OpenMP (libgomp)
+# workers spin ~9 ms after each parallel region by default (GOMP_SPINCOUNT 300000 here), so
+# after its turn one engine core's workers held a core the other's forward pass needed;
+# 30000 (~1.5 ms) still bridges the gaps between a forward pass's ops. Measured with
+# benchmarks/bench_mixing.py: step / (teacher + theta) 1.27x -> 1.07x at concurrency 1,
+# 1.25x -> 1.14x at 8. (Not monotonic: 100000 measured 4x slower; see benchmarks/README.md.)
+MIXING_STAGE_ENV = {"GOMP_SPINCOUNT": "30000"}
 
 
 def socket_dir(stage_id: int) -> str:
@@ -61,6 +69,15 @@ def wire_mixing(stages: list[Any]) -> dict[tuple[int, int], dict[str, Any]]:
             # The worker extension releases held requests at shutdown (their α lines).
             extra[(stage.stage_id, r)] = {"additional_config": additional, "worker_extension_cls": WORKER_EXTENSION}
     return extra
+
+
+def mixing_stage_env(stages: list[Any]) -> dict[int, dict[str, str]]:
+    """Environment defaults, by stage id, of every mixing teacher and its theta stage."""
+    env: dict[int, dict[str, str]] = {}
+    for stage in stages:
+        if stage.mixing is not None:
+            env[stage.stage_id] = env[stage.mixing.theta_stage] = dict(MIXING_STAGE_ENV)
+    return env
 
 
 def _absolute(path: str | None) -> str | None:

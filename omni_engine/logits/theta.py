@@ -25,9 +25,12 @@ logger = logging.getLogger(__name__)
 
 
 class ThetaCaptureProcessor(RequestKeyedLogitsProcessor):
-    """Sends the log-probabilities of each scoring request's row to its teacher; changes nothing."""
+    """Sends the log-probabilities of each scoring request's row to its teacher; changes nothing.
 
-    argmax_invariant = True
+    Not declared argmax-invariant, though it changes nothing: vLLM runs argmax-invariant
+    processors only for randomly sampled rows, after temperature. Run with the others, it
+    sees every row's raw logits whatever the request's sampling, so scoring chunks can be
+    greedy (an argmax instead of a random draw over the vocabulary)."""
 
     def __init__(self, vllm_config: Any, *runner_args: Any) -> None:
         super().__init__(vllm_config, *runner_args)

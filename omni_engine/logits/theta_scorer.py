@@ -107,7 +107,7 @@ class ThetaScorer:
             self._engine_utility("pause_scheduler", "keep", False)
         try:
             for item in batch.items:
-                params = SamplingParams(max_tokens=1, detokenize=False, extra_args={
+                params = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False, extra_args={
                     CAPTURE_KEY: [batch.reply, batch.step, item.request_id, outbound, batch.replica]})
                 try:
                     session, chunk = self._session_for(item, prompts)
@@ -168,7 +168,7 @@ class ThetaScorer:
     async def _run(self, rid: str, session: _Session) -> None:
         from vllm import SamplingParams
 
-        base = SamplingParams(max_tokens=1, detokenize=False)
+        base = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False)
         try:
             async for _ in self.engine.generate(session.stream(), base, session.engine_id):
                 pass

@@ -19,7 +19,7 @@ from pathlib import Path
 from omni_engine import envs
 from omni_engine.config import ConfigError, PipelineConfig, StageConfig
 from omni_engine.connectors.settings import ConnectorSettings
-from omni_engine.logits.mixing_wiring import wire_mixing
+from omni_engine.logits.mixing_wiring import mixing_stage_env, wire_mixing
 from omni_engine.weights import WORKER_EXTENSION
 from omni_engine.stage_engine.stage_spec import DeviceAssignment, StageProcessSpec
 
@@ -127,7 +127,7 @@ def build_stage_specs(config: PipelineConfig,
     needs_devices = any(stage.runtime.devices is not None for stage in config.stage_args)
     variable = device_control_variable() if needs_devices else None
     weighted = set(config.weight_stage_ids())
-    mixing = wire_mixing(config.stage_args)
+    mixing, mixing_env = wire_mixing(config.stage_args), mixing_stage_env(config.stage_args)
     specs = {}
     for stage in config.stage_args:
         if stage.stage_id in weighted:
@@ -136,4 +136,5 @@ def build_stage_specs(config: PipelineConfig,
                                  for replica in range(stage.runtime.num_replicas)]
         for replica, spec in enumerate(specs[stage.stage_id]):
             spec.engine_args.update(mixing.get((stage.stage_id, replica), {}))
+            spec.env = {**mixing_env.get(stage.stage_id, {}), **spec.env}
     return specs
