@@ -7,6 +7,7 @@ backend), so its runner's slot and row bookkeeping is replayed here step by step
 
 from __future__ import annotations
 
+import asyncio
 import random
 from types import SimpleNamespace
 from typing import Any
@@ -350,3 +351,41 @@ def test_theta_needs_a_session_for_every_request_the_teacher_decodes(tmp_path):
     stages[1]["runtime"]["num_replicas"] = 2
     path.write_text(yaml.safe_dump({"stage_args": stages}))
     assert load_pipeline_config(path).stage_args[0].mixing.theta_stage == 1
+
+
+async def test_a_batch_hold_resumes_theta_once_every_chunk_is_sent_or_dropped():
+    """The scorer resumes theta's scheduler when vLLM has asked each session's stream for the
+    chunk after this batch's (so it has sent this one), or the session ended without it."""
+    from omni_engine.logits.theta_scorer import _BatchHold, _Session
+
+    resumed, live = [], set()
+    hold = _BatchHold(lambda: resumed.append("resume"), 3, live)
+    sent, failed, ended = (_Session(f"theta-{i}", []) for i in range(3))
+    for session in (sent, failed, ended):
+        session.inputs.put_nowait(("chunk", hold))
+    sent_stream, failed_stream = sent.stream(), failed.stream()
+    assert await sent_stream.__anext__() == "chunk" and await failed_stream.__anext__() == "chunk"
+    sent.inputs.put_nowait(None)
+    with pytest.raises(StopAsyncIteration):
+        await sent_stream.__anext__()  # asked for more: its chunk went out
+    ended.drop_inputs()  # its session ended before taking the chunk
+    assert resumed == [] and live == {hold}  # one chunk is still out
+    await failed_stream.aclose()  # vLLM closes the stream of a chunk it could not send
+    assert resumed == ["resume"] and not live
+    hold.release()
+    assert resumed == ["resume"]  # once
+
+
+async def test_a_batch_hold_whose_chunk_is_lost_resumes_after_its_limit(monkeypatch):
+    import omni_engine.logits.theta_scorer as scorer
+
+    monkeypatch.setattr(scorer, "HOLD_LIMIT_S", 0.01)
+    resumed, live = [], set()
+    scorer._BatchHold(lambda: resumed.append("resume"), 2, live).release()
+    assert resumed == []
+    await asyncio.sleep(0.2)
+    assert resumed == ["resume"] and not live
+    cancelled = scorer._BatchHold(lambda: resumed.append("late"), 2, live)
+    cancelled.cancel()  # the scorer is closing
+    await asyncio.sleep(0.05)
+    assert resumed == ["resume"] and not live

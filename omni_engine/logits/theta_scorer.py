@@ -16,7 +16,7 @@ import contextlib
 import json
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -37,9 +37,44 @@ from omni_engine.logits.messages import (
 logger = logging.getLogger(__name__)
 
 
+# The longest theta's scheduler stays paused for a batch whose chunks never all reached its
+# engine core (a session that failed between being given its chunk and sending it). Each
+# chunk normally releases its batch's hold at once; this bounds what a lost one costs.
+HOLD_LIMIT_S = 0.5
+
+
+class _BatchHold:
+    """Theta's scheduler, paused for one batch: resumed once every chunk of the batch is in
+    the engine core's input socket (or the limit passed). Releases past the count are no-ops."""
+
+    def __init__(self, resume: Callable[[], None], chunks: int, live: set[_BatchHold]) -> None:
+        self._resume: Callable[[], None] | None = resume
+        self._left, self._live = chunks, live
+        self._timer = asyncio.get_running_loop().call_later(HOLD_LIMIT_S, self._finish)
+        live.add(self)
+
+    def release(self) -> None:
+        self._left -= 1
+        if self._left == 0:
+            self._finish()
+
+    def _finish(self) -> None:
+        if self._resume is not None:
+            resume = self._resume
+            self.cancel()
+            resume()
+
+    def cancel(self) -> None:
+        """Forget the resume (the engine is going)."""
+        self._timer.cancel()
+        self._resume = None
+        self._live.discard(self)
+
+
 @dataclass
 class _Session:
-    """A request's open vLLM session: its chunks go in through ``inputs``."""
+    """A request's open vLLM session: its chunks go in through ``inputs``, each with the hold
+    of its batch (or None)."""
 
     engine_id: str
     tokens: list[int]
@@ -48,8 +83,21 @@ class _Session:
     batch: ScoreBatch | None = None  # the step its latest chunk answers (for errors)
 
     async def stream(self) -> AsyncIterator[Any]:
-        while (chunk := await self.inputs.get()) is not None:
-            yield chunk
+        while (item := await self.inputs.get()) is not None:
+            chunk, hold = item
+            try:
+                yield chunk
+            finally:
+                # vLLM asks for the next chunk only once it has sent this one to the engine
+                # core (its input task awaits the send), or closes the stream on an error.
+                if hold is not None:
+                    hold.release()
+
+    def drop_inputs(self) -> None:
+        """Release the holds of chunks that will never be sent (the session has ended)."""
+        while not self.inputs.empty():
+            if (item := self.inputs.get_nowait()) is not None and item[1] is not None:
+                item[1].release()
 
 
 class ThetaScorer:
@@ -68,6 +116,7 @@ class ThetaScorer:
         self._tokenizer: Any = None
         self._task: asyncio.Task | None = None
         self._utility_calls: set[asyncio.Task] = set()
+        self._holds: set[_BatchHold] = set()  # batches whose resume has not gone yet
 
     @property
     def tokens(self) -> dict[str, list[int]]:
@@ -102,28 +151,24 @@ class ThetaScorer:
         outbound = max(0.0, time.time() - batch.sent_at) if batch.sent_at else 0.0
         errors: dict[str, str] = {}
         prompts: dict[str, list[int]] = {}
-        hold = len(batch.items) > 1
-        if hold:
+        hold = None
+        if len(batch.items) > 1:
+            # Before any session of this batch opens: a new session's task sends its first chunk.
             self._engine_utility("pause_scheduler", "keep", False)
-        try:
-            for item in batch.items:
-                params = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False, extra_args={
-                    CAPTURE_KEY: [batch.reply, batch.step, item.request_id, outbound, batch.replica]})
-                try:
-                    session, chunk = self._session_for(item, prompts)
-                except Exception as exc:  # noqa: BLE001 - reported to the teacher, per request
-                    errors[item.request_id] = f"theta could not take request {item.request_id!r}: {exc}"
-                    continue
-                session.tokens.extend(item.new_tokens)
-                session.batch = batch
-                session.inputs.put_nowait(StreamingInput({"prompt_token_ids": chunk}, params))
-        finally:
-            if hold:
-                # Two turns of the loop later: the session tasks these chunks woke send them in
-                # the first; a session opened here gets its input task in the first and sends in
-                # the second.
-                loop = asyncio.get_running_loop()
-                loop.call_soon(loop.call_soon, self._engine_utility, "resume_scheduler")
+            hold = _BatchHold(lambda: self._engine_utility("resume_scheduler"), len(batch.items), self._holds)
+        for item in batch.items:
+            params = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False, extra_args={
+                CAPTURE_KEY: [batch.reply, batch.step, item.request_id, outbound, batch.replica]})
+            try:
+                session, chunk = self._session_for(item, prompts)
+            except Exception as exc:  # noqa: BLE001 - reported to the teacher, per request
+                errors[item.request_id] = f"theta could not take request {item.request_id!r}: {exc}"
+                if hold is not None:
+                    hold.release()  # no chunk to wait for
+                continue
+            session.tokens.extend(item.new_tokens)
+            session.batch = batch
+            session.inputs.put_nowait((StreamingInput({"prompt_token_ids": chunk}, params), hold))
         if errors or prompts:
             self._send(batch, errors, prompts)
 
@@ -134,12 +179,12 @@ class ThetaScorer:
         input task processes its own; an idle engine core steps as soon as the first
         arrives, so a batch of 8 ran as two or more forward passes. Pausing the scheduler
         (``keep``: nothing is dropped) before the chunks and resuming after them makes the
-        batch one forward pass. The calls are tasks on the loop, in order with the session
-        tasks' sends on the same socket: the pause is created before the chunks are queued,
-        the resume after the session tasks have sent them, so the engine core receives
-        pause, chunks, resume in that order and nothing here waits for a round trip. A
-        chunk that still misses the resume (a session task that yields first) only costs a
-        second forward pass, never a stall: the resume always goes."""
+        batch one forward pass. The calls are tasks on the loop, sent on the same socket as
+        the chunks: the pause is created before the chunks are queued, the resume once each
+        session's stream has been asked for its next chunk (vLLM asks after sending the
+        last), so the engine core receives pause, chunks, resume in that order and nothing
+        here waits for a round trip. A session that fails before sending its chunk releases
+        its hold when it ends, and ``HOLD_LIMIT_S`` bounds the rest: the resume always goes."""
         task = asyncio.get_running_loop().create_task(self.engine.engine_core.call_utility_async(method, *args))
         self._utility_calls.add(task)
         task.add_done_callback(self._utility_done)
@@ -178,6 +223,7 @@ class ThetaScorer:
             if session.batch is not None:
                 self._send(session.batch, {rid: f"theta failed to score request {rid!r}: {type(exc).__name__}: {exc}"})
         finally:
+            session.drop_inputs()
             if self.sessions.get(rid) is session:
                 del self.sessions[rid]
 
@@ -207,6 +253,8 @@ class ThetaScorer:
     async def close(self) -> None:
         for rid in list(self.sessions):
             self._close(rid)
+        for hold in list(self._holds):
+            hold.cancel()
         for call in list(self._utility_calls):  # the engine is going: no answer will come
             call.cancel()
         if self._task is not None:
