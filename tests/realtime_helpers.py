@@ -1,16 +1,18 @@
-"""Helpers of the ``/v1/realtime`` server tests: a client, speech made by the server's own voice, audio
+"""Helpers of the ``/v1/realtime`` server tests: a client, speech in the servers' voice, audio
 streamed in 20 ms events, and events collected until one of a kind."""
 
 from __future__ import annotations
 
 import asyncio
 import base64
+import functools
 import time
 
 import numpy as np
 import openai
 
 from omni_engine.audio import wav_bytes
+from omni_engine.models.prepare import prepare_model
 from omni_engine.realtime.audio_io import StreamResampler
 
 CHUNK = 480  # 20 ms at 24 kHz
@@ -20,12 +22,24 @@ def aclient(server) -> openai.AsyncOpenAI:
     return openai.AsyncOpenAI(base_url=f"{server['url']}/v1", api_key=server["api_key"], max_retries=0, timeout=120)
 
 
-def spoken(client, text: str, model: str) -> np.ndarray:
-    """``text`` spoken by the server's Piper voice, as int16 PCM at 24 kHz (the session's input format)."""
-    raw = client.audio.speech.create(model=model, voice="alloy", input=text, response_format="pcm").content
-    samples = np.frombuffer(raw, dtype="<i2").astype(np.float32) / 32768.0
-    resampler = StreamResampler(22050, 24000)
-    audio = np.concatenate([resampler.feed(samples), resampler.flush()])
+@functools.cache
+def _still_voice():
+    """Piper itself (piper-tts, not a stage) with the server's voice, its noise off: VITS samples noise
+    at every synthesis, and a question that sounds different in every run was once heard as another word."""
+    from piper import PiperVoice
+    from piper.config import SynthesisConfig
+
+    voice = PiperVoice.load(next(prepare_model("piper-joe").glob("*.onnx")))
+    return voice, SynthesisConfig(noise_scale=0.0, noise_w_scale=0.0, normalize_audio=False)
+
+
+def spoken(text: str) -> np.ndarray:
+    """``text`` spoken by the servers' Piper voice, the same samples every run, as int16 PCM at 24 kHz
+    (the session's input format)."""
+    voice, config = _still_voice()
+    samples = np.concatenate([chunk.audio_float_array for chunk in voice.synthesize(text, syn_config=config)])
+    resampler = StreamResampler(voice.config.sample_rate, 24000)
+    audio = np.concatenate([resampler.feed(samples.astype(np.float32)), resampler.flush()])
     return (np.clip(audio, -1, 1) * 32767).astype("<i2")
 
 

@@ -100,6 +100,21 @@ async def test_bad_prompts_and_voices_fail_their_request_alone_naming_what_was_w
     assert voice.info()["voices"] == ["joe"] and voice.info()["voice_map"]["en"] == "joe"
 
 
+@on_session_loop
+async def test_a_voice_without_noise_speaks_the_same_samples_every_time(phonemizer, voice, voice_dir):
+    ids = phonemizer.phoneme_ids(SENTENCE)
+    request = lambda rid: GenerationRequest(rid, {"phoneme_ids": ids})  # noqa: E731
+    sampled = [out["audio"] for out in await voice.generate([request("a"), request("b")])]
+    assert not np.array_equal(*sampled)  # VITS samples its noise at every synthesis
+    still = make_piper_voice(model=str(voice_dir), noise_scale=0, noise_w=0.0)
+    try:
+        first, second = [out["audio"] for out in await still.generate([request("c"), request("d")])]
+        [again] = [out["audio"] for out in await still.generate([request("e")])]
+        assert rms(first) > 0.01 and np.array_equal(first, second) and np.array_equal(first, again)
+    finally:
+        await still.shutdown()
+
+
 def test_factories_name_the_engine_arg_that_is_wrong(tmp_path, voice_dir):
     with pytest.raises(TypeError, match=r"unknown engine_args \['voices'\]"):
         make_piper_voice(model=str(voice_dir), voices=["a"])
@@ -114,6 +129,12 @@ def test_factories_name_the_engine_arg_that_is_wrong(tmp_path, voice_dir):
         make_piper_phonemizer(model=str(tmp_path))
     with pytest.raises(ValueError, match="unknown voice 'bob'"):
         make_piper_voice(model=str(voice_dir), default_voice="bob")
+    with pytest.raises(ValueError, match=r"engine_args.noise_w must be a number >= 0, got -0\.1"):
+        make_piper_voice(model=str(voice_dir), noise_w=-0.1)
+    with pytest.raises(ValueError, match="engine_args.noise_scale must be a number >= 0, got 'low'"):
+        make_piper_voice(model=str(voice_dir), noise_scale="low")
+    with pytest.raises(ValueError, match="engine_args.length_scale must be > 0"):
+        make_piper_voice(model=str(voice_dir), length_scale=0)
 
 
 # ---------------------------------------------------------------- the pipeline

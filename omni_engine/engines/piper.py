@@ -25,7 +25,7 @@ from __future__ import annotations
 import json
 import threading
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -128,19 +128,34 @@ class PiperVoice(ThreadedGenerationModel):
     ``voice`` picks a speaker of a multi-speaker voice by name. A one-speaker
     voice answers to its own name, to the language (``en``) and to OpenAI's
     voice names, all meaning its one speaker.
+
+    ``noise_scale``, ``length_scale`` and ``noise_w`` override the voice config's
+    (Piper's CLI flags of the same names). VITS samples noise for the voice's
+    timbre (``noise_scale``) and its phoneme durations (``noise_w``) at every
+    synthesis, so the same text sounds a little different each time; 0 for both
+    makes a voice speak the same text as the same samples.
     """
 
     output_type = "audio"
 
     def __init__(self, *, model: str, threads: int = 1, providers: list[str] | None = None,
-                 default_voice: str | None = None) -> None:
+                 default_voice: str | None = None, noise_scale: float | None = None,
+                 length_scale: float | None = None, noise_w: float | None = None) -> None:
         try:
             import onnxruntime
         except ImportError as exc:
             raise ImportError("the Piper voice needs onnxruntime (pip install 'omni_engine[piper]')") from exc
         if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
             raise ValueError(f"engine_args.threads must be an integer >= 1, got {threads!r}")
-        self.voice = PiperVoiceConfig.load(model)
+        voice = PiperVoiceConfig.load(model)
+        scales = {"noise_scale": noise_scale, "length_scale": length_scale, "noise_w": noise_w}
+        for name, value in scales.items():
+            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
+                                      or not 0 <= value < float("inf")):
+                raise ValueError(f"engine_args.{name} must be a number >= 0, got {value!r}")
+        if length_scale == 0:
+            raise ValueError("engine_args.length_scale must be > 0 (it scales every phoneme's duration)")
+        self.voice = replace(voice, **{k: float(v) for k, v in scales.items() if v is not None})
         options = onnxruntime.SessionOptions()
         # One thread by default: the LLM stage beside it wants the cores, and
         # oversubscribed intra-op threads slow both down.
@@ -232,7 +247,8 @@ def make_piper_phonemizer(**engine_args: Any) -> PiperPhonemizer:
 
 def make_piper_voice(**engine_args: Any) -> PiperVoice:
     """Stage-config factory (``omni_engine.engines.piper:make_piper_voice``)."""
-    _check_args("make_piper_voice", engine_args, {"model", "threads", "providers", "default_voice"})
+    _check_args("make_piper_voice", engine_args, {"model", "threads", "providers", "default_voice",
+                                                       "noise_scale", "length_scale", "noise_w"})
     return PiperVoice(**engine_args)
 
 

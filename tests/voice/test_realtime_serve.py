@@ -16,7 +16,7 @@ import pytest
 import websockets
 
 from tests.realtime_helpers import aclient, answer_audio, events_until, heard, of_type, silence, stream_audio
-from tests.realtime_helpers import spoken as speak
+from tests.realtime_helpers import spoken
 from tests.serve_helpers import assert_nothing_in_flight
 
 pytestmark = [pytest.mark.llm, pytest.mark.asyncio(loop_scope="session")]
@@ -25,18 +25,14 @@ MODEL = "voice-assistant"
 TEXT_ONLY = {"type": "realtime", "output_modalities": ["text"]}
 
 
-def spoken(client, text: str) -> np.ndarray:
-    return speak(client, text, MODEL)
-
-
 @pytest.fixture(scope="module")
 def france(client):
-    return spoken(client, "What is the capital of France?")
+    return spoken("What is the capital of France?")
 
 
 @pytest.fixture(scope="module")
 def germany(client):
-    return spoken(client, "What is the capital of Germany?")
+    return spoken("What is the capital of Germany?")
 
 
 # ------------------------------------------------------------- spoken turns
@@ -65,7 +61,7 @@ async def test_a_spoken_question_is_answered_aloud_with_server_vad(server, clien
 
 
 async def test_barge_in_cancels_the_answer_and_the_new_question_is_answered(server, client, france):
-    story = spoken(client, "Tell me a long story about a dragon.")
+    story = spoken("Tell me a long story about a dragon.")
     async with aclient(server).realtime.connect(model=MODEL) as conn:
         await conn.recv()
         await conn.session.update(session={"type": "realtime", "max_output_tokens": 300})
@@ -96,7 +92,7 @@ async def test_barge_in_cancels_the_answer_and_the_new_question_is_answered(serv
 
 async def test_history_feeds_the_next_answer(server, client, france):
     """"That city" means Paris only to a session that heard the first question; a fresh one names another."""
-    follow_up = spoken(client, "What is the population of that city?")
+    follow_up = spoken("What is the population of that city?")
 
     async def answers(*questions: np.ndarray) -> list[str]:
         said = []

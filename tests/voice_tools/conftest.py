@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.serve_helpers import openai_client, running_server
+from tests.serve_helpers import running_server
 
 MODEL = "voice-tools"
 
@@ -22,8 +22,3 @@ def server(tmp_path_factory):
                         ("--enable-auto-tool-choice", "--tool-call-parser", "hermes_json"),
                         api_key="tools-key") as srv:
         yield srv
-
-
-@pytest.fixture(scope="package")
-def client(server):
-    return openai_client(server)

@@ -42,8 +42,8 @@ async def ask(conn, text: str, **response) -> list:
     return await events_until(conn, "response.done")
 
 
-async def test_a_spoken_question_calls_the_tool_and_nothing_of_the_call_is_spoken(server, client):
-    question = spoken(client, "What is the weather like in Paris right now?", MODEL)
+async def test_a_spoken_question_calls_the_tool_and_nothing_of_the_call_is_spoken(server):
+    question = spoken("What is the weather like in Paris right now?")
     async with aclient(server).realtime.connect(model=MODEL) as conn:
         await conn.session.update(session=SESSION)
         await stream_audio(conn, np.concatenate([silence(0.5), question, silence(1.0)]))
