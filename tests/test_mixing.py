@@ -270,6 +270,42 @@ async def test_alpha_history_has_one_line_per_request_and_aborts_release_theta(m
     assert await settled(theta_holds, lambda held: not any(held.values())) == {0: {}, 1: {}}
 
 
+async def test_a_keep_pause_freezes_mixing_requests_and_resume_finishes_them(mixing):
+    """vLLM's ``pause_generation(mode="keep")`` (what ``POST /pause?mode=keep`` runs, cache cleared) on
+    a mixing pipeline: the teachers stop between steps and theta, idle without them, is left alone
+    (paused itself, it refused to clear a cache its sessions hold, and its scorer would resume it)."""
+    client, tok = mixing["client"], mixing["tokenizer"]
+    progress: dict[str, int] = {}
+    first = {f"keep-{i}": asyncio.Event() for i in range(4)}
+
+    async def one(i: int, rid: str) -> tuple[int, str]:
+        params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True,
+                                extra_args={"theta_prompt": QUESTIONS[i]})
+        async for out in client.generate({"prompt_token_ids": teacher_ids(tok, QUESTIONS[i])}, params, rid):
+            progress[rid] = len(out.outputs[0].token_ids)
+            first[rid].set()
+        return progress[rid], out.outputs[0].finish_reason
+
+    tasks = [asyncio.create_task(one(i, rid)) for i, rid in enumerate(first)]
+    for _ in range(3):  # three pauses in one run: each lands on a different step
+        await asyncio.gather(*(e.wait() for e in first.values()))
+        await asyncio.wait_for(client.pause_generation(mode="keep"), 30)
+        assert await client.is_paused()
+        # The last step's outputs may still be on their way when the pause answers (they take
+        # another path): one token at most, then nothing moves.
+        paused = dict(progress)
+        await asyncio.sleep(1.0)
+        frozen = dict(progress)
+        assert all(frozen[rid] - paused[rid] <= 1 for rid in first), (paused, frozen)
+        await asyncio.sleep(0.5)
+        assert progress == frozen and not any(t.done() for t in tasks)
+        await client.resume_generation()
+        for rid in first:
+            first[rid].clear()
+    assert await asyncio.wait_for(asyncio.gather(*tasks), 60) == [(40, "length")] * 4
+    assert not await client.is_paused()
+
+
 async def test_a_request_without_a_theta_prompt_is_refused_naming_it(mixing):
     client, tok = mixing["client"], mixing["tokenizer"]
     with pytest.raises(Exception, match="theta_prompt") as info:

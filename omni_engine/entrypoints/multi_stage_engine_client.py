@@ -378,6 +378,10 @@ class MultiStageEngineClient(EngineClient):
 
         ``abort`` aborts what is in flight, ``wait`` lets it finish first,
         ``keep`` freezes it in the LLM stages until ``resume_generation``.
+        A mixing theta stage is not paused itself: it runs only inside its teachers' steps, so
+        it is idle once they are paused. Paused on its own, under ``keep`` it refused to clear
+        its cache (its per-request sessions hold KV), and its scorer's per-batch resume would
+        undo the pause anyway.
         """
         if mode not in ("abort", "wait", "keep"):
             raise ValueError(f"pause mode must be 'abort', 'wait' or 'keep', got {mode!r}")
@@ -386,17 +390,17 @@ class MultiStageEngineClient(EngineClient):
             await self.orchestrator.abort_request(list(self.orchestrator.request_ids()))
         elif mode == "wait":
             await self.orchestrator.wait_idle()
-        await self._call_stages("pause_generation", llm_only=True, mode=mode, clear_cache=clear_cache)
+        await self._call_stages("pause_generation", llm_only=True, theta=False, mode=mode, clear_cache=clear_cache)
 
     async def resume_generation(self) -> None:
-        await self._call_stages("resume_generation", llm_only=True)
+        await self._call_stages("resume_generation", llm_only=True, theta=False)
         self._resumed.set()
 
     async def is_paused(self) -> bool:
         """Paused here (new requests wait), or any llm stage says its engine is paused."""
         if not self._resumed.is_set():
             return True
-        return any(await self._call_stages("is_paused", llm_only=True))
+        return any(await self._call_stages("is_paused", llm_only=True, theta=False))
 
     # ------------------------------------------------------ weight updates
     # vLLM's EngineClient weight protocol, over every replica of the stages ``weights.stages``
@@ -470,16 +474,24 @@ class MultiStageEngineClient(EngineClient):
             "collective_rpc", method=method, timeout=timeout, args=tuple(args), kwargs=kwargs) for ctx in chosen))
         return [worker for results in per_stage for _, workers in sorted(results.items()) for worker in workers]
 
-    def _chosen_stages(self, stage_ids: Sequence[int] | None, llm_only: bool) -> list[StageContext]:
+    def _chosen_stages(self, stage_ids: Sequence[int] | None, llm_only: bool, theta: bool = True) -> list[StageContext]:
         unknown = set(stage_ids or ()) - {ctx.stage_id for ctx in self.stage_contexts}
         if unknown:
             raise ValueError(f"no stage {sorted(unknown)} in this pipeline")
         chosen = [ctx for ctx in self.stage_contexts if stage_ids is None or ctx.stage_id in stage_ids]
+        if not theta:
+            chosen = [ctx for ctx in chosen if ctx.stage_id not in self.theta_stage_ids]
         return [ctx for ctx in chosen if ctx.stage_type in (None, "llm")] if llm_only else chosen
 
+    @property
+    def theta_stage_ids(self) -> frozenset[int]:
+        """The llm stages that score for a mixing teacher (``mixing.theta_stage``)."""
+        return frozenset(ctx.stage_config.mixing.theta_stage for ctx in self.stage_contexts
+                         if ctx.stage_config is not None and ctx.stage_config.mixing is not None)
+
     async def _call_stages(self, utility: str, /, *, stage_ids: Sequence[int] | None = None, llm_only: bool = False,
-                           **kwargs: Any) -> list[Any]:
-        chosen = self._chosen_stages(stage_ids, llm_only)
+                           theta: bool = True, **kwargs: Any) -> list[Any]:
+        chosen = self._chosen_stages(stage_ids, llm_only, theta)
         return list(await asyncio.gather(*(ctx.client.call_utility_async(utility, **kwargs) for ctx in chosen)))
 
     async def engine_metrics(self, timeout: float = 2.0) -> dict[tuple[int, int], list[Any]]:
