@@ -15,8 +15,7 @@ import openai
 import pytest
 import websockets
 
-from tests.realtime_helpers import aclient, answer_audio, events_until, heard, of_type, silence, stream_audio
-from tests.realtime_helpers import spoken
+from tests.realtime_helpers import aclient, answer_audio, events_until, heard, of_type, silence, spoken, stream_audio
 from tests.serve_helpers import assert_nothing_in_flight
 
 pytestmark = [pytest.mark.llm, pytest.mark.asyncio(loop_scope="session")]
@@ -26,12 +25,12 @@ TEXT_ONLY = {"type": "realtime", "output_modalities": ["text"]}
 
 
 @pytest.fixture(scope="module")
-def france(client):
+def france():
     return spoken("What is the capital of France?")
 
 
 @pytest.fixture(scope="module")
-def germany(client):
+def germany():
     return spoken("What is the capital of Germany?")
 
 
