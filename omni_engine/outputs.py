@@ -2,7 +2,8 @@
 
 ``OmniRequestOutput`` *is* a vLLM ``RequestOutput`` so vLLM's serving code reads
 text-stage outputs unchanged; audio, images and tensors ride along in
-``multimodal_output``.
+``multimodal_output``. The client side's type: a stage that runs no vLLM answers
+with ``omni_engine.stage_output.StageRequestOutput``, which the wire turns into this.
 """
 
 from __future__ import annotations
@@ -11,29 +12,13 @@ from typing import Any
 
 from vllm.outputs import CompletionOutput, RequestOutput
 
-# A speech output's ``multimodal_output`` key for the text it speaks: the edge's input processor
-# cuts a reply into pieces (sentences, or a live voice's first fragment), and whoever plays the
-# audio learns from this exactly what was said, whatever the cut.
-SPOKEN_TEXT = "transcript"
-
-# The RequestOutput attributes that travel on the wire, in wire order. Adding
-# a field means appending here; never reorder (older peers decode by position).
-REQUEST_OUTPUT_FIELDS: tuple[str, ...] = (
-    "request_id",
-    "prompt",
-    "prompt_token_ids",
-    "prompt_logprobs",
-    "outputs",
-    "finished",
-    "metrics",
-    "lora_request",
-    "encoder_prompt",
-    "encoder_prompt_token_ids",
-    "num_cached_tokens",
-    "num_cache_creation_tokens",
-    "prompt_token_id_logprobs",
-    "kv_transfer_params",
-    "ec_transfer_params",
+# Re-exported: the client's code has always found them here.
+from omni_engine.stage_output import (  # noqa: F401
+    COMPLETION_OUTPUT_FIELDS,
+    REQUEST_OUTPUT_FIELDS,
+    SPOKEN_TEXT,
+    StageCompletionOutput,
+    StageRequestOutput,
 )
 
 
@@ -97,6 +82,19 @@ class OmniRequestOutput(RequestOutput):
             f"final_output_type={self.final_output_type!r}, finished={self.finished}, "
             f"outputs={self.outputs!r}, multimodal_output={mm})"
         )
+
+
+def as_omni_request_output(output: Any) -> Any:
+    """The client's ``OmniRequestOutput`` of a stage output that did not cross the wire (the
+    legacy queues pickle what the stage made: a ``StageRequestOutput`` where it runs no vLLM);
+    anything else is returned as it is."""
+    if not isinstance(output, StageRequestOutput):
+        return output
+    new = OmniRequestOutput.__new__(OmniRequestOutput)
+    new.__dict__.update(output.__dict__)
+    new.outputs = [CompletionOutput(*(getattr(c, name) for name in COMPLETION_OUTPUT_FIELDS))
+                   if isinstance(c, StageCompletionOutput) else c for c in output.outputs]
+    return new
 
 
 def aborted_output(request_id: str, stage_id: int, final_output_type: str = "text",

@@ -3,6 +3,9 @@
 Like vLLM's ``sampling_params`` module: the client builds and checks them, the
 wire carries them, the stage's engine reads them. Kept out of ``engines/`` so
 that the client side (server, orchestrator, wire) never imports engine code.
+Imports no vLLM: a stage that runs none reads its params from here too (vLLM's
+types are imported inside the functions that build them, which only the client
+and llm stages call).
 """
 
 from __future__ import annotations
@@ -10,8 +13,42 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from typing import TYPE_CHECKING
+
 import msgspec
-from vllm.sampling_params import RequestOutputKind, SamplingParams
+
+if TYPE_CHECKING:
+    from vllm.sampling_params import SamplingParams
+
+
+class NeutralSamplingParams:
+    """A vLLM ``SamplingParams`` as a stage without vLLM receives it: its fields, as sent.
+
+    vLLM-Omni's callers pass a ``SamplingParams`` to every stage; a speech or image stage
+    reads it as "no params of my own" (``is_llm_sampling_params``), and need not import
+    vLLM (seconds, hundreds of MB) to decode it. The wire encodes it back as the same ext.
+    """
+
+    __slots__ = ("fields",)
+
+    def __init__(self, fields: dict[str, Any]) -> None:
+        self.fields = fields
+
+    def get(self, name: str, default: Any = None) -> Any:
+        """A field as sent (vLLM leaves out fields at their defaults)."""
+        return self.fields.get(name, default)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, NeutralSamplingParams) and other.fields == self.fields
+
+    def __repr__(self) -> str:
+        return f"NeutralSamplingParams({self.fields!r})"
+
+
+def is_llm_sampling_params(raw: Any) -> bool:
+    """Whether ``raw`` is an LLM's sampling params (vLLM's, or their neutral form in a stage
+    without vLLM): params that say nothing to a speech or image model. Imports no vLLM."""
+    return isinstance(raw, NeutralSamplingParams) or type(raw).__name__ == "SamplingParams"
 
 
 class SpeechParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -42,7 +79,7 @@ def speech_params(raw: Any, default_voice: str) -> SpeechParams:
     """A speech stage's params from what a request carries: None or a vLLM ``SamplingParams``
     (vLLM-Omni callers pass one for every stage; it says nothing about speech) mean the defaults;
     a dict fills in ``default_voice``. Unchecked: the caller validates."""
-    if raw is None or type(raw).__name__ == "SamplingParams":
+    if raw is None or is_llm_sampling_params(raw):
         return SpeechParams(voice=default_voice)
     if isinstance(raw, SpeechParams):
         return raw
@@ -55,6 +92,8 @@ def speech_params(raw: Any, default_voice: str) -> SpeechParams:
 def parse_output_kind(kind: Any) -> Any:
     """A ``RequestOutputKind`` from a config value: a name ("delta", "cumulative",
     "final_only") or a number; anything else is passed on for vLLM to judge."""
+    from vllm.sampling_params import RequestOutputKind
+
     if isinstance(kind, str):
         try:
             return RequestOutputKind[kind.upper()]
@@ -71,6 +110,8 @@ def to_sampling_params(value: Any) -> SamplingParams:
 
     Config dicts may name the output kind ("delta", "cumulative", "final_only").
     """
+    from vllm.sampling_params import SamplingParams
+
     if value is None:
         return SamplingParams()
     if isinstance(value, SamplingParams):

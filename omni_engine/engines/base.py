@@ -11,9 +11,11 @@ from __future__ import annotations
 import abc
 import asyncio
 from collections.abc import AsyncIterator, Sequence
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
-from omni_engine.outputs import OmniRequestOutput
+if TYPE_CHECKING:
+    from omni_engine.outputs import OmniRequestOutput
+    from omni_engine.stage_output import StageRequestOutput
 
 
 class StageEngineError(Exception):
@@ -26,6 +28,10 @@ class StageEngine(abc.ABC):
     # Methods a client may call through UTILITY messages; nothing else is
     # reachable from the wire.
     UTILITY_METHODS: ClassVar[frozenset[str]] = frozenset({"info", "num_unfinished_requests"})
+    # Whether the engine runs vLLM. One that does not is never made to import it: its stage
+    # decodes vLLM's types to neutral ones (``StageMsgpackDecoder(vllm_types=False)``) and it
+    # answers with ``StageRequestOutput``, so it starts in seconds instead of vLLM's import time.
+    USES_VLLM: ClassVar[bool] = False
 
     def __init__(self, stage_id: int) -> None:
         self.stage_id = stage_id
@@ -36,7 +42,7 @@ class StageEngine(abc.ABC):
     @abc.abstractmethod
     def generate(
         self, request_id: str, prompt: Any, sampling_params: Any
-    ) -> AsyncIterator[OmniRequestOutput]:
+    ) -> AsyncIterator[OmniRequestOutput | StageRequestOutput]:
         """Stream the outputs of one request; the last one has ``finished=True``.
 
         An exception raised here fails this request only (the stage sends

@@ -25,6 +25,7 @@ import numpy as np
 
 from omni_engine.engines.generation_model import GenerationRequest, ThreadedGenerationModel
 from omni_engine.inputs import OmniDiffusionSamplingParams, prompt_text
+from omni_engine.params import is_llm_sampling_params
 
 DEFAULT_MAX_IMAGES = 4
 DEFAULT_STEPS = 25
@@ -50,7 +51,7 @@ class DiffusionParams:
     @classmethod
     def from_raw(cls, raw: Any, request_id: str) -> DiffusionParams:
         """Unchecked params from a dict, ``OmniDiffusionSamplingParams`` or nothing (vLLM's SamplingParams)."""
-        if raw is None or type(raw).__name__ == "SamplingParams":
+        if raw is None or is_llm_sampling_params(raw):
             return cls()
         if isinstance(raw, cls):
             return raw

@@ -27,6 +27,7 @@ import numpy as np
 
 from omni_engine.engines.generation_model import GenerationRequest, ThreadedGenerationModel
 from omni_engine.inputs import prompt_text
+from omni_engine.params import is_llm_sampling_params
 
 DEFAULT_MAX_IMAGES = 8
 _SEED_MAX = 2**63 - 1
@@ -43,7 +44,7 @@ class ImageParams:
     @classmethod
     def from_raw(cls, raw: Any, request_id: str, max_images: int) -> ImageParams:
         # A vLLM SamplingParams (what a stage without params of its own may get) says nothing about images.
-        if raw is None or type(raw).__name__ == "SamplingParams":
+        if raw is None or is_llm_sampling_params(raw):
             return cls()
         if isinstance(raw, ImageParams):
             params = raw
@@ -171,7 +172,7 @@ class ColourPicker(ThreadedGenerationModel):
     SYNONYMS = {"grey": "gray", "black and white": "grayscale", "monochrome": "grayscale"}
 
     def __init__(self) -> None:
-        from omni_engine.models.dcgan import EYE_COLOURS
+        from omni_engine.models.gan_labels import EYE_COLOURS
 
         self.labels = EYE_COLOURS
         words = {**{c: c for c in EYE_COLOURS}, **self.SYNONYMS}

@@ -18,7 +18,7 @@ from typing import Any
 from omni_engine.engines.base import StageEngine, StageEngineError
 from omni_engine.engines.generation_model import GenerationModel, GenerationRequest
 from omni_engine.engines.loop_holds import LoopHoldReport, timed_steps
-from omni_engine.outputs import OmniRequestOutput
+from omni_engine.stage_output import StageRequestOutput
 from omni_engine.utils import resolve_dotted
 
 logger = logging.getLogger(__name__)
@@ -95,11 +95,11 @@ class GenerationStageEngine(StageEngine):
             del self._pending[request_id]
         self._cancel_abandoned_batch()
 
-    async def generate(self, request_id: str, prompt: Any, sampling_params: Any) -> AsyncIterator[OmniRequestOutput]:
+    async def generate(self, request_id: str, prompt: Any, sampling_params: Any) -> AsyncIterator[StageRequestOutput]:
         yield await self.submit(request_id, prompt, sampling_params)
 
-    def _output(self, request_id: str, result: dict[str, Any]) -> OmniRequestOutput:
-        return OmniRequestOutput(request_id, finished=True, stage_id=self.stage_id,
+    def _output(self, request_id: str, result: dict[str, Any]) -> StageRequestOutput:
+        return StageRequestOutput(request_id, finished=True, stage_id=self.stage_id,
                                  final_output_type=self.output_type, multimodal_output=result)
 
     async def _run_batches(self) -> None:

@@ -43,6 +43,7 @@ class LLMStageEngine(StageEngine):
         "reset_encoder_cache", "start_profile", "stop_profile", "add_lora", "engine_metrics",
         "theta_requests",
     } | WEIGHT_METHODS
+    USES_VLLM = True
 
     def __init__(self, stage_id: int, engine_args: dict[str, Any], final_output_type: str = "text") -> None:
         super().__init__(stage_id)

@@ -34,7 +34,7 @@ import numpy as np
 from omni_engine.engines.generation_model import GenerationRequest, ThreadedGenerationModel
 from omni_engine.engines.tts import OPENAI_VOICES
 from omni_engine.inputs import prompt_text
-from omni_engine.outputs import SPOKEN_TEXT
+from omni_engine.stage_output import SPOKEN_TEXT
 from omni_engine.params import SpeechParams, speech_params
 
 PHONEME_IDS = "phoneme_ids"

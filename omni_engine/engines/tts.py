@@ -29,7 +29,7 @@ import numpy as np
 
 from omni_engine.engines.generation_model import GenerationRequest
 from omni_engine.inputs import prompt_text
-from omni_engine.outputs import SPOKEN_TEXT
+from omni_engine.stage_output import SPOKEN_TEXT
 from omni_engine.params import SpeechParams, speech_params
 
 # Constants from espeak-ng/speak_lib.h.

@@ -22,6 +22,7 @@ from typing import Any
 
 from omni_engine.legacy.queues import StageQueue
 from omni_engine.loop_context import cancel_now
+from omni_engine.outputs import as_omni_request_output
 from omni_engine.legacy.stage_worker import LEGACY_STAGE_MAIN
 from omni_engine.stage_engine.base_client import BaseStageClient
 from omni_engine.wire.protocol import (
@@ -134,7 +135,8 @@ class OmniStage(BaseStageClient):
                 self._ready_future.set_result(msg)
             return
         if rtype is StageResponseType.OUTPUT:
-            self._on_outputs([msg])  # one output per put: the legacy stage does not batch
+            # One output per put (the legacy stage does not batch), as the stage made it.
+            self._on_outputs([as_omni_request_output(msg)])
         else:
             self._on_response(rtype, msg)
 

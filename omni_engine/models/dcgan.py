@@ -20,9 +20,9 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from omni_engine.models.gan_labels import EYE_COLOURS  # noqa: F401 (re-exported: the model's labels)
+
 LATENT_SIZE = 100
-# The eye GAN's labels, in the order of its one-hot input (omniart_eye_generator/eye_generator.py).
-EYE_COLOURS: tuple[str, ...] = ("amber", "blue", "brown", "gray", "grayscale", "green", "hazel", "red")
 EYE_WEIGHTS = "generator_model_state.pth"
 FACE_WEIGHTS = "weights.tar"
 

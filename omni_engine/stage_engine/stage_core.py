@@ -14,13 +14,14 @@ import functools
 import logging
 import os
 import signal
+import sys
 import threading
 from typing import Any, ClassVar, Protocol
 
 import uvloop
 
 from omni_engine.engines.base import StageEngine, StageEngineError
-from omni_engine.outputs import OmniRequestOutput, aborted_output
+from omni_engine.stage_output import StageRequestOutput, aborted_stage_output
 from omni_engine.wire.protocol import (
     DUPLICATE_REQUEST,
     StageDead,
@@ -54,7 +55,7 @@ class StageEngineCore:
     """Runs one ``StageEngine`` on a uvloop event loop; subclasses add the transport."""
 
     # Utility calls the stage process answers itself (not its engine).
-    PROC_UTILITY_METHODS: ClassVar[frozenset[str]] = frozenset({"num_unfinished_requests"})
+    PROC_UTILITY_METHODS: ClassVar[frozenset[str]] = frozenset({"num_unfinished_requests", "loaded_packages"})
     # The process is the stage's: SIGTERM/SIGINT end the stage (when it runs on the main
     # thread), and models write large outputs into its pool. A stage in the client's
     # process leaves the process's signals and globals to the client.
@@ -120,6 +121,11 @@ class StageEngineCore:
 
     def _abandon_transport(self) -> None:
         """Release the transport without the event loop (which is closed)."""
+
+    def loaded_packages(self) -> list[str]:
+        """The top-level packages this process has imported, sorted: what a stage costs to start
+        shows here (a speech stage that lists ``vllm`` or ``torch`` paid seconds for nothing)."""
+        return sorted({name.partition(".")[0] for name in list(sys.modules)})
 
     def num_unfinished_requests(self) -> int:
         """Requests this stage still holds anything for.
@@ -276,8 +282,8 @@ class StageEngineCore:
     def _is_aborting(self, request_id: str) -> bool:
         return self._aborting.get(request_id) is asyncio.current_task()
 
-    def _abort_output(self, request_id: str) -> OmniRequestOutput:
-        return aborted_output(request_id, self.stage_id, self.engine.output_type)
+    def _abort_output(self, request_id: str) -> StageRequestOutput:
+        return aborted_stage_output(request_id, self.stage_id, self.engine.output_type)
 
     async def _abort(self, aborted: dict[str, asyncio.Future]) -> None:
         # Spare a new request with an aborted one's id: one that ending aborted

@@ -47,7 +47,6 @@ from omni_engine.connectors.shm import (
     stage_prefix,
 )
 from omni_engine.engines.base import StageEngine
-from omni_engine.outputs import OmniRequestOutput
 from omni_engine.stage_engine import security
 from omni_engine.stage_engine.loop_socket import LoopSocket
 from omni_engine.stage_engine.security import StageCurveKeys
@@ -186,7 +185,8 @@ class StageEngineCoreProc(StageEngineCore):
         self.attachments = ShmAttachments(owner_process_prefix(self.shm_prefix))
         self._own_ctx = ctx is None
         self.ctx = zmq.Context() if ctx is None else ctx
-        self._decoders = {t: StageMsgpackDecoder(cls, shm=self.attachments, allow_pickle=connectors.allow_pickle)
+        self._decoders = {t: StageMsgpackDecoder(cls, shm=self.attachments, allow_pickle=connectors.allow_pickle,
+                                                 vllm_types=engine.USES_VLLM)
                           for t, cls in REQUEST_STRUCTS.items()}
         self._encoder = StageMsgpackEncoder.from_settings(connectors, self.pool)
         self._in_sock: zmq.Socket | None = None
@@ -343,7 +343,7 @@ class StageEngineCoreProc(StageEngineCore):
 
     def _send_items(self, sock: zmq.Socket | LoopSocket, items: list[Any]) -> None:
         """Send ``items`` in order, consecutive outputs as one message."""
-        outputs: list[OmniRequestOutput] = []
+        outputs: list[Any] = []  # StageRequestOutput, or an llm stage's OmniRequestOutput
         for item in items:
             rtype, payload = item
             if rtype is _OUTPUT:

@@ -7,11 +7,14 @@ sees it (PIL allocates a declared image size before reading its data).
 
 from __future__ import annotations
 
+import functools
 import math
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
+
+if TYPE_CHECKING:
+    import torch
 
 
 class WireFormatError(ValueError):
@@ -22,21 +25,23 @@ class WireFormatError(ValueError):
     """
 
 
+@functools.cache
 def _wire_dtypes() -> dict[str, tuple[torch.dtype, int]]:
     """Tensor dtypes a header may name (by torch attribute name), with their item sizes.
 
     Built once from torch's own dtypes, so a name off the wire is looked up in
     a table and never reaches ``getattr(torch, ...)``. Quantized dtypes are
     left out: their tensors are not plain storage and cannot be rebuilt by ``view``.
+    Built at the first tensor: a process that never sees one never imports torch.
     """
+    import torch
+
     table = {}
     for name, value in vars(torch).items():
         if isinstance(value, torch.dtype) and not str(value).startswith("torch.q"):
             table[name] = (value, value.itemsize)
     return table
 
-
-_TORCH_DTYPES = _wire_dtypes()
 
 # Bits per pixel of the PIL modes an image may arrive in: the byte count is
 # checked against the declared size *before* PIL allocates the image.
@@ -48,7 +53,7 @@ _IMAGE_MODE_BITS = {
 
 
 def torch_dtype(name: Any) -> tuple[torch.dtype, int]:
-    found = _TORCH_DTYPES.get(name) if isinstance(name, str) else None
+    found = _wire_dtypes().get(name) if isinstance(name, str) else None
     if found is None:
         raise WireFormatError(f"unknown torch dtype {name!r} in tensor header")
     return found

@@ -20,24 +20,16 @@ Pickle is off unless explicitly allowed on both ends; an unsupported type is a
 
 from __future__ import annotations
 
-import dataclasses
-import enum
 import logging
 import pickle
+import sys
 import warnings
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 import numpy as np
-import torch
 from msgspec.msgpack import Ext
-from PIL import Image
-from vllm import SamplingParams
-from vllm.logprobs import FlatLogprobs, Logprob
-from vllm.lora.request import LoRARequest
-from vllm.outputs import CompletionOutput, RequestOutput, WeightVersionSpan
-from vllm.v1.metrics.stats import RequestStateStats
 
 from omni_engine.connectors.settings import (
     DEFAULT_INLINE_THRESHOLD,
@@ -45,9 +37,26 @@ from omni_engine.connectors.settings import (
     ConnectorSettings,
 )
 from omni_engine.connectors.shm import SEGMENT_INDEX, ShmAttachments, ShmPool
-from omni_engine.params import SpeechParams
-from omni_engine.inputs import OmniDiffusionSamplingParams, OmniTextPrompt
-from omni_engine.outputs import REQUEST_OUTPUT_FIELDS, OmniRequestOutput
+from omni_engine.params import NeutralSamplingParams, SpeechParams
+from omni_engine.stage_output import (
+    OMNI_OUTPUT_FIELDS,
+    OMNI_REQUIRED_FIELDS,
+    REQUEST_OUTPUT_FIELDS,
+    StageCompletionOutput,
+    StageRequestOutput,
+)
+from omni_engine.wire.ext_types import (
+    DATACLASS_CODES,
+    DATACLASS_FIELDS,
+    STRUCT_CODES,
+    VLLM_CODES,
+    CustomType,
+    DataLocation,
+    describe_type,
+    ext_name,
+    vllm_ext_types,
+    vllm_types_if_imported,
+)
 from omni_engine.wire.headers import (
     WireFormatError,
     check_header,
@@ -58,32 +67,14 @@ from omni_engine.wire.headers import (
     torch_dtype,
 )
 
+if TYPE_CHECKING:
+    import torch
+    from PIL import Image
+
 logger = logging.getLogger(__name__)
 
 # Frames arrive read-only; tensors decoded from them are views, as in vLLM.
 warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
-
-
-class CustomType(enum.IntEnum):
-    """Msgpack ext codes. Wire-visible: never renumber, only append."""
-
-    OMNI_REQUEST_OUTPUT = 100
-    OMNI_DIFFUSION_SAMPLING_PARAMS = 101
-    OMNI_TEXT_PROMPT = 102
-    TORCH_TENSOR = 103
-    NDARRAY = 104
-    SAMPLING_PARAMS = 105
-    PIL_IMAGE = 106
-    LORA_REQUEST = 107
-    REQUEST_OUTPUT = 108
-    COMPLETION_OUTPUT = 109
-    OMNI_STRUCT = 110  # a msgspec.Struct registered with register_wire_struct
-    PICKLE = 111  # only when pickle is allowed on both ends
-    LOGPROB = 112
-    FLAT_LOGPROBS = 113
-    REQUEST_STATE_STATS = 114
-    WEIGHT_VERSION_SPAN = 115
-
 
 # Plain ints for the hot path (msgspec.msgpack.Ext requires int codes).
 _CODE_OMNI_REQUEST_OUTPUT = int(CustomType.OMNI_REQUEST_OUTPUT)
@@ -93,41 +84,10 @@ _CODE_NDARRAY = int(CustomType.NDARRAY)
 _CODE_PIL_IMAGE = int(CustomType.PIL_IMAGE)
 _CODE_OMNI_STRUCT = int(CustomType.OMNI_STRUCT)
 _CODE_PICKLE = int(CustomType.PICKLE)
-
-
-class DataLocation(enum.IntEnum):
-    INLINE = 0
-    FRAME = 1
-    SHM = 2
-
-
-# Structs with their own code. msgspec encodes Structs natively (no enc_hook),
-# which would lose their type inside ``Any`` fields, so the encoder wraps them
-# in ext types explicitly wherever it walks fields (see ``_wrap``).
-_STRUCT_CODES: dict[type, CustomType] = {
-    OmniDiffusionSamplingParams: CustomType.OMNI_DIFFUSION_SAMPLING_PARAMS,
-    OmniTextPrompt: CustomType.OMNI_TEXT_PROMPT,
-    SamplingParams: CustomType.SAMPLING_PARAMS,
-    LoRARequest: CustomType.LORA_REQUEST,
-}
-_CODE_STRUCTS = {code: cls for cls, code in _STRUCT_CODES.items()}
-
-# Dataclasses sent as a tuple of their fields (both ends run the same vLLM).
-_DATACLASS_CODES: dict[type, CustomType] = {
-    CompletionOutput: CustomType.COMPLETION_OUTPUT,
-    Logprob: CustomType.LOGPROB,
-    FlatLogprobs: CustomType.FLAT_LOGPROBS,
-    RequestStateStats: CustomType.REQUEST_STATE_STATS,
-    WeightVersionSpan: CustomType.WEIGHT_VERSION_SPAN,
-}
-_CODE_DATACLASSES = {code: cls for cls, code in _DATACLASS_CODES.items()}
-_DATACLASS_FIELDS = {cls: tuple(f.name for f in dataclasses.fields(cls)) for cls in _DATACLASS_CODES}
+_CODE_SAMPLING_PARAMS = int(CustomType.SAMPLING_PARAMS)
+_CODE_COMPLETION_OUTPUT = int(CustomType.COMPLETION_OUTPUT)
 
 _SCALARS = frozenset({int, float, str, bytes, bool, type(None)})
-
-_OMNI_EXTRA_FIELDS = ("stage_id", "final_output_type", "multimodal_output", "stage_versions")
-# The fields a peer must send; later ones (stage_versions) were appended and default when absent.
-_OMNI_REQUIRED_EXTRA = 3
 
 # Our own structs that may appear in Any fields (e.g. SpeechParams), by name.
 _WIRE_STRUCTS: dict[str, type[msgspec.Struct]] = {}
@@ -143,13 +103,6 @@ def register_wire_struct(cls: type[msgspec.Struct]) -> type[msgspec.Struct]:
 
 
 register_wire_struct(SpeechParams)
-
-
-def _ext_name(code: int) -> str:
-    try:
-        return f"ext {CustomType(code).name}"
-    except ValueError:
-        return f"ext {code}"
 
 
 class StageMsgpackEncoder:
@@ -198,7 +151,7 @@ class StageMsgpackEncoder:
 
     def _wrap_top(self, obj: Any) -> Any:
         """Wrap known structs held directly in a message's fields."""
-        if isinstance(obj, msgspec.Struct) and type(obj) not in _STRUCT_CODES and type(obj) not in _WIRE_STRUCT_NAMES:
+        if isinstance(obj, msgspec.Struct) and type(obj) not in STRUCT_CODES and type(obj) not in _WIRE_STRUCT_NAMES:
             changes = {}
             for name in obj.__struct_fields__:
                 value = getattr(obj, name)
@@ -220,12 +173,12 @@ class StageMsgpackEncoder:
         cls = type(value)
         if cls in _SCALARS:
             return value
-        code = _STRUCT_CODES.get(cls)
+        code = STRUCT_CODES.get(cls)
         if code is not None:
             return Ext(int(code), self._nested(value))
-        code = _DATACLASS_CODES.get(cls)
+        code = DATACLASS_CODES.get(cls)
         if code is not None:
-            return Ext(int(code), self._nested(self._fields(value, _DATACLASS_FIELDS[cls])))
+            return Ext(int(code), self._nested(self._fields(value, DATACLASS_FIELDS[cls])))
         name = _WIRE_STRUCT_NAMES.get(cls)
         if name is not None:
             return Ext(_CODE_OMNI_STRUCT, self._nested((name, value)))
@@ -237,6 +190,10 @@ class StageMsgpackEncoder:
             return [self._wrap(v) for v in value]
         if cls is dict:
             return {k: self._wrap(v) for k, v in value.items()}
+        if cls.__module__.startswith("vllm") and vllm_types_if_imported() is not None and (
+                cls in STRUCT_CODES or cls in DATACLASS_CODES):
+            # vLLM's classes join the tables when first seen (a process without vLLM has none to send).
+            return self._wrap(value)
         return value
 
     def _nested(self, obj: Any) -> bytes:
@@ -254,28 +211,39 @@ class StageMsgpackEncoder:
         return [v if type(v := getattr(obj, name, None)) in _SCALARS else wrap(v) for name in names]
 
     def _enc_hook(self, obj: Any) -> Any:
-        if isinstance(obj, torch.Tensor):
+        # torch, vLLM and PIL are looked up, never imported: an object of theirs exists only
+        # where they are, and a stage that has none of them should not pay for their import.
+        torch = sys.modules.get("torch")
+        if torch is not None and isinstance(obj, torch.Tensor):
             return self._encode_tensor(obj)
         if isinstance(obj, np.ndarray):
             return self._encode_ndarray(obj)
-        if isinstance(obj, RequestOutput):
-            return self._encode_request_output(obj)
-        if isinstance(obj, Image.Image):
+        if isinstance(obj, StageRequestOutput):
+            return self._encode_request_output(obj, omni=True)
+        vllm_types = vllm_types_if_imported()
+        if vllm_types is not None and isinstance(obj, vllm_types.request_output):
+            return self._encode_request_output(obj, omni=isinstance(obj, vllm_types.omni_request_output))
+        pil = sys.modules.get("PIL.Image")
+        if pil is not None and isinstance(obj, pil.Image):
             return self._encode_image(obj)
         if isinstance(obj, np.generic):
             return obj.item()
+        if isinstance(obj, NeutralSamplingParams):
+            return Ext(_CODE_SAMPLING_PARAMS, self._nested(obj.fields))
         wrapped = self._wrap(obj)
         if wrapped is not obj:
             return wrapped
         if self.allow_pickle:
             return Ext(_CODE_PICKLE, pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL))
         raise TypeError(
-            f"cannot serialize an object of type {type(obj).__module__}.{type(obj).__qualname__} "
+            f"cannot serialize an object of type {describe_type(obj)} "
             "for a stage message (pickle is disabled; set OMNI_ENGINE_ALLOW_PICKLE=1 to allow it)"
         )
 
-    def _encode_request_output(self, obj: RequestOutput) -> Ext:
-        if not isinstance(obj, OmniRequestOutput):
+    def _encode_request_output(self, obj: Any, omni: bool) -> Ext:
+        """A vLLM ``RequestOutput`` (ext 108), or an ``OmniRequestOutput`` / ``StageRequestOutput``
+        (ext 100: the same fields, then the stage's)."""
+        if not omni:
             return Ext(_CODE_REQUEST_OUTPUT, self._nested(self._fields(obj, REQUEST_OUTPUT_FIELDS)))
         # The owner is set before the fields are wrapped: wrapping encodes
         # structs/dataclasses (and the tensors inside them) right away.
@@ -289,6 +257,8 @@ class StageMsgpackEncoder:
             self._owner = outer_owner
 
     def _encode_tensor(self, t: torch.Tensor) -> Ext:
+        import torch
+
         t = t.detach()
         if t.device.type != "cpu":
             t = t.cpu()
@@ -357,6 +327,12 @@ class StageMsgpackDecoder:
     decoded from it references), so the owner of the views (the client)
     can tell the producer when a slot is free again. It is called once the
     whole message decoded: a message that fails half-way leaves no views behind.
+
+    ``vllm_types`` False (a stage that runs no vLLM): vLLM's types decode to the
+    project's neutral ones (``NeutralSamplingParams``, ``StageRequestOutput``,
+    ``StageCompletionOutput``), so vLLM is never imported for them; the rarer ones
+    (LoRA requests, logprobs, ...) still decode to vLLM's, importing it then.
+    True: vLLM's own classes, vLLM imported at the first of them.
     """
 
     def __init__(
@@ -366,7 +342,14 @@ class StageMsgpackDecoder:
         shm: ShmAttachments | None = None,
         on_shm_view: ShmViewCallback | None = None,
         allow_pickle: bool = False,
+        vllm_types: bool = True,
     ) -> None:
+        self.vllm_types = vllm_types
+        # Code -> class of the struct and dataclass exts known so far (vLLM's join on first need).
+        self._structs: dict[int, type] = {int(code): cls for cls, code in STRUCT_CODES.items()
+                                          if code not in VLLM_CODES}
+        self._dataclasses: dict[int, type] = {} if vllm_types else {_CODE_COMPLETION_OUTPUT: StageCompletionOutput}
+        self._vllm_resolved = False
         self.shm = shm if shm is not None else ShmAttachments()
         self.on_shm_view = on_shm_view
         self.allow_pickle = allow_pickle
@@ -408,13 +391,13 @@ class StageMsgpackDecoder:
         except WireFormatError as exc:
             # Name the path to the failing ext, a few levels deep (nesting is attacker-chosen).
             inner = str(exc)
-            raise type(exc)(inner if inner.count(" > ") >= 3 else f"{_ext_name(code)} > {inner}") from None
+            raise type(exc)(inner if inner.count(" > ") >= 3 else f"{ext_name(code)} > {inner}") from None
         except msgspec.DecodeError as exc:
-            raise WireFormatError(f"{_ext_name(code)}: {exc}") from None
+            raise WireFormatError(f"{ext_name(code)}: {exc}") from None
         except RecursionError:
-            raise WireFormatError(f"{_ext_name(code)}: nested too deeply") from None
+            raise WireFormatError(f"{ext_name(code)}: nested too deeply") from None
         except Exception as exc:  # noqa: BLE001 - foreign constructors (vLLM's __post_init__) reject bad values with any type
-            raise WireFormatError(f"{_ext_name(code)}: {type(exc).__name__}: {exc}") from exc
+            raise WireFormatError(f"{ext_name(code)}: {type(exc).__name__}: {exc}") from exc
 
     def _decode_ext(self, code: int, data: memoryview) -> Any:
         if code == CustomType.TORCH_TENSOR:
@@ -423,12 +406,17 @@ class StageMsgpackDecoder:
             return self._decode_ndarray(data)
         if code in (CustomType.OMNI_REQUEST_OUTPUT, CustomType.REQUEST_OUTPUT):
             return self._decode_request_output(code, data)
-        cls = _CODE_DATACLASSES.get(code)
+        if code == _CODE_SAMPLING_PARAMS and not self.vllm_types:
+            return self._decode_neutral_params(data)
+        cls = self._dataclasses.get(code)
         if cls is not None:
             return cls(*self._any.decode(data))
-        cls = _CODE_STRUCTS.get(code)
+        cls = self._structs.get(code)
         if cls is not None:
             return self._typed_decoder(cls).decode(data)
+        if code in VLLM_CODES and not self._vllm_resolved:
+            self._resolve_vllm_types()
+            return self._decode_ext(code, data)
         if code == CustomType.OMNI_STRUCT:
             return self._decode_wire_struct(data)
         if code == CustomType.PIL_IMAGE:
@@ -442,6 +430,22 @@ class StageMsgpackDecoder:
             return pickle.loads(data)
         raise WireFormatError(f"unknown msgpack ext type code {code} in stage message")
 
+    def _resolve_vllm_types(self) -> None:
+        """Add vLLM's classes (importing vLLM if it is not yet); neutral ones already chosen stay."""
+        types = vllm_ext_types()
+        for code, cls in types.structs.items():
+            self._structs.setdefault(int(code), cls)
+        for code, cls in types.dataclasses.items():
+            self._dataclasses.setdefault(int(code), cls)
+        self._vllm_resolved = True
+
+    def _decode_neutral_params(self, data: memoryview) -> NeutralSamplingParams:
+        fields = self._any.decode(data)
+        if not isinstance(fields, dict) or not all(isinstance(k, str) for k in fields):
+            raise WireFormatError(f"malformed SamplingParams: a map of field names expected, got "
+                                  f"{type(fields).__name__}")
+        return NeutralSamplingParams(fields)
+
     def _decode_wire_struct(self, data: memoryview) -> Any:
         name, raw = msgspec.msgpack.decode(data, type=tuple[str, msgspec.Raw])
         cls = _WIRE_STRUCTS.get(name)
@@ -449,11 +453,15 @@ class StageMsgpackDecoder:
             raise WireFormatError(f"unknown wire struct {name!r} (not registered with register_wire_struct)")
         return self._typed_decoder(cls).decode(raw)
 
-    def _decode_request_output(self, code: int, data: memoryview) -> RequestOutput:
+    def _decode_request_output(self, code: int, data: memoryview) -> Any:
         values = self._any.decode(data)
         if not isinstance(values, list) or len(values) < len(REQUEST_OUTPUT_FIELDS):
             raise WireFormatError("malformed RequestOutput on the wire: too few fields")
-        cls = OmniRequestOutput if code == CustomType.OMNI_REQUEST_OUTPUT else RequestOutput
+        if self.vllm_types:
+            types = vllm_ext_types()
+            cls = types.omni_request_output if code == CustomType.OMNI_REQUEST_OUTPUT else types.request_output
+        else:
+            cls = StageRequestOutput
         out = cls.__new__(cls)
         out.__dict__.update(zip(REQUEST_OUTPUT_FIELDS, values))
         # The fields the client routes by; the rest is the consumer's to read.
@@ -463,9 +471,9 @@ class StageMsgpackDecoder:
                 f"{type(out.finished).__name__}, outputs {type(out.outputs).__name__} (expected str, bool, list)")
         if code == CustomType.OMNI_REQUEST_OUTPUT:
             extra = values[len(REQUEST_OUTPUT_FIELDS):]
-            if len(extra) < _OMNI_REQUIRED_EXTRA:
+            if len(extra) < OMNI_REQUIRED_FIELDS:
                 raise WireFormatError("malformed OmniRequestOutput on the wire: missing stage fields")
-            out.__dict__.update(zip(_OMNI_EXTRA_FIELDS, extra))
+            out.__dict__.update(zip(OMNI_OUTPUT_FIELDS, extra))
             if not isinstance(out.__dict__.get("stage_versions"), dict):
                 out.stage_versions = {}
             if out.multimodal_output is None:
@@ -473,6 +481,8 @@ class StageMsgpackDecoder:
             elif not isinstance(out.multimodal_output, dict):
                 raise WireFormatError(f"malformed OmniRequestOutput {out.request_id!r}: multimodal_output is "
                                       f"{type(out.multimodal_output).__name__}, expected a dict")
+        elif not self.vllm_types:  # a plain RequestOutput, read as a StageRequestOutput of no stage
+            out.stage_id, out.final_output_type, out.multimodal_output, out.stage_versions = 0, "text", {}, {}
         return out
 
     def _decode_data(self, header: list[Any], what: str) -> memoryview | np.ndarray:
@@ -511,6 +521,8 @@ class StageMsgpackDecoder:
         return view
 
     def _decode_tensor(self, data: memoryview) -> torch.Tensor:
+        import torch
+
         header = check_header(msgspec.msgpack.decode(data), "tensor")
         dtype, itemsize = torch_dtype(header[0])
         buf = self._decode_data(header, "tensor")
@@ -527,6 +539,8 @@ class StageMsgpackDecoder:
         return np.frombuffer(buf, dtype=dtype).reshape(shape)
 
     def _decode_image(self, data: memoryview) -> Image.Image:
+        from PIL import Image
+
         header = check_header(msgspec.msgpack.decode(data), "image")
         buf = self._decode_data(header, "image")
         mode, size = check_image(header[0], header[1], len(buf))
