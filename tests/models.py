@@ -168,6 +168,15 @@ def make_fatal() -> FatalModel:
     return FatalModel()
 
 
+def make_slow_loader(seconds: float = 60.0) -> Any:
+    """A model that takes ``seconds`` to load (a stage that overruns its startup timeout: the
+    real ones start in well under a second now that they import no vLLM)."""
+    import time
+
+    time.sleep(seconds)
+    return TensorSource()
+
+
 def make_unloadable() -> Any:
     """A model whose loading fails (the stage must not become ready)."""
     raise FileNotFoundError("weights.bin is missing")

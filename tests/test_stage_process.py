@@ -110,7 +110,8 @@ async def test_startup_failure_names_stage_exit_code_and_log():
 
 
 async def test_startup_timeout_kills_the_stage():
-    client = StageEngineCoreClient(6, process=tts_spec(), startup_timeout=0.5)
+    spec = StageProcessSpec("generation", {"model_factory": "tests.models:make_slow_loader", "seconds": 60})
+    client = StageEngineCoreClient(6, process=spec, startup_timeout=2.0)
     with pytest.raises(StageStartupError, match="did not become ready within"):
         await client.start()
     assert not process_exists(client.process.pid)
