@@ -45,6 +45,7 @@ def enter_stage_process(spec: StageProcessSpec) -> None:
     if the client cannot (``guard_process_group``).
     """
     die_with_parent()
+    set_stage_title(spec)
     if spec.parent_pid is not None and os.getppid() != spec.parent_pid:
         sys.exit(1)  # the client died before we could watch it
     os.setpgid(0, 0)
@@ -59,6 +60,22 @@ def enter_stage_process(spec: StageProcessSpec) -> None:
     os.environ.update(spec.process_environment())
     logging.basicConfig(level=spec.log_level,
                         format=f"%(asctime)s stage{spec.stage_id} %(levelname)s %(name)s: %(message)s")
+
+
+def stage_title(spec: StageProcessSpec) -> str:
+    """What ``ps`` shows for a stage process (vLLM names its EngineCore so too): the stage and
+    what it runs, e.g. ``omni_engine::stage1[generation:make_espeak_tts]``."""
+    what = str(spec.engine_args.get("model_factory") or spec.engine_args.get("model") or "")
+    what = what.rpartition(":")[2].rpartition("/")[2]
+    return f"omni_engine::stage{spec.stage_id}[{spec.stage_type}{':' + what if what else ''}]"
+
+
+def set_stage_title(spec: StageProcessSpec) -> None:
+    try:
+        import setproctitle  # vLLM's dependency; a stage without it keeps Python's command line
+    except ImportError:
+        return
+    setproctitle.setproctitle(stage_title(spec))
 
 
 def main(pipe: BinaryIO) -> None:

@@ -1,0 +1,245 @@
+#!/usr/bin/env python
+"""Start-up and restart: how long until a pipeline serves, side by side with vLLM's own server.
+
+    python benchmarks/bench_startup.py [--rounds 3] [--restarts 3] [--only servers,stages,restart]
+
+In one run (these machines are shared and noisy: the figures to compare are those of one run),
+median of ``--rounds`` each, the servers taking turns:
+
+* servers: vLLM's own OpenAI server (``python -m vllm.entrypoints.openai.api_server``) on the
+  prepared SmolLM2 with the engine arguments of ``smollm2_text.yaml``, against ``omni-engine
+  serve`` of ``smollm2_text.yaml``, ``smollm2_speech.yaml`` and ``smollm2_piper.yaml``: seconds
+  from the command to ``/health`` 200, and the RSS of every process of the server then;
+* stages: each generation stage kind alone (eSpeak NG, Piper voice, eye GAN), from
+  ``StageEngineCoreClient.start()`` to READY, its RSS and whether it loaded vLLM or torch;
+* restart: a one-replica stage with ``restart: on-failure`` is killed (``kill -9``) and the time
+  to its replacement's READY and to the next request served is taken; for eSpeak and for the
+  SmolLM2 llm stage (compared with the llm stage's cold start).
+
+Writes JSON to ``benchmarks/results/``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from benchmarks.bench_common import REPO, RESULTS, machine_info, progress, write_json  # noqa: E402
+
+OMNI = [sys.executable, "-m", "omni_engine.entrypoints.cli.main", "serve"]
+SERVE_CONFIGS = {"omni-text": "stage_configs/smollm2_text.yaml", "omni-speech": "stage_configs/smollm2_speech.yaml",
+                 "omni-piper": "stage_configs/smollm2_piper.yaml"}
+STAGE_KINDS = {
+    "espeak": ("omni_engine.engines.tts:make_espeak_tts", None),
+    "piper-voice": ("omni_engine.engines.piper:make_piper_voice", "piper-joe"),
+    "eye-gan": ("omni_engine.engines.gan_image:make_eye_gan", "gan-eyes"),
+}
+READY_TIMEOUT_S = 600
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def healthy(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=1.0) as response:
+            return response.status == 200
+    except (urllib.error.URLError, OSError):
+        return False
+
+
+def tree_rss_mib(pid: int) -> dict[str, float]:
+    """RSS of a process and its descendants, by what ``ps`` calls them (stage titles, VLLM::...)."""
+    import psutil
+
+    found: dict[str, float] = {}
+    root = psutil.Process(pid)
+    for proc in [root, *root.children(recursive=True)]:
+        try:
+            name = " ".join(proc.cmdline())[:60]
+            if "resource_tracker" in name:
+                continue
+            label = "server" if proc.pid == pid else name
+            found[label] = found.get(label, 0.0) + proc.memory_info().rss / 2**20
+        except psutil.Error:
+            continue
+    return found
+
+
+def vllm_server_cmd(model: Path, port: int) -> list[str]:
+    """vLLM's own server with the engine arguments of smollm2_text.yaml."""
+    return [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
+            "--served-model-name", "smollm2", "--port", str(port), "--max-model-len", "2048",
+            "--max-num-seqs", "16", "--enforce-eager", "--dtype", "float32", "--gpu-memory-utilization", "0.3"]
+
+
+def time_server(cmd: list[str], port: int, log: Path) -> dict[str, Any]:
+    """Seconds from the command to /health 200, and the RSS of its processes then."""
+    t0 = time.perf_counter()
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(cmd, cwd=REPO, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        while not healthy(f"http://127.0.0.1:{port}/health"):
+            if proc.poll() is not None:
+                raise RuntimeError(f"{cmd[:4]} exited with {proc.returncode}; see {log}")
+            if time.perf_counter() - t0 > READY_TIMEOUT_S:
+                raise RuntimeError(f"{cmd[:4]} not healthy after {READY_TIMEOUT_S} s; see {log}")
+            time.sleep(0.1)
+        ready_s = time.perf_counter() - t0
+        return {"ready_s": ready_s, "rss_mib": tree_rss_mib(proc.pid)}
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+def servers(rounds: int, model: Path, log_dir: Path) -> dict[str, Any]:
+    runs: dict[str, list[dict[str, Any]]] = {"vllm": [], **{name: [] for name in SERVE_CONFIGS}}
+    for r in range(rounds):
+        names = list(runs) if r % 2 == 0 else list(reversed(runs))  # alternate who goes first
+        for name in names:
+            port = free_port()
+            cmd = vllm_server_cmd(model, port) if name == "vllm" else [*OMNI, SERVE_CONFIGS[name], "--port", str(port)]
+            found = time_server(cmd, port, log_dir / f"{name}-{r}.log")
+            runs[name].append(found)
+            progress(f"round {r + 1}/{rounds}: {name} ready in {found['ready_s']:.1f} s")
+    result = {name: {"ready_s": [x["ready_s"] for x in v], "median_s": statistics.median(x["ready_s"] for x in v),
+                     "rss_mib": v[-1]["rss_mib"]} for name, v in runs.items()}
+    base = result["vllm"]["median_s"]
+    for name in SERVE_CONFIGS:
+        result[name]["vs_vllm"] = result[name]["median_s"] / base
+    return result
+
+
+def stage_spec(factory: str, recipe: str | None):
+    from omni_engine.models.prepare import prepare_model
+    from omni_engine.stage_engine.stage_process import StageProcessSpec
+
+    args: dict[str, Any] = {"model_factory": factory}
+    if recipe is not None:
+        args["model"] = str(prepare_model(recipe))
+    return StageProcessSpec("generation", args, max_batch_size=4)
+
+
+async def stages(rounds: int) -> dict[str, Any]:
+    import psutil
+
+    from omni_engine.stage_engine.stage_core_client import StageEngineCoreClient
+
+    result: dict[str, Any] = {}
+    for kind, (factory, recipe) in STAGE_KINDS.items():
+        spec = stage_spec(factory, recipe)
+        times, rss, loaded = [], [], []
+        for _ in range(rounds):
+            client = StageEngineCoreClient(0, process=spec)
+            t0 = time.perf_counter()
+            await client.start()
+            times.append(time.perf_counter() - t0)
+            rss.append(psutil.Process(client.process.pid).memory_info().rss / 2**20)
+            loaded = await client.call_utility_async("loaded_packages")
+            await client.shutdown()
+        result[kind] = {"ready_s": times, "median_s": statistics.median(times), "rss_mib": statistics.median(rss),
+                        "loads_vllm": "vllm" in loaded, "loads_torch": "torch" in loaded}
+        progress(f"{kind}: ready in {statistics.median(times):.2f} s, {statistics.median(rss):.0f} MiB")
+    return result
+
+
+def one_stage_config(stage: dict[str, Any]):
+    from omni_engine.config import parse_pipeline_config
+
+    return parse_pipeline_config({"stage_args": [{"stage_id": 0, "final_output": True, **stage}]}, "<bench_startup>")
+
+
+async def restart(kind: str, config, prompt: Any, params: Any, trials: int) -> dict[str, Any]:
+    """Per trial: seconds from kill -9 of the stage to its replacement's READY and to a request served."""
+    from omni_engine.entrypoints.multi_stage_engine_client import MultiStageEngineClient
+
+    t0 = time.perf_counter()
+    client = await MultiStageEngineClient.from_config(config)
+    cold_s = time.perf_counter() - t0
+    found: dict[str, Any] = {"cold_start_s": cold_s, "ready_s": [], "served_s": []}
+    try:
+        for trial in range(trials):
+            async for _ in client.generate(prompt, params, f"{kind}-warm-{trial}"):
+                pass
+            pid = client.replica_status(0)[0].pid
+            t_kill = time.perf_counter()
+            os.kill(pid, signal.SIGKILL)
+            while not ((status := client.replica_status(0)[0]).alive and status.pid != pid):
+                await asyncio.sleep(0.01)  # a benchmark may poll what it measures
+            found["ready_s"].append(time.perf_counter() - t_kill)
+            async for _ in client.generate(prompt, params, f"{kind}-after-{trial}"):
+                pass
+            found["served_s"].append(time.perf_counter() - t_kill)
+            progress(f"{kind} restart {trial + 1}/{trials}: ready {found['ready_s'][-1]:.2f} s, "
+                     f"served {found['served_s'][-1]:.2f} s after kill -9 (cold start {cold_s:.1f} s)")
+    finally:
+        await client.shutdown_async()
+    found["median_served_s"] = statistics.median(found["served_s"])
+    found["served_vs_cold"] = found["median_served_s"] / cold_s
+    return found
+
+
+async def restarts(trials: int, model: Path) -> dict[str, Any]:
+    from vllm import SamplingParams
+
+    espeak = one_stage_config({"stage_type": "generation", "final_output_type": "audio",
+                               "engine_args": {"model_factory": STAGE_KINDS["espeak"][0]},
+                               "runtime": {"restart": "on-failure", "max_restarts": trials}})
+    llm = one_stage_config({"stage_type": "llm", "final_output_type": "text",
+                            "engine_args": {"model": str(model), "max_model_len": 2048, "max_num_seqs": 16,
+                                            "enforce_eager": True, "dtype": "float32", "gpu_memory_utilization": 0.3},
+                            "runtime": {"restart": "on-failure", "max_restarts": trials}})
+    return {"espeak": await restart("espeak", espeak, "Back in service.", None, trials),
+            "llm": await restart("llm", llm, "Hello", SamplingParams(max_tokens=4), trials)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--restarts", type=int, default=3)
+    parser.add_argument("--only", default="servers,stages,restart")
+    parser.add_argument("--json", default=str(RESULTS / "bench_startup.json"))
+    args = parser.parse_args()
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    from omni_engine.models.prepare import prepare_model
+
+    model = prepare_model("smollm2")
+    log_dir = RESULTS / "bench_startup_logs"
+    log_dir.mkdir(parents=True, exist_ok=True)
+    only = set(args.only.split(","))
+    results: dict[str, Any] = {"machine": machine_info(), "rounds": args.rounds}
+    if "stages" in only:
+        results["stages"] = asyncio.run(stages(args.rounds))
+    if "restart" in only:
+        results["restart"] = asyncio.run(restarts(args.restarts, model))
+    if "servers" in only:
+        results["servers"] = servers(args.rounds, model, log_dir)
+        for name in SERVE_CONFIGS:
+            s = results["servers"][name]
+            progress(f"{name}: {s['median_s']:.1f} s, {s['vs_vllm']:.2f}x vLLM's own server "
+                     f"({results['servers']['vllm']['median_s']:.1f} s)")
+    write_json(args.json, results)
+
+
+if __name__ == "__main__":
+    main()
