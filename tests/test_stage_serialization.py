@@ -993,3 +993,68 @@ def test_deep_nesting_is_a_wire_error():
         StageMsgpackDecoder().decode(nested)
     with pytest.raises(WireFormatError, match="nested too deeply"):
         StageMsgpackDecoder().decode(b"\x91" * 100_000 + b"\xc0")
+
+
+# ------------------------------------------------- a stage that runs no vLLM
+def test_the_stage_side_completion_fields_are_vllm_s_own_in_its_order():
+    import dataclasses
+
+    from omni_engine.stage_output import COMPLETION_OUTPUT_FIELDS
+
+    assert COMPLETION_OUTPUT_FIELDS == tuple(f.name for f in dataclasses.fields(CompletionOutput))
+
+
+def test_a_vllm_free_stage_output_is_the_same_message_as_an_omni_request_output():
+    """What eSpeak answers without vLLM and what it answered as an OmniRequestOutput are the same bytes,
+    and the client reads both as an OmniRequestOutput with vLLM's CompletionOutput."""
+    from omni_engine.outputs import aborted_output
+    from omni_engine.stage_output import StageCompletionOutput, StageRequestOutput, aborted_stage_output
+
+    audio = np.linspace(-1, 1, 5000, dtype=np.float32)
+    stage_side = [StageRequestOutput("a", finished=True, stage_id=2, final_output_type="audio",
+                                     multimodal_output={"audio": audio, "sample_rate": 22050},
+                                     stage_versions={0: ["v1"]}),
+                  StageRequestOutput("t", outputs=[StageCompletionOutput(0, "hi", [1, 2], finish_reason="stop")],
+                                     finished=True, stage_id=1, prompt="p"),
+                  aborted_stage_output("x", 3, "image")]
+    client_side = [OmniRequestOutput("a", finished=True, stage_id=2, final_output_type="audio",
+                                     multimodal_output={"audio": audio, "sample_rate": 22050},
+                                     stage_versions={0: ["v1"]}),
+                   OmniRequestOutput("t", "p", None, None, [CompletionOutput(0, "hi", [1, 2], None, None,
+                                                                            finish_reason="stop")],
+                                     True, stage_id=1),
+                   aborted_output("x", 3, "image")]
+    enc = StageMsgpackEncoder()
+    ours, theirs = enc.encode(StageOutputs(stage_side, 1.0)), enc.encode(StageOutputs(client_side, 1.0))
+    assert [bytes(b) for b in ours] == [bytes(b) for b in theirs]
+    got = StageMsgpackDecoder(StageOutputs).decode(ours).outputs
+    assert [type(o) for o in got] == [OmniRequestOutput] * 3
+    assert np.array_equal(got[0].multimodal_output["audio"], audio) and got[0].stage_versions == {0: ["v1"]}
+    assert type(got[1].outputs[0]) is CompletionOutput and got[1].text == "hi" and got[1].prompt == "p"
+    assert got[2].outputs[0].finish_reason == "abort" and got[2].final_output_type == "image"
+
+
+def test_a_vllm_free_stage_reads_vllm_params_as_neutral_ones_and_sends_them_back_unchanged():
+    from omni_engine.params import NeutralSamplingParams, is_llm_sampling_params, speech_params
+    from omni_engine.stage_output import StageCompletionOutput, StageRequestOutput
+
+    params = SamplingParams(max_tokens=9, temperature=0.25, stop=["."])
+    enc = StageMsgpackEncoder()
+    stage_dec = StageMsgpackDecoder(StageGenerateRequest, vllm_types=False)
+    got = stage_dec.decode(enc.encode(StageGenerateRequest("n", "text", params)))
+    neutral = got.sampling_params
+    assert type(neutral) is NeutralSamplingParams and is_llm_sampling_params(neutral)
+    assert neutral.get("max_tokens") == 9 and neutral.get("stop") == ["."] and neutral.get("n", 1) == 1
+    assert speech_params(neutral, "en").voice == "en"  # to a speech model: no params of its own
+    # Forwarded by that stage, the client reads vLLM's SamplingParams again.
+    back = StageMsgpackDecoder(StageGenerateRequest).decode(enc.encode(StageGenerateRequest("n", "text", neutral)))
+    assert back.sampling_params == params
+    # Outputs, too, decode to the stage-side types there.
+    out = OmniRequestOutput("o", None, None, None, [CompletionOutput(0, "t", [3], None, None)], True, stage_id=4)
+    seen = StageMsgpackDecoder(StageOutputs, vllm_types=False).decode(enc.encode(StageOutputs([out], 1.0))).outputs[0]
+    assert type(seen) is StageRequestOutput and type(seen.outputs[0]) is StageCompletionOutput
+    assert seen.text == "t" and seen.stage_id == 4
+    # A malformed neutral params payload is a WireFormatError naming the ext.
+    bad = [msgspec.msgpack.encode(["n", "text", Ext(int(CustomType.SAMPLING_PARAMS), msgspec.msgpack.encode([1])), 0.0])]
+    with pytest.raises(WireFormatError, match="SAMPLING_PARAMS"):
+        stage_dec.decode(bad)

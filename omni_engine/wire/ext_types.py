@@ -15,7 +15,10 @@ import sys
 import threading
 from typing import Any
 
+import msgspec
+
 from omni_engine.inputs import OmniDiffusionSamplingParams, OmniTextPrompt
+from omni_engine.params import SpeechParams
 from omni_engine.stage_output import COMPLETION_OUTPUT_FIELDS, StageCompletionOutput
 
 
@@ -63,6 +66,22 @@ STRUCT_CODES: dict[type, CustomType] = {
 # Dataclasses (and classes shaped as one) sent as the tuple of their fields.
 DATACLASS_CODES: dict[type, CustomType] = {StageCompletionOutput: CustomType.COMPLETION_OUTPUT}
 DATACLASS_FIELDS: dict[type, tuple[str, ...]] = {StageCompletionOutput: COMPLETION_OUTPUT_FIELDS}
+
+
+# Our own structs that may appear in Any fields (e.g. SpeechParams), by name (ext 110).
+WIRE_STRUCTS: dict[str, type[msgspec.Struct]] = {}
+WIRE_STRUCT_NAMES: dict[type, str] = {}
+
+
+def register_wire_struct(cls: type[msgspec.Struct]) -> type[msgspec.Struct]:
+    """Let ``cls`` travel in ``Any`` fields with its type (ext 110). Decorator."""
+    name = f"{cls.__module__}.{cls.__qualname__}"
+    WIRE_STRUCTS[name] = cls
+    WIRE_STRUCT_NAMES[cls] = name
+    return cls
+
+
+register_wire_struct(SpeechParams)
 
 
 @dataclasses.dataclass(frozen=True)
