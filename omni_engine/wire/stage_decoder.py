@@ -92,6 +92,8 @@ class StageMsgpackDecoder:
                                           if code not in VLLM_CODES}
         self._dataclasses: dict[int, type] = {} if vllm_types else {_CODE_COMPLETION_OUTPUT: StageCompletionOutput}
         self._vllm_resolved = False
+        # (vLLM's RequestOutput, OmniRequestOutput) once resolved: looked up once, not per output.
+        self._output_classes: tuple[type, type] | None = None
         self.shm = shm if shm is not None else ShmAttachments()
         self.on_shm_view = on_shm_view
         self.allow_pickle = allow_pickle
@@ -179,6 +181,7 @@ class StageMsgpackDecoder:
             self._structs.setdefault(int(code), cls)
         for code, cls in types.dataclasses.items():
             self._dataclasses.setdefault(int(code), cls)
+        self._output_classes = (types.request_output, types.omni_request_output)
         self._vllm_resolved = True
 
     def _decode_neutral_params(self, data: memoryview) -> NeutralSamplingParams:
@@ -200,8 +203,9 @@ class StageMsgpackDecoder:
         if not isinstance(values, list) or len(values) < len(REQUEST_OUTPUT_FIELDS):
             raise WireFormatError("malformed RequestOutput on the wire: too few fields")
         if self.vllm_types:
-            types = vllm_ext_types()
-            cls = types.omni_request_output if code == CustomType.OMNI_REQUEST_OUTPUT else types.request_output
+            if self._output_classes is None:
+                self._resolve_vllm_types()
+            cls = self._output_classes[code == CustomType.OMNI_REQUEST_OUTPUT]
         else:
             cls = StageRequestOutput
         out = cls.__new__(cls)
