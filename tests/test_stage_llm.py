@@ -15,7 +15,7 @@ from omni_engine.connectors.shm import list_segments, new_run_prefix, stage_pref
 from omni_engine.errors import StageDeadError
 from omni_engine.stage_engine.stage_core_client import StageEngineCoreClient
 from omni_engine.stage_engine.stage_process import StageProcess, StageProcessSpec
-from tests.helpers import collect, external_transport, llm_engine_args, wait_group_gone
+from tests.helpers import TTS_FACTORY, collect, external_transport, llm_engine_args, wait_group_gone
 
 pytestmark = [pytest.mark.asyncio(loop_scope="session"), pytest.mark.llm]
 
@@ -77,11 +77,16 @@ async def test_abort_mid_stream_stops_the_request_and_the_stage_lives_on(llm_sta
 # --- the seed's test (rfc967, 测试计划), against an externally started stage ---------
 
 @pytest.fixture(scope="module")
-def external_stage_on_5555(smollm2_path):
-    """A stage process started on its own, connecting to the seed test's fixed addresses."""
+def external_stage_on_5555():
+    """A stage process started on its own, connecting to the seed test's fixed addresses.
+
+    The speech stage: what the seed's test checks is the transport (an external stage, fixed TCP
+    addresses, a request with vLLM's ``SamplingParams()`` answered), which a stage that starts in
+    a second shows as well as one that starts vLLM (the module's other tests run the llm stage)."""
     transport = external_transport("tcp://127.0.0.1:5555", "tcp://127.0.0.1:5556", stage_prefix(new_run_prefix(), 0))
-    process = StageProcess(0, StageProcessSpec("llm", llm_engine_args(smollm2_path), transport=transport),
-                           log_path=_log("external"))
+    spec = StageProcessSpec("generation", {"model_factory": TTS_FACTORY}, final_output_type="audio",
+                            transport=transport)
+    process = StageProcess(0, spec, log_path=_log("external"))
     process.start()
     yield process
     process.stop(term_timeout=10)
@@ -109,6 +114,7 @@ async def test_submit_and_receive(external_stage_on_5555):
 
     output = await client.get_output_async()
     assert output.request_id == "test-1"
+    assert output.finished and output.multimodal_output["audio"].size > 0  # "Hello", spoken
     await client.shutdown()
 
 
