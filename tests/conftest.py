@@ -62,6 +62,20 @@ def text_server(tmp_path_factory, smollm2_path):
 
 
 @pytest_asyncio.fixture(scope="session", loop_scope="session")
+async def text_pipeline(smollm2_path):
+    """The text pipeline (smollm2_text.yaml) in this process, for the modules that only send it
+    requests (the AsyncLLM parity checks, the engine sampler): one vLLM start for them all.
+    Checked after shutdown for leftover processes, segments and request state."""
+    from tests.stress.checks import after_shutdown
+    from tests.stress.pipeline import REPO, speech_config, start_pipeline
+
+    client = await start_pipeline(speech_config(REPO / "stage_configs" / "smollm2_text.yaml", model=smollm2_path))
+    yield client
+    await client.shutdown_async()
+    assert not await after_shutdown(client)
+
+
+@pytest_asyncio.fixture(scope="session", loop_scope="session")
 async def llm_stage(smollm2_path):
     client = RawFrameClient(0, process=StageProcessSpec("llm", llm_engine_args(smollm2_path)))
     await client.start()

@@ -8,26 +8,20 @@ import asyncio
 import sys
 
 import pytest
-import pytest_asyncio
 from vllm import SamplingParams
 from vllm.sampling_params import RequestOutputKind
 
-from tests.stress.pipeline import speech_config, start_pipeline
 
-pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.llm]
+pytestmark = [pytest.mark.asyncio(loop_scope="session"), pytest.mark.llm]
 
 DELTA, FINAL_ONLY, CUMULATIVE = RequestOutputKind.DELTA, RequestOutputKind.FINAL_ONLY, RequestOutputKind.CUMULATIVE
 
 
-@pytest_asyncio.fixture(scope="module", loop_scope="module")
-async def client(smollm2_path):
-    from tests.stress.checks import after_shutdown
-    from tests.stress.pipeline import REPO
-
-    client = await start_pipeline(speech_config(REPO / "stage_configs" / "smollm2_text.yaml", model=smollm2_path))
-    yield client
-    await client.shutdown_async()
-    assert not await after_shutdown(client)
+@pytest.fixture
+def client(text_pipeline):
+    """conftest's session text pipeline (checked for leftovers when it shuts down); every test here
+    ends with no request state of its own."""
+    return text_pipeline
 
 
 def params(max_tokens: int, kind: RequestOutputKind, n: int = 1) -> SamplingParams:

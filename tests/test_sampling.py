@@ -79,8 +79,10 @@ def answers(result) -> dict[str, tuple]:
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="session")
-async def engine_sampler(smollm2_path):
-    sampler = EngineSampler(SamplerConfig(**greedy("engine", pipeline=TEXT_PIPELINE, concurrency=8)))
+async def engine_sampler(text_pipeline):
+    # conftest's session text pipeline (the same smollm2_text.yaml), which the sampler does not own.
+    sampler = EngineSampler(SamplerConfig(**greedy("engine", pipeline=TEXT_PIPELINE, concurrency=8)),
+                            client=text_pipeline)
     await sampler.initialize()
     yield sampler
     await sampler.shutdown()
