@@ -65,15 +65,15 @@ def healthy(url: str) -> bool:
 
 
 def tree_rss_mib(pid: int) -> dict[str, float]:
-    """RSS of a process and its descendants, by what ``ps`` calls them (stage titles, VLLM::...)."""
+    """RSS of a process and its descendants, by what ``top`` calls them (omni-stage<N>, VLLM::EngineCore)."""
     import psutil
 
     found: dict[str, float] = {}
     root = psutil.Process(pid)
     for proc in [root, *root.children(recursive=True)]:
         try:
-            name = " ".join(proc.cmdline())[:60]
-            if "resource_tracker" in name:
+            name = proc.name()
+            if name.startswith("python") and "resource_tracker" in " ".join(proc.cmdline()):
                 continue
             label = "server" if proc.pid == pid else name
             found[label] = found.get(label, 0.0) + proc.memory_info().rss / 2**20

@@ -18,6 +18,7 @@ from typing import Any
 logger = logging.getLogger(__name__)
 
 _PR_SET_PDEATHSIG = 1
+_PR_SET_NAME = 15
 
 
 def resolve_dotted(path: str, what: str = "object") -> Any:
@@ -75,6 +76,21 @@ def die_with_parent(sig: int = signal.SIGTERM) -> bool:
         logger.warning("cannot set the parent-death signal; orphaned stages are possible")
         return False
     return True
+
+
+def set_process_name(name: str) -> bool:
+    """Name this process for ``top``, ``ps -o comm`` and ``pgrep`` (Linux's ``comm``, 15 bytes).
+
+    Not the command line (``setproctitle``): that overwrites the memory Linux shows as
+    ``/proc/<pid>/environ``, which is how an operator (and the tests) see a stage's environment.
+    """
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        return libc.prctl(_PR_SET_NAME, name.encode()[:15], 0, 0, 0) == 0
+    except (OSError, AttributeError):  # pragma: no cover - non-glibc
+        return False
 
 
 def guard_process_group() -> int | None:

@@ -109,3 +109,13 @@ async def test_an_aborted_request_of_a_vllm_free_stage_ends_as_vllm_s_abort_outp
 async def test_the_llm_stage_is_the_negative_control_it_loads_vllm(llm_stage):
     loaded = set(await llm_stage.call_utility_async("loaded_packages"))
     assert {"vllm", "torch"} <= loaded
+
+
+async def test_a_stage_process_is_named_for_top_and_keeps_its_environment_readable(stages):
+    import psutil
+
+    for i, client in enumerate(stages.values()):
+        proc = psutil.Process(client.process.pid)
+        assert proc.name() == f"omni-stage{i}"
+        # Named through Linux's comm, not the command line: /proc/<pid>/environ is intact.
+        assert "PATH" in proc.environ()

@@ -20,7 +20,13 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, BinaryIO
 
 from omni_engine.stage_engine.stage_spec import StageProcessSpec
-from omni_engine.utils import die_with_parent, guard_process_group, resolve_dotted, start_resource_tracker_apart
+from omni_engine.utils import (
+    die_with_parent,
+    guard_process_group,
+    resolve_dotted,
+    set_process_name,
+    start_resource_tracker_apart,
+)
 
 if TYPE_CHECKING:
     from omni_engine.stage_engine.stage_core import StageEngineCore
@@ -45,7 +51,7 @@ def enter_stage_process(spec: StageProcessSpec) -> None:
     if the client cannot (``guard_process_group``).
     """
     die_with_parent()
-    set_stage_title(spec)
+    set_process_name(stage_process_name(spec))
     if spec.parent_pid is not None and os.getppid() != spec.parent_pid:
         sys.exit(1)  # the client died before we could watch it
     os.setpgid(0, 0)
@@ -62,20 +68,10 @@ def enter_stage_process(spec: StageProcessSpec) -> None:
                         format=f"%(asctime)s stage{spec.stage_id} %(levelname)s %(name)s: %(message)s")
 
 
-def stage_title(spec: StageProcessSpec) -> str:
-    """What ``ps`` shows for a stage process (vLLM names its EngineCore so too): the stage and
-    what it runs, e.g. ``omni_engine::stage1[generation:make_espeak_tts]``."""
-    what = str(spec.engine_args.get("model_factory") or spec.engine_args.get("model") or "")
-    what = what.rpartition(":")[2].rpartition("/")[2]
-    return f"omni_engine::stage{spec.stage_id}[{spec.stage_type}{':' + what if what else ''}]"
-
-
-def set_stage_title(spec: StageProcessSpec) -> None:
-    try:
-        import setproctitle  # vLLM's dependency; a stage without it keeps Python's command line
-    except ImportError:
-        return
-    setproctitle.setproctitle(stage_title(spec))
+def stage_process_name(spec: StageProcessSpec) -> str:
+    """What ``top``, ``ps -o comm`` and ``pgrep`` call a stage process (as vLLM's
+    ``VLLM::EngineCore``): ``omni-stage1``."""
+    return f"omni-stage{spec.stage_id}"
 
 
 def main(pipe: BinaryIO) -> None:
