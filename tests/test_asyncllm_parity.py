@@ -126,9 +126,9 @@ async def test_with_n_3_finished_is_only_on_the_last_output_also_when_aborted(cl
 # The client's half of the README's "path of one request" (``scripts/request_path.py`` prints
 # both halves): every omni_engine module whose code runs for a request in the client.
 CLIENT_PATH = {"entrypoints/multi_stage_engine_client.py", "pipeline/orchestrator.py", "pipeline/request_state.py",
-               "metrics.py", "stage_engine/base_client.py", "stage_engine/stage_core_client.py",
-               "stage_engine/loop_socket.py", "wire/protocol.py", "wire/stage_serialization.py",
-               "wire/stage_decoder.py"}
+               "pipeline/request_events.py", "pipeline/request_endings.py", "metrics.py",
+               "stage_engine/base_client.py", "stage_engine/stage_core_client.py", "stage_engine/loop_socket.py",
+               "wire/protocol.py", "wire/stage_serialization.py", "wire/stage_decoder.py"}
 
 
 async def test_a_request_runs_only_the_modules_the_readme_names(client, chat_prompt):

@@ -38,7 +38,7 @@ def test_the_client_side_imports_no_engine_module():
     imported = probe["imported"]
     # The probe really walked the client side (a package that failed to import would show here).
     for module in ("omni_engine.pipeline.orchestrator", "omni_engine.wire.stage_serialization",
-                   "omni_engine.entrypoints.multi_stage_engine_client", "omni_engine.entrypoints.openai.audio"):
+                   "omni_engine.entrypoints.multi_stage_engine_client", "omni_engine.entrypoints.openai.app"):
         assert module in imported
     leaked = [m for m in probe["modules"] if any(m == e or m.startswith(e + ".") for e in ENGINE_MODULES)]
     assert leaked == [], f"the client side imported engine code: {leaked}"

@@ -221,7 +221,7 @@ def test_the_shipped_config_names_the_factory_and_its_placeholder_is_refused_bef
 async def test_the_stage_process_makes_the_images_the_route_serves(pipeline_dir, model):
     """The shipped config, its model pointed at the tiny pipeline: the route's path gives the images the
     in-process model gives for the same seed; a bad n fails naming the field and the request; nothing is left."""
-    from omni_engine.entrypoints.openai.images import _generate, image_stage_id, png_bytes
+    from omni_engine.entrypoints.openai.images import generate_images, image_stage_id, png_bytes
     from omni_engine.errors import StageRequestError
 
     data = read_pipeline_yaml(CONFIG)
@@ -232,13 +232,13 @@ async def test_the_stage_process_makes_the_images_the_route_serves(pipeline_dir,
         assert image_stage_id(client) == 0 and client.text_entry_stage(0) == 0
         info = client.stage_info(0)
         assert info["sizes"] == ["32x32"] and info["max_images"] == 4 and info["pipeline"] == "StableDiffusionPipeline"
-        images = await _generate(client, 0, "a red cube", {"n": 2, "seed": 4}, "sd-1")
+        images = await generate_images(client, 0, "a red cube", {"n": 2, "seed": 4}, "sd-1")
         local, = await model.generate([request("local", {"n": 2, "seed": 4})])
         assert [img.shape for img in images] == [(32, 32, 3)] * 2
         assert np.abs(np.stack(images).astype(int) - local["images"].astype(int)).max() <= 2
         assert png_bytes(images[0]).startswith(b"\x89PNG")
         with pytest.raises(StageRequestError, match=r"request sd-bad.*params\.n must be an integer in 1\.\.4"):
-            await _generate(client, 0, "a red cube", {"n": 9}, "sd-bad")
+            await generate_images(client, 0, "a red cube", {"n": 9}, "sd-bad")
         assert not await wait_clean(client)
     finally:
         await client.shutdown_async()

@@ -213,20 +213,20 @@ async def test_the_llm_picks_green_for_a_green_eye_and_the_gan_draws_it(eyes_pip
 async def test_faces_yaml_makes_faces_through_what_the_images_route_runs(faces_dir):
     """faces.yaml prepares `gan-faces` at start; the route's path (entry and final: the GAN stage)
     gives n PNG-ready images, a seed repeats them, and a bad n fails naming the field and request."""
-    from omni_engine.entrypoints.openai.images import _generate, image_stage_id, png_bytes
+    from omni_engine.entrypoints.openai.images import generate_images, image_stage_id, png_bytes
     from omni_engine.errors import StageRequestError
 
     client = await MultiStageEngineClient.from_config(speech_config(REPO / "stage_configs" / "faces.yaml"))
     try:
         assert image_stage_id(client) == 0 and client.text_entry_stage(0) == 0
         assert client.stage_info(0)["sizes"] == ["64x64"]
-        first = await _generate(client, 0, "a face", {"n": 3, "seed": 4}, "faces-1")
-        again = await _generate(client, 0, "a face", {"n": 3, "seed": 4}, "faces-2")
+        first = await generate_images(client, 0, "a face", {"n": 3, "seed": 4}, "faces-1")
+        again = await generate_images(client, 0, "a face", {"n": 3, "seed": 4}, "faces-2")
         assert [img.shape for img in first] == [(64, 64, 3)] * 3
         np.testing.assert_array_equal(np.stack(first), np.stack(again))
         assert png_bytes(first[0]).startswith(b"\x89PNG")
         with pytest.raises(StageRequestError, match=r"request faces-bad.*params\.n must be an integer in 1\.\.8"):
-            await _generate(client, 0, "a face", {"n": 9}, "faces-bad")
+            await generate_images(client, 0, "a face", {"n": 9}, "faces-bad")
         assert not await wait_clean(client)
     finally:
         await client.shutdown_async()

@@ -11,7 +11,7 @@ import pytest_asyncio
 from omni_engine.engines.generation_model import GenerationRequest
 from omni_engine.engines.piper import make_piper_phonemizer, make_piper_voice
 from omni_engine.entrypoints.multi_stage_engine_client import MultiStageEngineClient
-from omni_engine.entrypoints.openai.audio import _speak
+from omni_engine.entrypoints.openai.served_pipeline import speak
 from omni_engine.errors import StageRequestError
 from omni_engine.models.prepare import MARKER_FILE, prepare_model
 from omni_engine.outputs import SPOKEN_TEXT
@@ -185,7 +185,7 @@ async def test_speech_without_the_llm_enters_at_the_phonemizer(piper_pipeline):
     """What /v1/audio/speech runs: text in at the first stage before the voice that takes text."""
     client = piper_pipeline
     assert client.text_entry_stage(2) == 1
-    audio, rate = await _speak(client, 2, "Hello world. How are you today?", {"speed": 1.0}, "speech")
+    audio, rate = await speak(client, 2, "Hello world. How are you today?", {"speed": 1.0}, "speech")
     assert rate == RATE and 1.0 < audio.size / RATE < 6.0 and rms(audio) > 0.01
     assert not await wait_clean(client)
 
@@ -196,7 +196,7 @@ async def test_a_list_of_ids_is_refused_by_the_voice_stage_and_the_pipeline_serv
     with pytest.raises(StageRequestError, match="phoneme_ids of type list"):
         async for _ in client.generate({"phoneme_ids": [1, 2, 3]}, None, "as-list", entry_stage_id=2):
             pass
-    audio, _ = await _speak(client, 2, "Still here.", {}, "after")
+    audio, _ = await speak(client, 2, "Still here.", {}, "after")
     assert rms(audio) > 0.01
     assert not await wait_clean(client)
 
@@ -212,7 +212,7 @@ async def test_an_abort_mid_speech_leaves_nothing_in_any_stage(piper_pipeline, c
     del out  # (its audio is a view of the voice stage's shared memory)
     await stream.aclose()
     assert not await wait_clean(client)
-    audio, _ = await _speak(client, 2, "After the abort.", {}, "after-abort")
+    audio, _ = await speak(client, 2, "After the abort.", {}, "after-abort")
     assert rms(audio) > 0.01
 
 

@@ -15,7 +15,7 @@ import pytest
 
 from omni_engine.audio import decode_audio, wav_bytes
 from omni_engine.engines.tts import EspeakSynthesizer
-from omni_engine.entrypoints.openai.realtime import _vad_factory
+from omni_engine.entrypoints.openai.realtime import vad_factory
 from omni_engine.params import SpeechParams
 from omni_engine.realtime.engine import ResponseStart, TextDelta
 from omni_engine.realtime.session import RealtimeSession
@@ -93,7 +93,7 @@ def zeros(seconds: float) -> np.ndarray:
 
 async def test_a_turn_is_transcribed_before_the_vad_confirms_its_end(phrase):
     engine, out = RecordingEngine(), []
-    session = RealtimeSession(engine, out.append, model="m", vad_factory=_vad_factory())
+    session = RealtimeSession(engine, out.append, model="m", vad_factory=vad_factory())
     await feed(session, np.concatenate([zeros(0.3), phrase, zeros(1.0)]), [])
     kinds = [e["type"] for e in out]
     stopped = kinds.index("input_audio_buffer.speech_stopped")
@@ -112,7 +112,7 @@ async def test_a_turn_is_transcribed_before_the_vad_confirms_its_end(phrase):
 
 async def test_speech_that_resumes_drops_the_guess(phrase):
     engine, out = RecordingEngine(delay=1.0), []
-    session = RealtimeSession(engine, out.append, model="m", vad_factory=_vad_factory())
+    session = RealtimeSession(engine, out.append, model="m", vad_factory=vad_factory())
     # A 400 ms pause: long enough for a guess (125 ms), too short to end the turn (500 ms).
     await feed(session, np.concatenate([zeros(0.3), phrase, zeros(0.4), phrase, zeros(1.0)]), [])
     assert [e["type"] for e in out].count("input_audio_buffer.speech_stopped") == 1
@@ -130,7 +130,7 @@ async def test_speech_that_resumes_drops_the_guess(phrase):
 
 async def test_closing_the_session_cancels_a_guess_in_flight(phrase):
     engine, out = RecordingEngine(delay=5.0), []
-    session = RealtimeSession(engine, out.append, model="m", vad_factory=_vad_factory())
+    session = RealtimeSession(engine, out.append, model="m", vad_factory=vad_factory())
     await feed(session, np.concatenate([zeros(0.3), phrase, zeros(0.4)]), [])
     assert engine.calls and "input_audio_buffer.speech_stopped" not in [e["type"] for e in out]
     in_flight = [rid for rid, _ in engine.calls if rid not in engine.cancelled]
@@ -154,7 +154,7 @@ async def done_response(log: list, timeout: float = 3.0) -> dict:
 async def test_the_answer_starts_in_the_vad_s_silence_and_the_response_adopts_it(phrase):
     log: list = []
     engine = RecordingEngine(delay=0.05, log=log)
-    session = RealtimeSession(engine, log.append, model="m", vad_factory=_vad_factory())
+    session = RealtimeSession(engine, log.append, model="m", vad_factory=vad_factory())
     await feed(session, np.concatenate([zeros(0.3), phrase, zeros(1.0)]), [], pace=0.01)
     response = await done_response(log)
     # The LLM was asked before the VAD ended the turn, and the response read that answer: it made no
@@ -176,7 +176,7 @@ async def test_the_answer_starts_in_the_vad_s_silence_and_the_response_adopts_it
 async def test_speech_that_resumes_drops_the_answer_begun_in_the_pause(phrase):
     log: list = []
     engine = RecordingEngine(delay=0.05, answer_delay=5.0, log=log)
-    session = RealtimeSession(engine, log.append, model="m", vad_factory=_vad_factory())
+    session = RealtimeSession(engine, log.append, model="m", vad_factory=vad_factory())
     await feed(session, np.concatenate([zeros(0.3), phrase, zeros(0.4), phrase, zeros(0.4)]), [], pace=0.01)
     await asyncio.sleep(0.1)
     assert "input_audio_buffer.speech_stopped" not in [e["type"] for e in log if isinstance(e, dict)]
@@ -192,7 +192,7 @@ async def test_speech_that_resumes_drops_the_answer_begun_in_the_pause(phrase):
 async def test_an_answer_to_what_the_session_no_longer_asks_is_not_used(phrase):
     log: list = []
     engine = RecordingEngine(delay=0.05, log=log)
-    session = RealtimeSession(engine, log.append, model="m", vad_factory=_vad_factory())
+    session = RealtimeSession(engine, log.append, model="m", vad_factory=vad_factory())
     await feed(session, np.concatenate([zeros(0.3), phrase, zeros(0.3)]), [], pace=0.01)
     await asyncio.sleep(0.1)
     *_, preempted = engine.answers()

@@ -25,18 +25,13 @@ from vllm.sampling_params import RequestOutputKind
 from omni_engine.config import EdgeConfig
 from omni_engine.errors import PipelineOverloadedError, StageDeadError, StageRequestError
 from omni_engine.loop_context import cancel_now
-from omni_engine.metrics import OrchestratorMetrics, PipelineObserver, RequestEventRecorder
+from omni_engine.metrics import OrchestratorMetrics, PipelineObserver
 from omni_engine.outputs import OmniRequestOutput
 from omni_engine.params import parse_output_kind
 from omni_engine.pipeline.input_processors import StageInput
-from omni_engine.pipeline.request_state import (
-    ABORT_WAIT_S,
-    ClientRequestState,
-    RequestAbortedError,
-    RequestEndings,
-    StageTrack,
-    new_text_of,
-)
+from omni_engine.pipeline.request_endings import ABORT_WAIT_S, RequestAbortedError, RequestEndings
+from omni_engine.pipeline.request_events import RequestEventRecorder
+from omni_engine.pipeline.request_state import ClientRequestState, StageTrack, new_text_of
 from omni_engine.pipeline.stage_context import StageContext
 from omni_engine.pipeline.stage_graph import EXECUTION_MODES, RequestPlan, StageGraph
 

@@ -2,11 +2,15 @@
 
 vLLM (0.32) has no hook for extra routes or middleware: ``build_and_serve``
 builds its app with the module-level function ``VLLM_BUILD_APP``, which is
-therefore wrapped where it is looked up. The wrapper adds the audio routes
-(``audio.add_audio_routes``), replaces vLLM's ``/abort_requests`` where it has
-one (``rl_routes``), when an API key is set swaps vLLM's authentication
-middleware for one guarding every route (``auth``), and tags completions with
-the weight version that made them (``weight_versions``).
+therefore wrapped where it is looked up. The wrapper registers every route family
+(``add_omni_routes``: one module each, built on ``served_pipeline``), replaces
+vLLM's ``/abort_requests`` where it has one (``rl_routes``), when an API key is
+set swaps vLLM's authentication middleware for one guarding every route
+(``auth``), and tags completions with the weight version that made them
+(``weight_versions``).
+
+This is the one module that imports the route families; none of them imports
+another.
 """
 
 from __future__ import annotations
@@ -17,12 +21,26 @@ from typing import Any
 
 from fastapi import FastAPI
 
-from omni_engine.entrypoints.openai.audio import add_audio_routes
+from omni_engine.entrypoints.openai import chat_audio, images, realtime, speech, speech_stream, transcription
 from omni_engine.entrypoints.openai.auth import guard_every_route
 from omni_engine.entrypoints.openai.rl_routes import replace_abort_requests_route
+from omni_engine.entrypoints.openai.routing import include_router_first
 from omni_engine.entrypoints.openai.weight_versions import add_weight_versions
 
 VLLM_BUILD_APP = "vllm.entrypoints.launchers.api_server.entry.build_app"
+
+# The route families whose routers go ahead of vLLM's: chat_audio shadows ``POST /v1/chat/completions``
+# (it hands every request without audio to vLLM's handler), realtime vLLM's transcription-only
+# ``/v1/realtime`` WebSocket. Each family goes ahead of those before it, so the app lists them last
+# first (the order the serving tests check).
+ROUTE_FAMILIES = (chat_audio, speech, images, transcription, realtime, speech_stream)
+
+
+def add_omni_routes(app: FastAPI) -> FastAPI:
+    """Every route family's routes on ``app``, ahead of vLLM's (a path both have is ours)."""
+    for family in ROUTE_FAMILIES:
+        app = include_router_first(app, family.router)
+    return app
 
 
 class _OmniBuildApp:
@@ -32,7 +50,7 @@ class _OmniBuildApp:
         self.wrapped = build_app
 
     def __call__(self, *args: Any, **kwargs: Any) -> FastAPI:
-        app = add_audio_routes(self.wrapped(*args, **kwargs))
+        app = add_omni_routes(self.wrapped(*args, **kwargs))
         replace_abort_requests_route(app)
         guard_every_route(app)
         return add_weight_versions(app)

@@ -24,7 +24,7 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict
 from vllm.entrypoints.serve.utils.api_utils import validate_json_request
 
-from omni_engine.entrypoints.openai.audio import _check_model, _client, error_response
+from omni_engine.entrypoints.openai.served_pipeline import check_model, engine_client, error_response
 from omni_engine.errors import StageRequestError
 
 router = APIRouter()
@@ -80,11 +80,11 @@ def _check_request(request: ImageGenerationRequest, info: dict[str, Any]) -> JSO
 
 @router.post("/v1/images/generations", dependencies=[Depends(validate_json_request)])
 async def create_image(request: ImageGenerationRequest, raw_request: Request) -> Response:
-    client = _client(raw_request)
+    client = engine_client(raw_request)
     sid = image_stage_id(client)
     if sid is None:
         return error_response("this pipeline has no image stage", 404, err_type="NotFoundError")
-    if (bad := _check_model(client, request.model)) is not None:
+    if (bad := check_model(client, request.model)) is not None:
         return bad
     if (bad := _check_request(request, client.stage_info(sid))) is not None:
         return bad
@@ -93,14 +93,15 @@ async def create_image(request: ImageGenerationRequest, raw_request: Request) ->
         params["seed"] = request.seed
     request_id = f"image-{uuid.uuid4().hex}"
     try:
-        images = await _generate(client, sid, request.prompt, params, request_id)
+        images = await generate_images(client, sid, request.prompt, params, request_id)
     except StageRequestError as exc:  # e.g. a prompt that names no colour the eye GAN knows
         return error_response(str(exc), param="prompt")
     encoded = await asyncio.to_thread(lambda: [base64.b64encode(png_bytes(img)).decode("ascii") for img in images])
     return JSONResponse({"created": int(time.time()), "data": [{"b64_json": data} for data in encoded]})
 
 
-async def _generate(client: Any, sid: int, prompt: str, params: dict[str, Any], request_id: str) -> list[np.ndarray]:
+async def generate_images(client: Any, sid: int, prompt: str, params: dict[str, Any],
+                          request_id: str) -> list[np.ndarray]:
     """The image stage's images for ``prompt``, entering at the first non-LLM stage before it."""
     images: list[np.ndarray] = []
     async for out in client.generate(prompt, {sid: params}, request_id, entry_stage_id=client.text_entry_stage(sid),

@@ -1,8 +1,8 @@
 """``/v1/realtime``: OpenAI's Realtime API (a WebSocket) over the pipeline.
 
-The session logic is ``omni_engine.realtime``; this module accepts the WebSocket, sends the
-session's events from one writer task (events from the response and transcription tasks keep
-their order and never interleave), and implements ``RealtimeEngine`` over the
+The session logic is ``omni_engine.realtime``; ``event_socket.serve_session`` runs the connection
+(one writer task, so events from the response and transcription tasks keep their order and never
+interleave); this module implements ``RealtimeEngine`` over the
 ``MultiStageEngineClient``: speech in through the speech-to-text stage alone (as
 ``/v1/audio/transcriptions``), answers through the whole pipeline as a chat completion with
 ``modalities: ["audio"]`` (vLLM's own chat rendering, so the LLM's chat template, and its
@@ -16,27 +16,30 @@ answer goes through the server's tool parser as vLLM's streamed chat completions
 
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
-from collections.abc import AsyncGenerator, Callable
+from collections.abc import AsyncGenerator
 from typing import Any
 
 import numpy as np
-from fastapi import APIRouter, WebSocket, WebSocketDisconnect
+from fastapi import APIRouter, WebSocket
 from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
 from vllm.exceptions import VLLMValidationError
 
-from omni_engine.entrypoints.openai.audio import (
-    _chat_engine_input,
-    _Refused,
-    _served_names,
-    _speech_dict,
-    _speech_params,
-    _stage_params,
+from omni_engine.entrypoints.openai.event_socket import serve_session
+from omni_engine.entrypoints.openai.served_pipeline import (
+    DEFAULT_SAMPLE_RATE,
+    RequestRefused,
     audio_stage_id,
+    chat_engine_input,
+    engine_client,
+    served_names,
+    speech_dict,
+    speech_params,
+    speech_to_text_stage,
+    stage_params,
 )
-from omni_engine.entrypoints.openai.transcription import speech_to_text_stage, transcript_text
+from omni_engine.entrypoints.openai.speech_input import transcript_text
 from omni_engine.outputs import SPOKEN_TEXT
 from omni_engine.realtime.config import SessionConfigError
 from omni_engine.realtime.engine import AudioChunk, FunctionCallDelta, ResponsePiece, ResponseStart, TextDelta
@@ -77,8 +80,8 @@ class PipelineRealtimeEngine:
     """``RealtimeEngine`` over a ``MultiStageEngineClient`` and the app's chat serving."""
 
     def __init__(self, websocket: WebSocket) -> None:
-        self._scope = websocket  # _chat_engine_input reads .app.state.openai_serving_chat
-        self.client = websocket.app.state.engine_client
+        self._scope = websocket  # chat_engine_input reads .app.state.openai_serving_chat
+        self.client = engine_client(websocket)
         self.stt_stage = speech_to_text_stage(self.client)
         self.speech_stage = audio_stage_id(self.client)
         self.can_hear = self.stt_stage is not None
@@ -92,7 +95,7 @@ class PipelineRealtimeEngine:
         if self.speech_stage is None:
             return
         try:
-            _speech_params(self.client, self.speech_stage, voice, speed)
+            speech_params(self.client, self.speech_stage, voice, speed)
         except ValueError as exc:
             raise SessionConfigError(str(exc), "session.audio.output.voice" if "voice" in str(exc)
                                      else "session.audio.output.speed") from None
@@ -123,12 +126,12 @@ class PipelineRealtimeEngine:
         # tool_choice "none": the LLM does not see the tools (vLLM's default would still show them).
         with_tools = {"tools": tools, "tool_choice": tool_choice} if tools and tool_choice != "none" else {}
         while True:
-            request = ChatCompletionRequest(model=(_served_names(self.client) or [None])[0], messages=messages,
+            request = ChatCompletionRequest(model=(served_names(self.client) or [None])[0], messages=messages,
                                             max_completion_tokens=max_tokens, temperature=temperature,
                                             **with_tools)
             try:
-                engine_input, params, prompt_len = await _chat_engine_input(self.client, self._scope, request)
-            except _Refused as refused:
+                engine_input, params, prompt_len = await chat_engine_input(self.client, self._scope, request)
+            except RequestRefused as refused:
                 error = json.loads(refused.response.body).get("error")
                 message = str(error.get("message") if isinstance(error, dict) else error)
             except (ValueError, VLLMValidationError) as exc:  # vLLM's renderer raises its validation errors
@@ -154,8 +157,8 @@ class PipelineRealtimeEngine:
         prompt_ids = engine_input.get("prompt_token_ids")
         yield ResponseStart(prompt_len)
         if audio:
-            speech = _speech_params(self.client, self.speech_stage, voice, speed)
-            params = _stage_params(self.client, self.speech_stage, _speech_dict(speech), sampling_params)
+            speech = speech_params(self.client, self.speech_stage, voice, speed)
+            params = stage_params(self.client, self.speech_stage, speech_dict(speech), sampling_params)
             stream = self.client.generate(engine_input, params, request_id, modalities=["text", "audio"])
         else:
             stream = self.client.generate(engine_input, sampling_params, request_id, modalities=["text"])
@@ -166,7 +169,8 @@ class PipelineRealtimeEngine:
                     if mm and mm.get("audio") is not None:
                         spoken = mm.get(SPOKEN_TEXT)
                         yield AudioChunk(np.asarray(mm["audio"], dtype=np.float32).copy(),
-                                         int(mm.get("sample_rate", 22050)), spoken if isinstance(spoken, str) else None)
+                                         int(mm.get("sample_rate", DEFAULT_SAMPLE_RATE)),
+                                         spoken if isinstance(spoken, str) else None)
                 elif out.outputs:
                     for text_piece in _text_pieces(out.outputs[0], parser, request, prompt_ids):
                         yield text_piece
@@ -192,7 +196,7 @@ def _text_pieces(piece: Any, parser: Any, request: ChatCompletionRequest,
             *_tool_deltas(delta)]
 
 
-def _vad_factory() -> Any:
+def vad_factory() -> Any:
     """Silero VAD per session, or None where the ``realtime`` extra is missing (server VAD then refused)."""
     try:
         from omni_engine.realtime.vad import VadConfig, VoiceActivityDetector
@@ -205,76 +209,10 @@ def _vad_factory() -> Any:
     return make
 
 
-class _EventWriter:
-    """The one writer of a connection: events queue up and go out in order from one task."""
-
-    def __init__(self, websocket: WebSocket) -> None:
-        self._ws = websocket
-        self._queue: asyncio.Queue[dict[str, Any] | None] = asyncio.Queue()
-        self._task = asyncio.ensure_future(self._write())
-        self.closed = False
-
-    def send(self, body: dict[str, Any]) -> None:
-        if not self.closed:
-            self._queue.put_nowait(body)
-
-    async def _write(self) -> None:
-        while (body := await self._queue.get()) is not None:
-            try:
-                await self._ws.send_text(json.dumps(body))
-            except Exception:  # noqa: BLE001 - the peer is gone; the reader sees the disconnect
-                self.closed = True
-                return
-
-    async def close(self) -> None:
-        self._queue.put_nowait(None)
-        self.closed = True
-        await asyncio.gather(self._task, return_exceptions=True)
-
-
-def refusal_event(code: str, param: str | None, message: str) -> dict[str, Any]:
-    """An ``error`` event sent before the connection is closed (no session exists yet)."""
-    return {"type": "error", "event_id": None,
-            "error": {"type": "invalid_request_error", "code": code, "param": param, "message": message,
-                      "event_id": None}}
-
-
-async def serve_session(websocket: WebSocket, make_session: Callable[[Callable[[dict[str, Any]], None]], Any],
-                        refused: dict[str, Any] | None = None) -> None:
-    """Run one event session on ``websocket`` until it closes, then close the session (it aborts what it
-    has in flight). A ``?model=`` this server does not serve, or ``refused``, is sent as an error event
-    and the socket closed (1008) instead. ``make_session(send)`` builds the session around the writer."""
-    names = _served_names(websocket.app.state.engine_client)
-    model = websocket.query_params.get("model")
-    await websocket.accept()
-    writer = _EventWriter(websocket)
-    if model and names and model not in names:
-        refused = refusal_event("model_not_found", "model",
-                                f"The model `{model}` does not exist; this server serves {names}.")
-    if refused is not None:
-        writer.send(refused)
-        await writer.close()
-        await websocket.close(code=1008)
-        return
-    session = make_session(writer.send)
-    writer.send(session.created())
-    try:
-        while True:
-            message = await websocket.receive()
-            if message["type"] == "websocket.disconnect":
-                break
-            await session.handle(message.get("text") if message.get("text") is not None else message.get("bytes"))
-    except WebSocketDisconnect:
-        pass
-    finally:
-        await session.close()
-        await writer.close()
-
-
 @router.websocket("/v1/realtime")
 async def realtime(websocket: WebSocket) -> None:
-    names = _served_names(websocket.app.state.engine_client)
+    names = served_names(engine_client(websocket))
     model = websocket.query_params.get("model") or (names or [""])[0]
     engine = PipelineRealtimeEngine(websocket)
     await serve_session(websocket, lambda send: RealtimeSession(engine, send, model=model,
-                                                                 vad_factory=_vad_factory()))
+                                                                 vad_factory=vad_factory()))
