@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Start-up and restart: how long until a pipeline serves, side by side with vLLM's own server.
 
-    python benchmarks/bench_startup.py [--rounds 3] [--restarts 3] [--only servers,stages,restart]
+    python benchmarks/bench_startup.py [--rounds 3] [--restarts 3] [--only servers,stages,llm,restart]
 
 In one run (these machines are shared and noisy: the figures to compare are those of one run),
 median of ``--rounds`` each, the servers taking turns:
@@ -10,8 +10,12 @@ median of ``--rounds`` each, the servers taking turns:
   prepared SmolLM2 with the engine arguments of ``smollm2_text.yaml``, against ``omni-engine
   serve`` of ``smollm2_text.yaml``, ``smollm2_speech.yaml`` and ``smollm2_piper.yaml``: seconds
   from the command to ``/health`` 200, and the RSS of every process of the server then;
+  ``omni-text-spawn`` is ``smollm2_text.yaml`` with ``OMNI_ENGINE_WARM_ENGINE_CORE=0`` (vLLM spawns
+  its EngineCore after the stage's import, as before the warm forkserver);
 * stages: each generation stage kind alone (eSpeak NG, Piper voice, eye GAN), from
   ``StageEngineCoreClient.start()`` to READY, its RSS and whether it loaded vLLM or torch;
+* llm: the SmolLM2 llm stage alone to READY, its EngineCore forked by the warm forkserver against
+  spawned by vLLM (taking turns), and the RSS of each process of the stage;
 * restart: a one-replica stage with ``restart: on-failure`` is killed (``kill -9``) and the time
   to its replacement's READY and to the next request served is taken; for eSpeak and for the
   SmolLM2 llm stage (compared with the llm stage's cold start).
@@ -39,7 +43,9 @@ from benchmarks.bench_common import REPO, RESULTS, machine_info, progress, write
 
 OMNI = [sys.executable, "-m", "omni_engine.entrypoints.cli.main", "serve"]
 SERVE_CONFIGS = {"omni-text": "stage_configs/smollm2_text.yaml", "omni-speech": "stage_configs/smollm2_speech.yaml",
-                 "omni-piper": "stage_configs/smollm2_piper.yaml"}
+                 "omni-piper": "stage_configs/smollm2_piper.yaml", "omni-text-spawn": "stage_configs/smollm2_text.yaml"}
+# Environment a server variant runs with (the others: this process's).
+SERVE_ENV = {"omni-text-spawn": {"OMNI_ENGINE_WARM_ENGINE_CORE": "0"}}
 STAGE_KINDS = {
     "espeak": ("omni_engine.engines.tts:make_espeak_tts", None),
     "piper-voice": ("omni_engine.engines.piper:make_piper_voice", "piper-joe"),
@@ -65,7 +71,8 @@ def healthy(url: str) -> bool:
 
 
 def tree_rss_mib(pid: int) -> dict[str, float]:
-    """RSS of a process and its descendants, by what ``top`` calls them (omni-stage<N>, VLLM::EngineCore)."""
+    """RSS (and USS) of a process and its descendants, by what ``top`` calls them (omni-stage<N>,
+    VLLM::EngineCore, the forkserver)."""
     import psutil
 
     found: dict[str, float] = {}
@@ -75,8 +82,12 @@ def tree_rss_mib(pid: int) -> dict[str, float]:
             name = proc.name()
             if name.startswith("python") and "resource_tracker" in " ".join(proc.cmdline()):
                 continue
+            if "multiprocessing.forkserver" in " ".join(proc.cmdline()):
+                name = "forkserver"
             label = "server" if proc.pid == pid else name
             found[label] = found.get(label, 0.0) + proc.memory_info().rss / 2**20
+            # Memory only this process holds: a forked EngineCore shares its imports with the forkserver.
+            found[f"{label} (uss)"] = found.get(f"{label} (uss)", 0.0) + proc.memory_full_info().uss / 2**20
         except psutil.Error:
             continue
     return found
@@ -89,11 +100,12 @@ def vllm_server_cmd(model: Path, port: int) -> list[str]:
             "--max-num-seqs", "16", "--enforce-eager", "--dtype", "float32", "--gpu-memory-utilization", "0.3"]
 
 
-def time_server(cmd: list[str], port: int, log: Path) -> dict[str, Any]:
+def time_server(cmd: list[str], port: int, log: Path, env: dict[str, str] | None = None) -> dict[str, Any]:
     """Seconds from the command to /health 200, and the RSS of its processes then."""
     t0 = time.perf_counter()
     with open(log, "wb") as out:
-        proc = subprocess.Popen(cmd, cwd=REPO, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        proc = subprocess.Popen(cmd, cwd=REPO, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+                                env={**os.environ, **(env or {})})
     try:
         while not healthy(f"http://127.0.0.1:{port}/health"):
             if proc.poll() is not None:
@@ -119,7 +131,7 @@ def servers(rounds: int, model: Path, log_dir: Path) -> dict[str, Any]:
         for name in names:
             port = free_port()
             cmd = vllm_server_cmd(model, port) if name == "vllm" else [*OMNI, SERVE_CONFIGS[name], "--port", str(port)]
-            found = time_server(cmd, port, log_dir / f"{name}-{r}.log")
+            found = time_server(cmd, port, log_dir / f"{name}-{r}.log", SERVE_ENV.get(name))
             runs[name].append(found)
             progress(f"round {r + 1}/{rounds}: {name} ready in {found['ready_s']:.1f} s")
     result = {name: {"ready_s": [x["ready_s"] for x in v], "median_s": statistics.median(x["ready_s"] for x in v),
@@ -160,6 +172,36 @@ async def stages(rounds: int) -> dict[str, Any]:
         result[kind] = {"ready_s": times, "median_s": statistics.median(times), "rss_mib": statistics.median(rss),
                         "loads_vllm": "vllm" in loaded, "loads_torch": "torch" in loaded}
         progress(f"{kind}: ready in {statistics.median(times):.2f} s, {statistics.median(rss):.0f} MiB")
+    return result
+
+
+def llm_engine_args(model: Path) -> dict[str, Any]:
+    """The engine arguments of smollm2_text.yaml's stage."""
+    return {"model": str(model), "max_model_len": 2048, "max_num_seqs": 16, "enforce_eager": True,
+            "dtype": "float32", "gpu_memory_utilization": 0.3}
+
+
+async def llm_stage(rounds: int, model: Path) -> dict[str, Any]:
+    """The llm stage alone to READY: EngineCore forked warm against spawned, taking turns."""
+    from omni_engine.stage_engine.stage_core_client import StageEngineCoreClient
+    from omni_engine.stage_engine.stage_process import StageProcessSpec
+
+    runs: dict[str, list[dict[str, Any]]] = {"warm": [], "spawn": []}
+    for r in range(rounds):
+        for name in (list(runs) if r % 2 == 0 else list(reversed(runs))):
+            spec = StageProcessSpec("llm", llm_engine_args(model), warm_engine_core=name == "warm")
+            client = StageEngineCoreClient(0, process=spec)
+            t0 = time.perf_counter()
+            await client.start()
+            ready_s = time.perf_counter() - t0
+            runs[name].append({"ready_s": ready_s, "rss_mib": tree_rss_mib(client.process.pid)})
+            await client.shutdown()
+            progress(f"round {r + 1}/{rounds}: llm stage ({name}) ready in {ready_s:.1f} s")
+    result = {name: {"ready_s": [x["ready_s"] for x in v], "median_s": statistics.median(x["ready_s"] for x in v),
+                     "rss_mib": v[-1]["rss_mib"]} for name, v in runs.items()}
+    result["warm_vs_spawn"] = result["warm"]["median_s"] / result["spawn"]["median_s"]
+    progress(f"llm stage ready: warm {result['warm']['median_s']:.1f} s, spawn {result['spawn']['median_s']:.1f} s "
+             f"({result['warm_vs_spawn']:.2f}x)")
     return result
 
 
@@ -206,8 +248,7 @@ async def restarts(trials: int, model: Path) -> dict[str, Any]:
                                "engine_args": {"model_factory": STAGE_KINDS["espeak"][0]},
                                "runtime": {"restart": "on-failure", "max_restarts": trials}})
     llm = one_stage_config({"stage_type": "llm", "final_output_type": "text",
-                            "engine_args": {"model": str(model), "max_model_len": 2048, "max_num_seqs": 16,
-                                            "enforce_eager": True, "dtype": "float32", "gpu_memory_utilization": 0.3},
+                            "engine_args": llm_engine_args(model),
                             "runtime": {"restart": "on-failure", "max_restarts": trials}})
     return {"espeak": await restart("espeak", espeak, "Back in service.", None, trials),
             "llm": await restart("llm", llm, "Hello", SamplingParams(max_tokens=4), trials)}
@@ -217,7 +258,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--restarts", type=int, default=3)
-    parser.add_argument("--only", default="servers,stages,restart")
+    parser.add_argument("--only", default="servers,stages,llm,restart")
     parser.add_argument("--json", default=str(RESULTS / "bench_startup.json"))
     args = parser.parse_args()
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
@@ -230,6 +271,8 @@ def main() -> None:
     results: dict[str, Any] = {"machine": machine_info(), "rounds": args.rounds}
     if "stages" in only:
         results["stages"] = asyncio.run(stages(args.rounds))
+    if "llm" in only:
+        results["llm"] = asyncio.run(llm_stage(args.rounds, model))
     if "restart" in only:
         results["restart"] = asyncio.run(restarts(args.restarts, model))
     if "servers" in only:

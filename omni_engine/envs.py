@@ -80,6 +80,12 @@ def stage_startup_timeout_s() -> float:
     return float(_int("OMNI_ENGINE_STAGE_STARTUP_TIMEOUT", 600))
 
 
+def warm_engine_core() -> bool:
+    """Whether an llm stage imports vLLM's EngineCore in a forkserver while it imports vLLM
+    (``OMNI_ENGINE_WARM_ENGINE_CORE``, default on; off: vLLM spawns its EngineCore as usual)."""
+    return _bool("OMNI_ENGINE_WARM_ENGINE_CORE", True)
+
+
 def show_tracebacks() -> bool:
     """Whether a command that fails with an error it explains also prints the traceback
     (``OMNI_ENGINE_TRACEBACK=1``, or vLLM's ``VLLM_LOGGING_LEVEL=DEBUG``)."""

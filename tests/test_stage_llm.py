@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import pathlib
 import signal
 import time
 
@@ -72,6 +73,34 @@ async def test_abort_mid_stream_stops_the_request_and_the_stage_lives_on(llm_sta
     await llm_stage.submit_request("after-abort", chat_prompt(QUESTION), greedy())
     outputs = await collect(llm_stage, "after-abort")
     assert "Paris" in "".join(o.outputs[0].text for o in outputs)
+
+
+async def test_the_engine_core_is_forked_by_a_warm_forkserver_with_vllms_cpu_preload(llm_stage):
+    """vLLM's EngineCore comes from the forkserver the stage started before importing vLLM (its
+    import overlapped the stage's), which was exec'd with the libraries vLLM preloads on CPUs."""
+    import psutil
+
+    from omni_engine.engines.warm_engine_core import cpu_preload_libraries
+
+    stage = psutil.Process(llm_stage.process.pid)
+    servers = [p for p in stage.children() if "multiprocessing.forkserver" in " ".join(p.cmdline())]
+    assert len(servers) == 1, [(p.pid, p.cmdline()[-1][:60]) for p in stage.children()]
+    server = servers[0]
+    cores = server.children()
+    # vLLM's own process title, as a spawned EngineCore has it (ps, top).
+    assert [" ".join(p.cmdline()).strip() for p in cores] == ["VLLM::EngineCore"]
+    with open(f"/proc/{server.pid}/environ", "rb") as f:
+        environment = dict(e.split(b"=", 1) for e in f.read().split(b"\0") if b"=" in e)
+    preload = environment[b"LD_PRELOAD"].decode()
+    libraries = cpu_preload_libraries()
+    assert any("libgomp" in lib for lib in libraries)
+    assert all(lib in preload for lib in libraries), (preload, libraries)
+    # The stage itself runs without them (only what it execs takes the preload).
+    with open(f"/proc/{stage.pid}/environ", "rb") as f:
+        assert b"libgomp" not in f.read()
+    # The forked EngineCore has them mapped.
+    maps = pathlib.Path(f"/proc/{cores[0].pid}/maps").read_text()
+    assert all(lib in maps for lib in libraries)
 
 
 # --- the seed's test (rfc967, 测试计划), against an externally started stage ---------

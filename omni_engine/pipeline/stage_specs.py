@@ -107,6 +107,7 @@ def stage_process_spec(stage: StageConfig, connectors: ConnectorSettings, device
         devices=devices,
         env=dict(stage.env),
         io=stage.runtime.io or "loop",
+        warm_engine_core=envs.warm_engine_core(),
     )
 
 

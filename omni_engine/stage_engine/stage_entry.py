@@ -106,6 +106,10 @@ def serve_zmq_stage(spec: StageProcessSpec) -> None:
     if transport is None:
         raise ValueError(f"stage {spec.stage_id}: a ZMQ stage process needs spec.transport (its addresses)")
     core_class = ThreadedStageEngineCoreProc if spec.io == "threads" else StageEngineCoreProc
+    if spec.stage_type == "llm" and spec.warm_engine_core:
+        from omni_engine.engines.warm_engine_core import start_warm_forkserver
+
+        start_warm_forkserver()  # before build_stage_engine imports vLLM: the two imports overlap
 
     def make_core() -> StageEngineCoreProc:
         engine = build_stage_engine(spec)

@@ -71,6 +71,9 @@ class StageProcessSpec(msgspec.Struct):
     # Where the stage's socket I/O runs: "loop" (its event loop) or "threads" (an input and an
     # output thread, for a model that computes on its loop).
     io: str = "loop"
+    # An llm stage imports vLLM's EngineCore in a forkserver while it imports vLLM itself
+    # (engines/warm_engine_core.py); False: vLLM spawns its EngineCore its own way.
+    warm_engine_core: bool = True
 
     def __repr__(self) -> str:  # the CURVE secret must not end up in a log line
         return (f"StageProcessSpec(stage_id={self.stage_id}, stage_type={self.stage_type!r}, "

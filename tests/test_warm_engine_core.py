@@ -1,0 +1,63 @@
+"""The warm EngineCore start (``engines/warm_engine_core.py``): what a forked process must get right.
+
+The llm stage's own test (``test_stage_llm``) checks the forkserver in a real stage; here, in a
+fresh interpreter with a real forkserver, the one thing fork loses that spawn kept: the
+environment the parent set after the forkserver started.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+from omni_engine.engines.warm_engine_core import WarmEngineCoreContext, use_warm_engine_core
+
+
+def write_variable(path: str, name: str) -> None:
+    """In the child: write what ``name`` is in its environment (``<unset>`` if missing)."""
+    with open(path, "w") as f:
+        f.write(os.environ.get(name, "<unset>"))
+
+
+_SCRIPT = textwrap.dedent("""
+    import multiprocessing, multiprocessing.forkserver, os, sys
+    from omni_engine.engines.warm_engine_core import WarmEngineCoreContext
+    from tests.test_warm_engine_core import write_variable
+
+    multiprocessing.forkserver.ensure_running()
+    os.environ["SET_LATE"] = "after the forkserver started"
+    os.environ.pop("GONE_LATE")
+    for context, path in ((WarmEngineCoreContext(), sys.argv[1]),
+                          (multiprocessing.get_context("forkserver"), sys.argv[2])):
+        for name in ("SET_LATE", "GONE_LATE"):
+            child = context.Process(target=write_variable, args=(path + name, name))
+            child.start()
+            child.join(60)
+            assert child.exitcode == 0, child.exitcode
+""")
+
+
+def test_a_forked_engine_core_runs_with_the_environment_of_its_creation(tmp_path):
+    warm, plain = str(tmp_path / "warm-"), str(tmp_path / "plain-")
+    env = {**os.environ, "GONE_LATE": "set before the forkserver started"}
+    done = subprocess.run([sys.executable, "-c", _SCRIPT, warm, plain], env=env, capture_output=True, text=True,
+                          timeout=120, cwd=os.path.dirname(os.path.dirname(__file__)))
+    assert done.returncode == 0, done.stderr[-3000:]
+    read = lambda path: open(path).read()  # noqa: E731
+    # Carried: the parent's environment when the process was made, both what it added and what it removed.
+    assert read(warm + "SET_LATE") == "after the forkserver started"
+    assert read(warm + "GONE_LATE") == "<unset>"
+    # The control: a plain forkserver process has the forkserver's (stale) environment.
+    assert read(plain + "SET_LATE") == "<unset>"
+    assert read(plain + "GONE_LATE") == "set before the forkserver started"
+
+
+def test_without_a_warm_forkserver_vllm_keeps_its_own_process_start():
+    import vllm.v1.engine.utils as engine_utils
+
+    before = engine_utils.get_mp_context
+    use_warm_engine_core()  # this process started no forkserver: nothing changes
+    assert engine_utils.get_mp_context is before
+    assert WarmEngineCoreContext()._name == "forkserver"
