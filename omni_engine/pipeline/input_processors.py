@@ -18,12 +18,9 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
-if TYPE_CHECKING:
-    # Annotations only: a config that names these processors is checked (and serve starts its
-    # stages) before anything imports vLLM, which omni_engine.outputs does.
-    from omni_engine.outputs import OmniRequestOutput
+from omni_engine.outputs import OmniRequestOutput
 
 
 @dataclass(slots=True)
