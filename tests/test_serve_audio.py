@@ -349,3 +349,9 @@ def test_weight_updates_through_the_rl_routes_with_a_trainer_script(server, smol
     assert checksums.status_code == 200 and all(k.startswith("s0.r0.") for k in checksums.json()["checksums"])
     assert httpx.get(f"{url}/is_sleeping", headers=headers, timeout=30).json() == {"is_sleeping": False}
     check_row_swap_push({**server, "model": MODEL}, smollm2_path, tmp_path, "--mode", "wait")
+
+
+def test_the_speech_pipelines_stages_start_before_the_server_imports_vllm(server):
+    """Its config names edge input processors: checking them imports no vLLM either."""
+    log = server["log"].read_text(errors="replace")
+    assert "2 stage(s) started; this process imports vLLM meanwhile" in log, log[-3000:]

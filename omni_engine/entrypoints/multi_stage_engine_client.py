@@ -110,6 +110,7 @@ class MultiStageEngineClient(EngineClient):
     async def from_config(
         cls, config: PipelineConfig | str | Path, *, progress: Progress | None = None,
         make_stage_client: StageClientFactory | None = None, text_stage: bool = False,
+        launched: dict[int, Any] | None = None,
     ) -> "MultiStageEngineClient":
         """Validate the config, prepare its models, start every stage process (in parallel), and connect.
 
@@ -118,12 +119,15 @@ class MultiStageEngineClient(EngineClient):
         architecture passes its ``multiprocessing.Queue`` one). With ``text_stage``
         the text stage's vLLM objects (config, renderer, input processor: what
         vLLM's serving layer reads) load while the stages start (no engine here).
+        ``launched``: stage processes already started from this config
+        (``pipeline.early_launch``), which their clients adopt.
         """
         cfg = config if isinstance(config, PipelineConfig) else load_pipeline_config(config)
         say = progress or (lambda msg: None)
         cfg = prepare_models(cfg, say)
         text_stage_config = text_stage_of(cfg) if text_stage else None  # ValueError (no llm stage) first
-        pipeline, text = await start_with_text_stage(start_pipeline(cfg, say, make_stage_client), text_stage_config)
+        pipeline, text = await start_with_text_stage(start_pipeline(cfg, say, make_stage_client, launched),
+                                                     text_stage_config)
         return cls(pipeline.stages, cfg.runtime.execution_mode, cfg.runtime.edges, cfg,
                    pipeline.restartable, pipeline.placement, text)
 

@@ -18,9 +18,12 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
-from omni_engine.outputs import OmniRequestOutput
+if TYPE_CHECKING:
+    # Annotations only: a config that names these processors is checked (and serve starts its
+    # stages) before anything imports vLLM, which omni_engine.outputs does.
+    from omni_engine.outputs import OmniRequestOutput
 
 
 @dataclass(slots=True)

@@ -21,6 +21,7 @@ from omni_engine.pipeline.stage_specs import build_stage_specs
 from omni_engine.pipeline.stage_supervisor import DEFAULT_MAX_RESTARTS, RestartableStage, StageClientMaker
 from omni_engine.stage_engine.security import CurveKeys
 from omni_engine.stage_engine.stage_client import StageClient
+from omni_engine.stage_engine.stage_launch import LaunchedStage
 from omni_engine.stage_engine.stage_core_client import StageEngineCoreClient
 from omni_engine.stage_engine.stage_spec import StageProcessSpec
 
@@ -51,9 +52,13 @@ class StartedPipeline:
 
 
 async def start_pipeline(config: PipelineConfig, say: Progress,
-                         make_stage_client: StageClientFactory | None = None) -> StartedPipeline:
+                         make_stage_client: StageClientFactory | None = None,
+                         launched: dict[int, LaunchedStage] | None = None) -> StartedPipeline:
     """Start every stage of a validated config whose models are prepared (``prepare_models``), in
-    parallel, and connect. If one fails to start, every other is stopped and its error raised."""
+    parallel, and connect. If one fails to start, every other is stopped and its error raised.
+    ``launched``: stage processes already started (``early_launch``), adopted by their clients
+    (each once: a later restart starts a new process)."""
+    launched = dict(launched or {})
     specs = build_stage_specs(config)
     # CURVE on: one server keypair per run; each stage process its own keypair
     # unless the config fixes one (None: CURVE off).
@@ -71,7 +76,8 @@ async def start_pipeline(config: PipelineConfig, say: Progress,
         spec = specs[stage.stage_id][replica]
         if make_stage_client is not None:
             return make_stage_client(stage, spec)
-        return zmq_stage_client(stage, spec, replica, placement=placement, curve=curve)
+        early = launched.pop(stage.stage_id, None) if replica == 0 else None
+        return zmq_stage_client(stage, spec, replica, placement=placement, curve=curve, launched=early)
 
     built = {stage.stage_id: stage_client_for(stage, len(specs[stage.stage_id]),
                                               lambda replica, stage=stage: make_client(stage, replica))
@@ -89,8 +95,9 @@ async def start_pipeline(config: PipelineConfig, say: Progress,
 
 
 def zmq_stage_client(stage: StageConfig, spec: StageProcessSpec, replica: int, *, placement: Any = None,
-                     curve: CurveKeys | None = None) -> StageEngineCoreClient:
-    """The ZMQ client of ``replica`` of ``stage`` (``placement``: a ``RayPlacement``, or None)."""
+                     curve: CurveKeys | None = None, launched: LaunchedStage | None = None) -> StageEngineCoreClient:
+    """The ZMQ client of ``replica`` of ``stage`` (``placement``: a ``RayPlacement``, or None;
+    ``launched``: its process, already started)."""
     runtime = stage.runtime
     if not runtime.process:
         # Runs the stage's engine in this process: engine code is imported only then.
@@ -103,6 +110,8 @@ def zmq_stage_client(stage: StageConfig, spec: StageProcessSpec, replica: int, *
 
         return RayStageClient(stage.stage_id, spec, placement=placement, replica=replica, curve=curve,
                               host=runtime.host)
+    if launched is not None:
+        return StageEngineCoreClient(stage.stage_id, process=spec, launched=launched)
     return StageEngineCoreClient(stage.stage_id, process=spec, transport=runtime.transport, host=runtime.host,
                                  curve=curve.for_new_process() if curve is not None else None)
 
@@ -132,7 +141,10 @@ async def start_stages(clients: Mapping[int, StageClient], say: Progress) -> Non
     async def start(stage_id: int) -> None:
         client = clients[stage_id]
         n = len(client.replica_status())
-        say(f"stage {stage_id}: starting {'process' if n == 1 else f'{n} replicas'}")
+        if getattr(client, "launched", None) is not None:
+            say(f"stage {stage_id}: connecting to its process")
+        else:
+            say(f"stage {stage_id}: starting {'process' if n == 1 else f'{n} replicas'}")
         loop = asyncio.get_running_loop()
         t0 = loop.time()
         await client.start()

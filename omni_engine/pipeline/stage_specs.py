@@ -22,6 +22,7 @@ from omni_engine.connectors.settings import ConnectorSettings
 from omni_engine.logits.mixing_wiring import mixing_stage_env, wire_mixing
 from omni_engine.weights import WORKER_EXTENSION
 from omni_engine.stage_engine.stage_spec import DeviceAssignment, StageProcessSpec
+from omni_engine.utils import installed_vllm_is_cpu_build
 
 Progress = Callable[[str], None]
 
@@ -55,9 +56,17 @@ def prepare_models(config: PipelineConfig, progress: Progress | None = None) -> 
     return config.replace(stage_args=stages)
 
 
+# vLLM's CPU platform's device-control variable (vllm/utils/cpu_resource_utils.py), known here
+# without importing vLLM: `omni-engine serve` builds its stages' specs before it imports vLLM
+# (tests/test_stage_devices.py holds it to vLLM's own value).
+CPU_DEVICE_CONTROL_VARIABLE = "CPU_VISIBLE_MEMORY_NODES"
+
+
 def device_control_variable() -> str:
     """The variable through which this platform's processes are given their devices
     (vLLM's ``current_platform.device_control_env_var``)."""
+    if installed_vllm_is_cpu_build():
+        return CPU_DEVICE_CONTROL_VARIABLE
     from vllm.platforms import current_platform
 
     return current_platform.device_control_env_var

@@ -14,8 +14,6 @@ import atexit
 import functools
 import itertools
 import logging
-import os
-import tempfile
 import weakref
 from pathlib import Path
 from typing import Any
@@ -50,12 +48,8 @@ from omni_engine.wire.protocol import (
     message_kind,
 )
 from omni_engine.stage_engine.security import CurveKeys
-from omni_engine.stage_engine.stage_process import (
-    StageProcess,
-    StageProcessSpec,
-    cleanup_stage,
-    default_log_dir,
-)
+from omni_engine.stage_engine.stage_launch import LaunchedStage, launch_spec, new_runtime_dir, start_stage_process
+from omni_engine.stage_engine.stage_process import StageProcess, StageProcessSpec, cleanup_stage
 from omni_engine.stage_engine.loop_socket import LoopSocket
 from omni_engine.stage_engine.stage_spec import StageTransport
 from omni_engine.utils import machine_host_id
@@ -65,12 +59,7 @@ from omni_engine.wire.stage_serialization import (
     StageMsgpackEncoder,
     WireFormatError,
 )
-from omni_engine.stage_engine.stage_sockets import (
-    RUNTIME_DIR_PREFIX,
-    bind_client_sockets,
-    make_addresses,
-    remove_stale_runtime_dirs,
-)
+from omni_engine.stage_engine.stage_sockets import bind_client_sockets, make_addresses, remove_stale_runtime_dirs
 from omni_engine.stage_engine.stage_startup import (
     check_ready,
     recv_ready,
@@ -123,7 +112,9 @@ class StageEngineCoreClient(BaseStageClient):
     READY; without, it waits for an externally started stage to connect.
     ``host`` is the tcp bind address (default loopback). With ``curve`` (the
     pipeline's keys) the sockets admit only peers with an allowed client key,
-    and a spawned stage gets the client keypair in its spec.
+    and a spawned stage gets the client keypair in its spec. With ``launched``
+    (``stage_launch.launch_stage``: the process already runs), ``start()`` binds
+    the addresses it connects to and adopts it instead of spawning one.
     """
 
     def __init__(
@@ -141,10 +132,18 @@ class StageEngineCoreClient(BaseStageClient):
         lease_book: ShmLeaseBook | None = None,
         run_prefix: str | None = None,
         connectors: ConnectorSettings | None = None,
+        launched: LaunchedStage | None = None,
     ) -> None:
         """``connectors`` default to the process spec's (else the environment's):
         both ends must agree on them (pickle above all)."""
         make_addresses(stage_id, transport, Path(), host)  # ValueError naming the stage if unusable
+        if launched is not None:
+            if transport != "ipc" or curve is not None or process is None:
+                raise ValueError(f"stage {stage_id}: a launched stage is a local ipc stage without CURVE, "
+                                 "with its process spec")
+            input_address, output_address = launched.input_address, launched.output_address
+            run_prefix = launched.run_prefix
+        self.launched = launched
         attachments = attachments or default_attachments()
         self.shm = ShmRequestResources(attachments)
         super().__init__(stage_id, process, startup_timeout, self.shm)
@@ -193,7 +192,7 @@ class StageEngineCoreClient(BaseStageClient):
         if self.shm.book is None:
             self.shm.book = lease_book_for(self._loop)
         remove_stale_runtime_dirs()
-        self.runtime_dir = Path(tempfile.mkdtemp(prefix=f"{RUNTIME_DIR_PREFIX}{os.getpid()}-s{self.stage_id}-"))
+        self.runtime_dir = self.launched.runtime_dir if self.launched is not None else new_runtime_dir(self.stage_id)
         default_in, default_out = make_addresses(self.stage_id, self.transport, self.runtime_dir, self.host)
         self.input_address = self.input_address or default_in
         self.output_address = self.output_address or default_out
@@ -210,7 +209,9 @@ class StageEngineCoreClient(BaseStageClient):
         self._finalizer = weakref.finalize(self, cleanup_stage, None, self.runtime_dir, self.shm_prefix, self._ctx)
         atexit.register(self._finalizer)
         try:
-            if self.process_spec is not None:
+            if self.launched is not None:
+                self._adopt(self.launched)
+            elif self.process_spec is not None:
                 await self._launch()
             await self._wait_ready(" (with CURVE on, a stage whose keys the client refuses never gets through)"
                                    if self.curve is not None else "")
@@ -227,7 +228,14 @@ class StageEngineCoreClient(BaseStageClient):
         self._watch_heartbeats()
 
     async def _launch(self) -> None:
-        self.process = await self._start_process(self._launch_spec())
+        self._own_process(await self._start_process(self._launch_spec()))
+
+    def _adopt(self, launched: LaunchedStage) -> None:
+        launched.adopted = True
+        self._own_process(launched.process)
+
+    def _own_process(self, process: StageProcess) -> None:
+        self.process = process
         # The finalizer (GC, atexit) kills the stage if shutdown() never runs.
         self._finalizer.detach()
         self._finalizer = weakref.finalize(
@@ -237,13 +245,7 @@ class StageEngineCoreClient(BaseStageClient):
 
     def _launch_spec(self) -> StageProcessSpec:
         """The process spec with its launch fields: where to connect, keys, connectors."""
-        spec = self.process_spec
-        return spec.replace(
-            env={"VLLM_RPC_BASE_PATH": str(self.runtime_dir), **spec.env},
-            connectors=self.connectors,
-            transport=self._stage_transport(),
-            curve=spec.curve if spec.curve is not None or self.curve is None else self.curve.for_stage(),
-        )
+        return launch_spec(self.process_spec, self.runtime_dir, self.connectors, self._stage_transport(), self.curve)
 
     def _stage_transport(self) -> StageTransport:
         return StageTransport(input_address=self.input_address, output_address=self.output_address,
@@ -251,9 +253,7 @@ class StageEngineCoreClient(BaseStageClient):
 
     async def _start_process(self, spec: StageProcessSpec) -> StageProcess:
         """Start the stage's process (here: a child of this one)."""
-        process = StageProcess(self.stage_id, spec, default_log_dir() / f"{self.shm_prefix}.log")
-        process.start()
-        return process
+        return start_stage_process(self.stage_id, spec, self.shm_prefix)
 
     def _meet_host(self, host_id: str) -> None:
         """After READY: a stage on another host can neither map our segments nor we its, so from
@@ -306,6 +306,8 @@ class StageEngineCoreClient(BaseStageClient):
         self._release_now()
 
     def _release_now(self) -> None:
+        if self.launched is not None:
+            self.launched.discard()  # a launched stage this client never adopted (it never started)
         for watch in (self._output_reader, self._requests_out):
             if watch is not None:
                 watch.close()

@@ -16,7 +16,7 @@ import signal
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from omni_engine.entrypoints.cli.common import say, set_stage_env_defaults
 
@@ -41,16 +41,70 @@ def main(argv: Sequence[str]) -> int:
     """``omni-engine serve PIPELINE_CONFIG [vllm serve flags] [omni-engine flags]``."""
     from omni_engine.config import ConfigError
     from omni_engine.entrypoints.cli.serve_args import ServeArgsError, parse_serve_args
+    from omni_engine.pipeline.early_launch import discard_launched
 
+    launched: dict[int, Any] = {}
     try:
         # The config and its models first: vLLM's parser imports vLLM (seconds), and a
-        # wrong model must not wait for that.
+        # wrong model must not wait for that. Then the stages start, so that their own
+        # imports run while this process imports vLLM.
         config = _load_checked(Path(argv[0])) if argv and Path(argv[0]).is_file() else None
+        if config is not None and not _asks_for_help(argv):
+            config = _with_served_names(config, _served_names_given(argv))
+            launched = _launch_early(config)
         args = parse_serve_args(argv)
     except (ConfigError, ServeArgsError) as exc:
+        discard_launched(launched)
         say(str(exc))
         return 2
-    return run(args, config if config is not None and Path(argv[0]) == args.pipeline_config else None)
+    except BaseException:
+        discard_launched(launched)
+        raise
+    if config is None or Path(argv[0]) != args.pipeline_config:
+        discard_launched(launched)
+        return run(args, None)
+    return run(args, config, launched)
+
+
+def _asks_for_help(argv: Sequence[str]) -> bool:
+    return any(a in ("-h", "--help") or a.startswith("--help=") for a in argv)
+
+
+def _served_names_given(argv: Sequence[str]) -> list[str] | None:
+    """``--served-model-name`` from the command line, read before vLLM's parser (which imports vLLM)
+    can. vLLM's parser has the last word: ``_serve`` restarts the stages if it reads other names
+    (from a ``--config`` file of serve flags)."""
+    early = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    early.add_argument("--served-model-name", "--served_model_name", nargs="+")
+    known, _rest = early.parse_known_args(list(argv[1:]))
+    return known.served_model_name
+
+
+def _with_served_names(config: PipelineConfig, names: list[str] | None) -> PipelineConfig:
+    """The config as ``_serve`` runs it: the text stage's vLLM labels its metrics with the served names."""
+    from omni_engine.entrypoints.openai.engine_config import (
+        default_served_model_name,
+        text_stage_of,
+        with_served_model_name,
+    )
+
+    return with_served_model_name(config, list(names or [default_served_model_name(text_stage_of(config))]))
+
+
+def _launch_early(config: PipelineConfig) -> dict[int, Any]:
+    """Start the stages that can start before vLLM is imported here (``pipeline.early_launch``)."""
+    import sys
+
+    from omni_engine.pipeline.early_launch import launch_stages_early
+
+    set_stage_env_defaults()
+    launched = launch_stages_early(config, say)
+    if launched and "vllm" in sys.modules:
+        # Checked, not assumed: an import of vLLM on this path undoes what starting early buys.
+        say(f"{len(launched)} stage(s) started, but after this process imported vLLM (a slow start)")
+    elif launched:
+        say(f"{len(launched)} stage(s) started; this process imports vLLM meanwhile")
+    return launched
 
 
 def _load_checked(path: Path) -> PipelineConfig:
@@ -77,8 +131,10 @@ def _load_checked(path: Path) -> PipelineConfig:
     return prepare_models(config, say)
 
 
-def run(args: argparse.Namespace, config: PipelineConfig | None = None) -> int:
-    """Serve ``args.pipeline_config`` (``config``: that file already loaded by ``_load_checked``)."""
+def run(args: argparse.Namespace, config: PipelineConfig | None = None,
+        launched: dict[int, Any] | None = None) -> int:
+    """Serve ``args.pipeline_config`` (``config``: that file already loaded by ``_load_checked``;
+    ``launched``: its stages already started by ``_launch_early``)."""
     set_stage_env_defaults()
     # A dead stage makes /health 503 (for a supervisor to act on); the server itself keeps answering.
     os.environ.setdefault("VLLM_KEEP_ALIVE_ON_ENGINE_DEATH", "1")
@@ -99,10 +155,15 @@ def run(args: argparse.Namespace, config: PipelineConfig | None = None) -> int:
         raise KeyboardInterrupt("terminated")
 
     signal.signal(signal.SIGTERM, _interrupt)
-    return uvloop.run(_serve(args, config))
+    from omni_engine.pipeline.early_launch import discard_launched
+
+    try:
+        return uvloop.run(_serve(args, config, dict(launched or {})))
+    finally:
+        discard_launched(launched or {})  # those no client adopted (a start that failed first)
 
 
-async def _serve(args: argparse.Namespace, config) -> int:
+async def _serve(args: argparse.Namespace, config, launched: dict[int, Any]) -> int:
     from vllm.entrypoints.launchers.api_server.entry import build_and_serve
     from vllm.entrypoints.launchers.launcher import setup_server
 
@@ -114,6 +175,7 @@ async def _serve(args: argparse.Namespace, config) -> int:
         with_served_model_name,
     )
     from omni_engine.entrypoints.openai.metrics import register_pipeline_metrics
+    from omni_engine.pipeline.early_launch import discard_launched
 
     # Our audio routes (/v1/audio/speech, chat with audio) and the API key on every route,
     # on the app build_and_serve builds.
@@ -122,7 +184,13 @@ async def _serve(args: argparse.Namespace, config) -> int:
     started = time.monotonic()
     served_names = list(args.served_model_name or [default_served_model_name(text_stage_of(config))])
     # The text stage's vLLM labels its vllm:* metrics with the name the API serves, as under `vllm serve`.
-    config = with_served_model_name(config, served_names)
+    named = with_served_model_name(config, served_names)
+    if launched and named != config:
+        # vLLM's parser read other names than the early look did (a --config file of serve flags).
+        say("the served model name differs from the command line's: starting the stages again")
+        discard_launched(launched)
+        launched.clear()
+    config = named
     text_stage = text_stage_of(config)
     server_args = server_args_for(args, str(text_stage.engine_args["model"]), served_names)
     # Bind the port before anything starts: a port in use fails at once.
@@ -136,7 +204,7 @@ async def _serve(args: argparse.Namespace, config) -> int:
              f"text stage {text_stage.stage_id} served as {served_names[0]!r}")
         from omni_engine.entrypoints.multi_stage_engine_client import MultiStageEngineClient
 
-        client = await MultiStageEngineClient.from_config(config, progress=say, text_stage=True)
+        client = await MultiStageEngineClient.from_config(config, progress=say, text_stage=True, launched=launched)
         try:
             # omni_engine_* series and the LLM stages' vllm:* series on vLLM's /metrics
             register_pipeline_metrics(client, engine_metrics_timeout=args.engine_metrics_timeout)
