@@ -109,3 +109,28 @@ def fence_order(rank: int, world: int, port: int, out: str, fail_push: bool) -> 
         times["result"] = f"raised: {exc}"
     Path(out, f"rank{rank}.json").write_text(json.dumps(times))
     dist.destroy_process_group()
+
+
+def live_ddp_modules() -> int:
+    import gc
+
+    return sum(isinstance(o, torch.nn.parallel.DistributedDataParallel) for o in gc.get_objects())
+
+
+def a_closed_run_keeps_no_ddp(rank: int, world: int, port: int, out: str, config_path: str) -> None:
+    """The example's run on a rank (torchrun's environment, SmolLM2, no pushes), closed: no DDP module
+    may outlive the group, or its reducer's teardown at interpreter exit can abort the rank."""
+    import os
+
+    from omni_engine.rl.config import load_actor_learner_config
+    from omni_engine.rl.runner import ActorLearnerRun
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
+                      WORLD_SIZE=str(world))
+    config = load_actor_learner_config(config_path, {"sync.every_steps": 0, "data.heldout": None,
+                                                       "rollout.model": "any"})
+    run = ActorLearnerRun(config, lambda sample, rollout: None, "http://127.0.0.1:9")  # never asked
+    before = live_ddp_modules()
+    run.close()
+    Path(out, f"rank{rank}.json").write_text(json.dumps(
+        {"before": before, "after": live_ddp_modules(), "group_left": dist.is_initialized()}))
