@@ -18,7 +18,8 @@ median of ``--rounds`` each, the servers taking turns:
   spawned by vLLM (taking turns), and the RSS of each process of the stage;
 * restart: a one-replica stage with ``restart: on-failure`` is killed (``kill -9``) and the time
   to its replacement's READY and to the next request served is taken; for eSpeak and for the
-  SmolLM2 llm stage (compared with the llm stage's cold start).
+  SmolLM2 llm stage (compared with the llm stage's cold start), and for that llm stage with
+  ``runtime.warm_spare`` (killed once its spare waits; the spare's RSS and USS then).
 
 Writes JSON to ``benchmarks/results/``.
 """
@@ -223,6 +224,13 @@ async def restart(kind: str, config, prompt: Any, params: Any, trials: int) -> d
         for trial in range(trials):
             async for _ in client.generate(prompt, params, f"{kind}-warm-{trial}"):
                 pass
+            if config.stage_args[0].runtime.warm_spare:
+                # The steady state: a spare that has imported everything waits.
+                while (spare := client.supervisor.spares.get(0)) is None:
+                    await asyncio.sleep(0.05)  # started a while after a restart
+                spare_ready_s = await wait_spare_ready(spare.process.log_path)
+                found.setdefault("spare_ready_s", []).append(spare_ready_s)
+                found.setdefault("spare_rss_mib", []).append(tree_rss_mib(spare.process.pid))
             pid = client.replica_status(0)[0].pid
             t_kill = time.perf_counter()
             os.kill(pid, signal.SIGKILL)
@@ -241,6 +249,17 @@ async def restart(kind: str, config, prompt: Any, params: Any, trials: int) -> d
     return found
 
 
+async def wait_spare_ready(log: Path) -> float:
+    """Seconds until a warm spare's log says it waits (it says how long its imports took)."""
+    import re
+
+    t0 = time.perf_counter()
+    while not (log.exists() and (m := re.search(r"ready in ([0-9.]+) s; waiting", log.read_text()))):
+        await asyncio.sleep(0.05)
+    progress(f"warm spare ready ({m.group(1)} s of imports; waited {time.perf_counter() - t0:.1f} s)")
+    return float(m.group(1))
+
+
 async def restarts(trials: int, model: Path) -> dict[str, Any]:
     from vllm import SamplingParams
 
@@ -250,8 +269,12 @@ async def restarts(trials: int, model: Path) -> dict[str, Any]:
     llm = one_stage_config({"stage_type": "llm", "final_output_type": "text",
                             "engine_args": llm_engine_args(model),
                             "runtime": {"restart": "on-failure", "max_restarts": trials}})
+    llm_spare = one_stage_config({"stage_type": "llm", "final_output_type": "text",
+                                  "engine_args": llm_engine_args(model),
+                                  "runtime": {"restart": "on-failure", "max_restarts": trials, "warm_spare": True}})
     return {"espeak": await restart("espeak", espeak, "Back in service.", None, trials),
-            "llm": await restart("llm", llm, "Hello", SamplingParams(max_tokens=4), trials)}
+            "llm": await restart("llm", llm, "Hello", SamplingParams(max_tokens=4), trials),
+            "llm-warm-spare": await restart("llm-warm-spare", llm_spare, "Hello", SamplingParams(max_tokens=4), trials)}
 
 
 def main() -> None:

@@ -539,6 +539,19 @@ def test_settings_that_would_do_nothing_are_refused(tmp_path: Path) -> None:
     data = base()
     data["runtime"]["connectors"] = {"use_shm": False, "shm_threshold": 4096}
     one_error(tmp_path, data, "runtime.connectors.shm_threshold", "has no effect with use_shm: false")
+    data = base()
+    data["stage_args"][1]["runtime"]["warm_spare"] = True  # restart is "no": nothing would take it
+    one_error(tmp_path, data, "stage 1", "stage_args[1].runtime.warm_spare", "only with restart: on-failure")
+
+
+def test_a_warm_spare_is_for_a_local_stage_without_keys(tmp_path: Path) -> None:
+    data = base()
+    data["stage_args"][1]["runtime"].update(restart="on-failure", warm_spare=True, transport="tcp")
+    one_error(tmp_path, data, "stage 1", "stage_args[1].runtime.warm_spare", "applies to transport: ipc")
+    data = base()
+    data["stage_args"][1]["runtime"].update(restart="on-failure", warm_spare=True)
+    data["runtime"]["security"] = {"curve": True}
+    one_error(tmp_path, data, "stage 1", "stage_args[1].runtime.warm_spare", "without CURVE")
 
 
 def test_replica_settings_are_checked_and_devices_shared_out(tmp_path: Path) -> None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+from pathlib import Path
 
 import pytest
 
@@ -99,3 +100,55 @@ async def test_a_killed_stage_is_restarted_until_the_limit(arch):
         assert client.supervisor.restarts[0] == 1 and not client.supervisor.restarting(0)
     finally:
         await client.shutdown_async()
+
+
+def spare_config(max_restarts: int):
+    config = speech_only_config(max_restarts)
+    config.stage_args[0].runtime.warm_spare = True
+    return config
+
+
+def process_name(pid: int) -> str:
+    return Path(f"/proc/{pid}/comm").read_text().strip()
+
+
+async def wait_spare(client, other_than: set[int]) -> int:
+    """The pid of the stage's warm spare, once one other than ``other_than`` waits."""
+    async with asyncio.timeout(30):
+        while (spare := client.supervisor.spares.get(0)) is None or spare.process.pid in other_than:
+            await asyncio.sleep(0.05)
+    return spare.process.pid
+
+
+async def test_a_warm_spare_becomes_the_restarted_replica_and_a_dead_spare_means_a_cold_restart(tmp_path):
+    client = await MultiStageEngineClient.from_config(spare_config(max_restarts=2))
+    stage = client.stage_contexts[0].client
+    try:
+        first_pid = stage.replicas[0].process.pid
+        spare_pid = await wait_spare(client, set())
+        spare_log = client.supervisor.spares[0].process.log_path  # where the spare says what it did
+        async with asyncio.timeout(60):  # it imports the stage's model module, then waits
+            while not spare_log.exists() or "waiting to be taken" not in spare_log.read_text():
+                await asyncio.sleep(0.1)
+        assert process_name(spare_pid) == "omni-spare0" and spare_pid != first_pid
+        os.kill(first_pid, signal.SIGKILL)
+        await wait_healthy(client)
+        # The spare is the replica now, named as the stage, serving; a new spare waits for the next death.
+        assert stage.replicas[0].process.pid == spare_pid and process_name(spare_pid) == "omni-stage0"
+        assert len(await speak(client, "Back again.", "after-restart")) > 0
+        assert "warm spare taken: serving stage 0" in spare_log.read_text()
+        second_spare = await wait_spare(client, {spare_pid})
+        # A spare that died waiting is not used: the next restart starts a process of its own.
+        os.kill(second_spare, signal.SIGKILL)
+        assert not await wait_group_gone(second_spare)
+        os.kill(spare_pid, signal.SIGKILL)
+        await wait_healthy(client)
+        third_pid = stage.replicas[0].process.pid
+        assert third_pid not in (first_pid, spare_pid, second_spare) and client.supervisor.restarts[0] == 2
+        assert process_name(third_pid) == "omni-stage0"
+        assert len(await speak(client, "Once more.", "after-cold-restart")) > 0
+        last_spare = await wait_spare(client, {second_spare})
+    finally:
+        await client.shutdown_async()
+    # Shut down with the pipeline: the waiting spare, its socket directory.
+    assert not await wait_group_gone(last_spare) and client.supervisor.spares == {}

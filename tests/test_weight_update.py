@@ -38,7 +38,8 @@ async def pipeline(smollm2_path):
     config = parse_pipeline_config({
         "stage_args": [{
             "stage_id": 0, "stage_type": "llm", "engine_args": llm_engine_args(smollm2_path),
-            "runtime": {"num_replicas": 2, "restart": "on-failure"},
+            # A warm spare: the killed replica below comes back as it, vLLM imported already.
+            "runtime": {"num_replicas": 2, "restart": "on-failure", "warm_spare": True},
             "final_output": True, "final_output_type": "text",
         }],
         "weights": {"backend": "shm", "idle_timeout_s": IDLE_TIMEOUT_S},
@@ -330,6 +331,7 @@ async def test_a_killed_replica_comes_back_on_the_current_weights(pipeline, orac
         on = "B"
     label = await pipeline.get_weight_version()
     victim = pipeline.replica_status(0)[1]
+    spare = pipeline.supervisor.spares[0].process.pid
     os.kill(victim.pid, signal.SIGKILL)
     for _ in range(600):
         status = pipeline.replica_status(0)[1]
@@ -339,6 +341,8 @@ async def test_a_killed_replica_comes_back_on_the_current_weights(pipeline, orac
     else:
         pytest.fail("replica 1 was not restarted")
     assert pipeline.stage_restarts()[0] >= 1
+    # The spare (the first replica's spec) became replica 1, and was put on the current weights too.
+    assert status.pid == spare
     assert await pipeline.get_weight_version() == label
     before = pipeline.replica_status(0)[1].submitted
     for k in range(4):

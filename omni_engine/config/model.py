@@ -190,6 +190,10 @@ class StageRuntimeConfig(_Base):
     # flight through it still fail), at most max_restarts (default 3) times per replica.
     restart: str = "no"
     max_restarts: Annotated[int, msgspec.Meta(ge=0)] | None = None
+    # restart: on-failure only. true: a process that has imported what the stage runs waits beside
+    # it (one per stage, started once the pipeline is up) and becomes the restarted replica: a
+    # killed llm replica is back without paying vLLM's import again. Costs that process's memory.
+    warm_spare: bool = False
     # tcp only: the address the client binds for this stage (default 127.0.0.1:
     # never reachable from other machines unless asked for).
     host: str | None = None

@@ -115,6 +115,10 @@ def check_placement(config: PipelineConfig, stages: list[tuple[int, StageConfig]
                                               "(only its public key crosses Ray); a fixed client key does not apply")
     for i, stage in stages:
         _check_stage_placement(stage, f"stage_args[{i}].runtime", ray, errors.for_stage(f"stage {stage.stage_id}"))
+        if stage.runtime.warm_spare and (ray or config.runtime.security.curve):
+            errors.add(f"stage_args[{i}].runtime.warm_spare",
+                       "a warm spare is started on the client's host without keys: it applies without Ray placement "
+                       "and without CURVE (runtime.security.curve)", f"stage {stage.stage_id}")
 
 
 # The engine args a weight-update stage gets from the pipeline (``weight_engine_args``).

@@ -66,6 +66,12 @@ def _check_runtime(stage: StageConfig, path: str, report: Report, transports: tu
     if runtime.max_restarts is not None and runtime.restart != "on-failure":
         report(f"{path}.runtime.max_restarts", f"applies only with restart: on-failure (this stage has restart: "
                                                f"{runtime.restart!r})")
+    if runtime.warm_spare and runtime.restart != "on-failure":
+        report(f"{path}.runtime.warm_spare", f"applies only with restart: on-failure (this stage has restart: "
+                                             f"{runtime.restart!r})")
+    elif runtime.warm_spare and runtime.transport != "ipc":
+        report(f"{path}.runtime.warm_spare", f"a warm spare waits on this host: it applies to transport: ipc "
+                                             f"(this stage uses {runtime.transport!r})")
     if not runtime.process:
         _check_in_process(stage, f"{path}.runtime.process", report)
     _check_event_loop(runtime, f"{path}.runtime.event_loop", report)

@@ -25,4 +25,28 @@ def build_stage_engine(spec: StageProcessSpec) -> StageEngine:
     raise ValueError(f"stage {stage_id}: unknown stage_type {spec.stage_type!r}; known: {list(STAGE_TYPES)}")
 
 
-__all__ = ["STAGE_TYPES", "StageEngine", "StageEngineError", "build_stage_engine"]
+def preload_stage_engine(spec: StageProcessSpec) -> None:
+    """Import what building and starting the engine of ``spec`` will import, and start vLLM's EngineCore
+    forkserver, loading no model and touching no device: what a warm spare does before it is taken
+    (its replica's device variables are applied only then)."""
+    if spec.stage_type == "llm":
+        if spec.warm_engine_core:
+            from omni_engine.engines.warm_engine_core import start_warm_forkserver
+
+            start_warm_forkserver()  # first: its import overlaps ours
+        from omni_engine.engines.llm import LLMStageEngine
+
+        LLMStageEngine.preload()
+    elif spec.stage_type == "generation":
+        from omni_engine.engines.generation import MODEL_FACTORY_KEY
+        from omni_engine.utils import resolve_dotted
+
+        factory = spec.engine_args.get(MODEL_FACTORY_KEY)
+        if isinstance(factory, str):  # a bad path fails when the spare is taken, naming the stage
+            try:
+                resolve_dotted(factory, f"stage {spec.stage_id} engine_args.{MODEL_FACTORY_KEY}")
+            except Exception:  # noqa: BLE001 - reported by build_stage_engine, where the client sees it
+                pass
+
+
+__all__ = ["STAGE_TYPES", "StageEngine", "StageEngineError", "build_stage_engine", "preload_stage_engine"]

@@ -62,6 +62,12 @@ class LLMStageEngine(StageEngine):
         # carry it until vLLM's exact spans arrive with the final one.
         self.weight_version = "default"
 
+    @staticmethod
+    def preload() -> None:
+        """Import what ``start`` imports (a warm spare's work before it is taken)."""
+        import vllm.engine.arg_utils  # noqa: F401
+        import vllm.v1.engine.async_llm  # noqa: F401
+
     async def start(self) -> None:
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM

@@ -104,6 +104,7 @@ class MultiStageEngineClient(EngineClient):
         self.model_config: Any = text_stage.model_config if text_stage is not None else None
         self.renderer: Any = text_stage.renderer if text_stage is not None else None
         self.input_processor: Any = text_stage.input_processor if text_stage is not None else None
+        self.supervisor.launch_spares()  # last: the pipeline is up, nothing after this can fail
 
     # ------------------------------------------------------------ building
     @classmethod

@@ -72,15 +72,23 @@ async def start_pipeline(config: PipelineConfig, say: Progress,
         # A placed stage is reached over the network: always with CURVE.
         curve = curve or CurveKeys.generate()
 
-    def make_client(stage: StageConfig, replica: int) -> Any:
+    def make_client(stage: StageConfig, replica: int, spare: LaunchedStage | None = None) -> Any:
         spec = specs[stage.stage_id][replica]
         if make_stage_client is not None:
             return make_stage_client(stage, spec)
-        early = launched.pop(stage.stage_id, None) if replica == 0 else None
+        early = spare or (launched.pop(stage.stage_id, None) if replica == 0 else None)
         return zmq_stage_client(stage, spec, replica, placement=placement, curve=curve, launched=early)
 
+    def spare_spec(stage: StageConfig) -> StageProcessSpec | None:
+        """What a warm spare of ``stage`` imports by (its first replica's spec; validation has kept
+        warm_spare to local ipc stages without CURVE)."""
+        wanted = stage.runtime.warm_spare and make_stage_client is None and placement is None and curve is None
+        return specs[stage.stage_id][0] if wanted else None
+
     built = {stage.stage_id: stage_client_for(stage, len(specs[stage.stage_id]),
-                                              lambda replica, stage=stage: make_client(stage, replica))
+                                              lambda replica, spare=None, stage=stage: make_client(stage, replica,
+                                                                                                   spare),
+                                              spare_spec(stage))
              for stage in config.stage_args}
     clients = {sid: client for sid, (client, _) in built.items()}
     try:
@@ -116,10 +124,11 @@ def zmq_stage_client(stage: StageConfig, spec: StageProcessSpec, replica: int, *
                                  curve=curve.for_new_process() if curve is not None else None)
 
 
-def stage_client_for(stage: StageConfig, num_replicas: int,
-                     make_replica: StageClientMaker) -> tuple[StageClient, RestartableStage | None]:
+def stage_client_for(stage: StageConfig, num_replicas: int, make_replica: StageClientMaker,
+                     spare_spec: StageProcessSpec | None = None) -> tuple[StageClient, RestartableStage | None]:
     """The replicas of ``stage`` as one stage client, balanced and failing over as configured,
-    and, under ``runtime.restart: on-failure``, what the supervisor needs to restart them."""
+    and, under ``runtime.restart: on-failure``, what the supervisor needs to restart them
+    (``spare_spec``: what its warm spare is started from, None: it has none)."""
     runtime = stage.runtime
     clients = [make_replica(r) for r in range(num_replicas)]
     if num_replicas == 1 and runtime.restart != "on-failure":
@@ -132,7 +141,7 @@ def stage_client_for(stage: StageConfig, num_replicas: int,
     if runtime.restart != "on-failure":
         return replicas, None
     limit = DEFAULT_MAX_RESTARTS if runtime.max_restarts is None else runtime.max_restarts
-    return replicas, RestartableStage(replicas, make_replica, limit)
+    return replicas, RestartableStage(replicas, make_replica, limit, spare_spec)
 
 
 async def start_stages(clients: Mapping[int, StageClient], say: Progress) -> None:

@@ -233,6 +233,9 @@ class StageEngineCoreClient(BaseStageClient):
     def _adopt(self, launched: LaunchedStage) -> None:
         launched.adopted = True
         self._own_process(launched.process)
+        if launched.process.waiting_spare:
+            # Its addresses, socket directory and prefix are ours already; the rest is this replica's.
+            launched.process.take(self._launch_spec())
 
     def _own_process(self, process: StageProcess) -> None:
         self.process = process

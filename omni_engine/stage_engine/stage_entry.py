@@ -16,6 +16,7 @@ import logging
 import os
 import pickle
 import sys
+import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, BinaryIO
 
@@ -34,6 +35,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 ZMQ_STAGE_MAIN = "omni_engine.stage_engine.stage_entry:serve_zmq_stage"
+SPARE_PRELOAD = "omni_engine.engines:preload_stage_engine"
 
 
 def run_stage_process(spec: StageProcessSpec, main: str = ZMQ_STAGE_MAIN, **channels: Any) -> None:
@@ -74,12 +76,48 @@ def stage_process_name(spec: StageProcessSpec) -> str:
     return f"omni-stage{spec.stage_id}"
 
 
+def spare_process_name(spec: StageProcessSpec) -> str:
+    """A warm spare's name until it is taken (``comm`` keeps 15 bytes): ``omni-spare1``."""
+    return f"omni-spare{spec.stage_id}"
+
+
 def main(pipe: BinaryIO) -> None:
     """Run the stage whose ``(spec, main)`` the client writes into ``pipe`` (after ``sys.path``,
-    which the bootstrap has read and applied: see ``stage_process._BOOTSTRAP``)."""
+    which the bootstrap has read and applied: see ``stage_process._BOOTSTRAP``). A warm spare
+    (``spec.spare``) reads the spec it serves from the same pipe once it is taken."""
     with pipe:
         spec, serve = pickle.load(pipe)
-    run_stage_process(spec, serve)
+        if not spec.spare:
+            taken = None
+        else:
+            enter_stage_process(spec)
+            taken = wait_until_taken(spec, pipe)
+            if taken is None:
+                return
+    if taken is None:
+        run_stage_process(spec, serve)
+    else:
+        resolve_dotted(serve, "stage process entry point")(taken)
+
+
+def wait_until_taken(spec: StageProcessSpec, pipe: BinaryIO) -> StageProcessSpec | None:
+    """A warm spare: import what the stage's engine needs, then wait for the spec of the replica
+    this process is to become (None: the pipe closed, no longer wanted)."""
+    set_process_name(spare_process_name(spec))
+    started = time.monotonic()
+    resolve_dotted(SPARE_PRELOAD, "warm spare preload")(spec)
+    logger.info("warm spare of stage %s ready in %.1f s; waiting to be taken", spec.stage_id,
+                time.monotonic() - started)
+    try:
+        taken: StageProcessSpec = pickle.load(pipe)
+    except EOFError:
+        logger.info("warm spare of stage %s not needed any more; exiting", spec.stage_id)
+        return None
+    # The replica's own settings (its devices above all), before its engine touches a device.
+    os.environ.update(taken.process_environment())
+    set_process_name(stage_process_name(taken))
+    logger.info("warm spare taken: serving stage %s", taken.stage_id)
+    return taken
 
 
 def serve_stage(stage_id: int, make_core: Callable[[], StageEngineCore]) -> None:

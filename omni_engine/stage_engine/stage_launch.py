@@ -71,6 +71,12 @@ class LaunchedStage:
         unlink_prefix(stage_prefix(self.run_prefix, self.stage_id))
 
 
+def launch_spare(stage_id: int, spec: StageProcessSpec) -> LaunchedStage:
+    """A warm spare of the stage: a process that imports what ``spec``'s engine needs and waits; the
+    client that adopts it hands it the spec of the replica it replaces (``StageProcess.take``)."""
+    return launch_stage(stage_id, spec.replace(spare=True))
+
+
 def launch_stage(stage_id: int, spec: StageProcessSpec) -> LaunchedStage:
     """Start ``spec`` as a local ipc stage, no CURVE, now; its client adopts it later."""
     if spec.curve is not None:

@@ -12,7 +12,7 @@ import subprocess
 import sys
 import weakref
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 from omni_engine import envs
 from omni_engine.connectors.shm import is_stage_prefix, unlink_prefix
@@ -46,6 +46,9 @@ class _ExecLaunch:
         self.spec, self.main = spec, main
         self.popen: subprocess.Popen | None = None
         self.sentinel = -1
+        # A warm spare's pipe stays open: the spec it is to serve comes through it when it is taken,
+        # and its closing (ours, or this process's end) tells the spare it is not wanted.
+        self.pipe: BinaryIO | None = None
 
     def start(self) -> None:
         read_end, write_end = os.pipe()
@@ -61,12 +64,38 @@ class _ExecLaunch:
             os.close(read_end)
         self.sentinel = os.pidfd_open(self.popen.pid)
         weakref.finalize(self, os.close, self.sentinel)
+        pipe = os.fdopen(write_end, "wb")
         try:
-            with os.fdopen(write_end, "wb") as pipe:
-                pickle.dump(sys.path, pipe)
-                pickle.dump((self.spec, self.main), pipe)
+            pickle.dump(sys.path, pipe)
+            pickle.dump((self.spec, self.main), pipe)
+            if self.spec.spare:
+                pipe.flush()
+                self.pipe, pipe = pipe, None
+                weakref.finalize(self, self.pipe.close)
         except BrokenPipeError:
             pass  # it died at once; its sentinel and exit code say how
+        finally:
+            if pipe is not None:
+                close_quietly(pipe)
+
+    def take(self, spec: StageProcessSpec) -> None:
+        """Hand a warm spare the spec it serves from now on (once)."""
+        if self.pipe is None:
+            raise RuntimeError(f"stage {self.spec.stage_id}: process {self.pid} is not a warm spare waiting to be "
+                               "taken")
+        pipe, self.pipe = self.pipe, None
+        try:
+            pickle.dump(spec, pipe)
+        except BrokenPipeError:
+            pass  # it died waiting; its sentinel and exit code say how
+        finally:
+            close_quietly(pipe)
+
+    def release(self) -> None:
+        """A spare not taken: closing its pipe tells it to exit."""
+        if self.pipe is not None:
+            pipe, self.pipe = self.pipe, None
+            close_quietly(pipe)
 
     @property
     def pid(self) -> int | None:
@@ -84,8 +113,16 @@ class _ExecLaunch:
                 pass
 
     def kill(self) -> None:
+        self.release()
         if self.popen is not None:
             self.popen.kill()
+
+
+def close_quietly(pipe: BinaryIO) -> None:
+    try:
+        pipe.close()
+    except BrokenPipeError:
+        pass  # the reader is gone: what was buffered has nowhere to go
 
 
 class _SpawnLaunch:
@@ -157,6 +194,18 @@ class StageProcess:
         self._launch.start()
 
     @property
+    def waiting_spare(self) -> bool:
+        """A warm spare, alive and not taken yet."""
+        return isinstance(self._launch, _ExecLaunch) and self._launch.pipe is not None and self.is_alive()
+
+    def take(self, spec: StageProcessSpec) -> None:
+        """Make a warm spare serve ``spec`` (this process's launch fields kept: log, parent)."""
+        assert isinstance(self._launch, _ExecLaunch)
+        self.spec = spec.replace(stage_id=self.stage_id, log_path=str(self.log_path), parent_pid=os.getpid(),
+                                 spare=False)
+        self._launch.take(self.spec)
+
+    @property
     def pid(self) -> int | None:
         return self._launch.pid
 
@@ -201,6 +250,8 @@ class StageProcess:
         """Wait ``graceful_timeout`` for a requested exit, then SIGTERM, then SIGKILL the group."""
         if self.pid is None:
             return
+        if isinstance(self._launch, _ExecLaunch):
+            self._launch.release()  # a spare exits at once
         if graceful_timeout > 0:
             self.join(graceful_timeout)
         if self.exitcode is None:

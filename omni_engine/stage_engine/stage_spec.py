@@ -74,6 +74,9 @@ class StageProcessSpec(msgspec.Struct):
     # An llm stage imports vLLM's EngineCore in a forkserver while it imports vLLM itself
     # (engines/warm_engine_core.py); False: vLLM spawns its EngineCore its own way.
     warm_engine_core: bool = True
+    # A warm spare (``runtime.warm_spare``): the process imports what its engine needs, then waits
+    # on its spawn pipe for the spec of the replica it replaces (``stage_entry.wait_until_taken``).
+    spare: bool = False
 
     def __repr__(self) -> str:  # the CURVE secret must not end up in a log line
         return (f"StageProcessSpec(stage_id={self.stage_id}, stage_type={self.stage_type!r}, "
