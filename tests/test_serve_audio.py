@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import base64
 import io
+import json
 import time
 import wave
 
@@ -355,3 +356,77 @@ def test_the_speech_pipelines_stages_start_before_the_server_imports_vllm(server
     """Its config names edge input processors: checking them imports no vLLM either."""
     log = server["log"].read_text(errors="replace")
     assert "2 stage(s) started; this process imports vLLM meanwhile" in log, log[-3000:]
+
+
+# ------------------------------------------------------------------ omni-engine bench serve
+
+
+def bench(server, backend: str, *extra: str, result_dir=None) -> dict:
+    """``omni-engine bench serve`` as a user runs it, against this server; its saved JSON."""
+    import subprocess
+    import sys
+
+    args = [sys.executable, "-m", "omni_engine.entrypoints.cli.main", "bench", "serve", "--backend", backend,
+            "--base-url", server["url"], "--api-key", API_KEY, "--voice", "en", "--disable-tqdm",
+            "--save-result", "--result-dir", str(result_dir), "--result-filename", f"{backend}.json", *extra]
+    done = subprocess.run(args, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    assert "Serving Benchmark Result" in done.stdout
+    return json.loads((result_dir / f"{backend}.json").read_text())
+
+
+VLLM_KEYS = ("duration", "completed", "failed", "total_input_tokens", "total_output_tokens", "request_throughput",
+             "output_throughput", "mean_ttft_ms", "median_ttft_ms", "p99_ttft_ms", "mean_tpot_ms", "p99_itl_ms",
+             "mean_e2el_ms")
+AUDIO_KEYS = ("total_audio_s", "audio_throughput", "mean_ttfa_ms", "p99_ttfa_ms", "mean_rtf", "underruns",
+              "underrun_ms", "streams_with_underruns")
+
+
+def streamed_speech_seconds(server, text: str) -> float:
+    """The same streamed request the bench sends, decoded here by FFmpeg (PyAV): its audio seconds."""
+    import av
+    import httpx
+
+    body = {"model": MODEL, "input": text, "voice": "en", "response_format": "wav", "stream_format": "audio"}
+    data = httpx.post(f"{server['url']}/v1/audio/speech", json=body, headers=auth_headers(server), timeout=60).content
+    with av.open(io.BytesIO(data)) as container:
+        frames = [frame for frame in container.decode(audio=0)]
+    return sum(f.samples for f in frames) / frames[0].sample_rate
+
+
+def test_bench_speech_counts_the_audio_the_server_sends(server, client, tmp_path):
+    """Speech streamed as WAV bytes: the bench's audio seconds are those of the same streamed answer
+    decoded independently (the voice is deterministic), per stream; first audio before the end."""
+    prompts = tmp_path / "lines.jsonl"
+    text = "The cat sat by the window. It watched the rain fall on the garden."
+    prompts.write_text(json.dumps({"prompt": text}) + "\n")
+    result = bench(server, "openai-speech", "--dataset-name", "custom", "--dataset-path", str(prompts),
+                   "--num-prompts", "3", "--max-concurrency", "2", result_dir=tmp_path)
+    assert all(key in result for key in (*VLLM_KEYS, *AUDIO_KEYS))
+    assert (result["completed"], result["failed"], result["model_id"]) == (3, 0, MODEL)
+    seconds = streamed_speech_seconds(server, text)
+    assert seconds > 2.0 and result["total_audio_s"] == pytest.approx(3 * seconds, rel=0.01)
+    assert 0 < result["mean_ttfa_ms"] <= result["mean_e2el_ms"]
+    assert result["mean_rtf"] == pytest.approx(result["mean_e2el_ms"] / 1000 / seconds, rel=0.05)
+
+
+def test_bench_chat_audio_and_text_against_the_same_answers(server, client, tmp_path):
+    """Chat with audio out, greedy: the bench's audio is what a non-streamed request of the same
+    prompt returns; its tokens are the server's count. Text only: vLLM's figures."""
+    prompts = tmp_path / "questions.jsonl"
+    prompts.write_text(json.dumps({"prompt": "What is the capital of France?", "max_tokens": 24}) + "\n")
+    result = bench(server, "openai-chat-audio", "--dataset-name", "custom", "--dataset-path", str(prompts),
+                   "--num-prompts", "2", "--max-concurrency", "1", result_dir=tmp_path)
+    assert (result["completed"], result["failed"]) == (2, 0)
+    reference = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "What is the capital of France?"}], max_tokens=24,
+        temperature=0.0, modalities=["text", "audio"], audio={"voice": "en", "format": "wav"})
+    samples, rate = read_wav(base64.b64decode(reference.choices[0].message.audio.data))
+    assert result["total_audio_s"] == pytest.approx(2 * len(samples) / rate, rel=0.02)
+    assert result["total_output_tokens"] == 2 * reference.usage.completion_tokens
+    assert 0 < result["mean_ttft_ms"] < result["mean_ttfa_ms"] < result["mean_e2el_ms"]
+    text = bench(server, "openai-chat", "--num-prompts", "4", "--random-input-len", "8", "--random-output-len",
+                 "16", "--ignore-eos", "--request-rate", "20", "--metric-percentiles", "50,99", result_dir=tmp_path)
+    assert all(key in text for key in (*VLLM_KEYS, "p50_ttft_ms")) and not any(key in text for key in AUDIO_KEYS)
+    assert (text["completed"], text["total_output_tokens"]) == (4, 4 * 16)  # ignore_eos reached the server
+    assert text["mean_tpot_ms"] > 0 and text["request_rate"] == 20.0

@@ -9,12 +9,12 @@ that both channels see the same samples.
 
 from __future__ import annotations
 
-import json
 import random
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+from omni_engine.jsonl import jsonl_rows
 from omni_engine.rl.packing import EncodedSample, Pack, Packer
 
 Sample = dict[str, Any]  # {"messages": [{"role", "content"}...], "answer": ...}
@@ -23,17 +23,10 @@ Sample = dict[str, Any]  # {"messages": [{"role", "content"}...], "answer": ...}
 def load_jsonl(path: str | Path) -> list[Sample]:
     """Samples with ``messages`` (a chat without the answer) and ``answer``; a bad line is named."""
     samples = []
-    with open(path, encoding="utf-8") as f:
-        for number, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                sample = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise ValueError(f"{path}:{number}: not JSON: {exc}") from None
-            if not isinstance(sample, dict) or not isinstance(sample.get("messages"), list) or "answer" not in sample:
-                raise ValueError(f"{path}:{number}: a sample needs 'messages' (a list of chat turns) and 'answer'")
-            samples.append(sample)
+    for number, sample in jsonl_rows(path):
+        if not isinstance(sample, dict) or not isinstance(sample.get("messages"), list) or "answer" not in sample:
+            raise ValueError(f"{path}:{number}: a sample needs 'messages' (a list of chat turns) and 'answer'")
+        samples.append(sample)
     if not samples:
         raise ValueError(f"{path}: no samples")
     return samples

@@ -17,7 +17,7 @@ from types import ModuleType
 from typing import Any
 
 from omni_engine import envs
-from omni_engine.entrypoints.cli import generate, prepare_model, sample, serve, transfer_queue
+from omni_engine.entrypoints.cli import bench, generate, prepare_model, sample, serve, transfer_queue
 from omni_engine.entrypoints.cli.common import say
 
 SUBCOMMANDS: list[ModuleType] = [
@@ -26,6 +26,7 @@ SUBCOMMANDS: list[ModuleType] = [
     serve,
     sample,
     transfer_queue,
+    bench,
 ]
 
 
