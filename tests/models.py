@@ -262,3 +262,32 @@ class FanOut:
 
     def on_finish(self, outputs: dict[int, list[Any]], text: dict[int, str]) -> list[StageInput]:
         return [StageInput({"index": i}) for i in range(self.n)]
+
+
+class StallingVoice(_Model):
+    """A voice for the listener tests: each sentence is ``seconds`` of a tone, made at once, except one
+    containing ``stall_word``, which comes ``stall_s`` late (an ``asyncio.sleep``: the stage's loop
+    serves on meanwhile)."""
+
+    output_type = "audio"
+
+    def __init__(self, seconds: float = 0.5, stall_s: float = 2.0, stall_word: str = "STALL",
+                 sample_rate: int = 16000) -> None:
+        self.seconds, self.stall_s, self.stall_word, self.sample_rate = seconds, stall_s, stall_word, sample_rate
+
+    async def generate(self, requests: list[GenerationRequest]) -> list[Any]:
+        import numpy as np
+
+        out = []
+        for request in requests:
+            text = request.prompt if isinstance(request.prompt, str) else str(request.prompt.get("prompt", ""))
+            if self.stall_word in text:
+                await asyncio.sleep(self.stall_s)
+            t = np.arange(int(self.seconds * self.sample_rate)) / self.sample_rate
+            out.append({"audio": (0.3 * np.sin(2 * np.pi * 440.0 * t)).astype(np.float32),
+                        "sample_rate": self.sample_rate})
+        return out
+
+
+def make_stalling_voice(**kwargs: Any) -> StallingVoice:
+    return StallingVoice(**{k: v for k, v in kwargs.items() if k in ("seconds", "stall_s", "stall_word")})
