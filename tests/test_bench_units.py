@@ -92,3 +92,26 @@ def test_the_figures_follow_vllms_definitions():
     assert figures["mean_ttfa_ms"] == pytest.approx(1000) and figures["mean_rtf"] == pytest.approx(2.0 / 3.0)
     assert (figures["underruns"], figures["underrun_ms"], figures["streams_with_underruns"]) == (1, 500.0, 1)
     assert "total_audio_s" not in summarize([two], 1.0, [99])
+
+
+def test_speech_in_is_mixed_to_mono_and_resampled_for_the_realtime_api():
+    from omni_engine.bench.backends import pcm16_mono
+
+    stereo = io.BytesIO()
+    with wave.open(stereo, "wb") as w:
+        w.setnchannels(2)
+        w.setsampwidth(2)
+        w.setframerate(16000)
+        left = (np.sin(np.arange(16000) * 2 * np.pi * 200 / 16000) * 8000).astype("<i2")
+        w.writeframes(np.stack([left, left], axis=1).tobytes())
+    pcm = np.frombuffer(pcm16_mono(stereo.getvalue(), 24000), dtype="<i2")
+    assert len(pcm) == 24000  # one second either way
+    assert np.abs(pcm).max() == pytest.approx(8000, rel=0.01)  # the channels averaged, not summed
+    with pytest.raises(ValueError, match="16-bit PCM WAV"):
+        eight_bit = io.BytesIO()
+        with wave.open(eight_bit, "wb") as w:
+            w.setnchannels(1)
+            w.setsampwidth(1)
+            w.setframerate(8000)
+            w.writeframes(bytes(800))
+        pcm16_mono(eight_bit.getvalue(), 24000)

@@ -85,3 +85,28 @@ def test_a_prompt_naming_no_colour_is_a_400_listing_the_accepted_words(client):
 def test_an_unknown_model_is_a_404(client):
     with pytest.raises(openai.NotFoundError, match="does not exist"):
         client.images.generate(model="dall-e-3", prompt="a green eye", response_format="b64_json")
+
+
+def test_bench_images_times_each_generation(server, tmp_path):
+    """``omni-engine bench serve --backend openai-images``: one image per request, each timed; a
+    prompt the server refuses is counted failed with its error."""
+    import argparse
+    import asyncio
+    import json
+
+    from omni_engine.bench.serve_bench import add_arguments, run_benchmark
+
+    dataset = tmp_path / "eyes.jsonl"
+    dataset.write_text(json.dumps({"prompt": "a green eye"}) + "\n")
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args(["--backend", "openai-images", "--base-url", server["url"], "--dataset-name", "custom",
+                              "--dataset-path", str(dataset), "--num-prompts", "3", "--max-concurrency", "2",
+                              "--disable-tqdm"])
+    result = asyncio.run(run_benchmark(args))
+    assert (result["completed"], result["failed"], result["model_id"]) == (3, 0, MODEL)
+    assert result["mean_e2el_ms"] > 0 and result["request_throughput"] > 0
+    args.model = "no-such-model"
+    refused = asyncio.run(run_benchmark(args))
+    assert refused["completed"] == 0 and refused["failed"] == 3
+    assert refused["errors"][0].startswith("HTTP 404") and "no-such-model" in refused["errors"][0]

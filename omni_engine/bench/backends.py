@@ -8,6 +8,7 @@ inter-token latencies the gaps between content chunks, output tokens from the st
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import io
 import json
@@ -101,6 +102,17 @@ class WavStream:
         return (len(self._head) - data_at - 8) / self._bytes_per_second
 
 
+def _on_text(result: RequestResult, piece: str, now: float, last: float) -> float:
+    """A piece of answer text arrived at ``now``: TTFT or one more inter-token gap."""
+    if not result.text:
+        result.ttft = now
+    else:
+        result.itl.append(now - last)
+    result.text += piece
+    result.output_tokens += 1  # one delta, one token: what the stream says when it sends no usage
+    return now
+
+
 def _chat_body(settings: BenchSettings, request: BenchRequest) -> dict[str, Any]:
     body = {"model": settings.model, "messages": [{"role": "user", "content": request.prompt}],
             "max_completion_tokens": request.max_tokens, "temperature": settings.temperature, "stream": True,
@@ -113,7 +125,9 @@ def _chat_body(settings: BenchSettings, request: BenchRequest) -> dict[str, Any]
 async def _stream_chat(client: httpx.AsyncClient, settings: BenchSettings, request: BenchRequest,
                        body: dict[str, Any]) -> RequestResult:
     result = RequestResult(request.prompt_words)
-    start = last = time.perf_counter()
+    start = time.perf_counter()
+    last = 0.0
+    usage: dict[str, Any] = {}
     try:
         async with client.stream("POST", settings.url("/v1/chat/completions"), json=body,
                                  headers=settings.headers(), timeout=settings.timeout_s) as response:
@@ -121,22 +135,18 @@ async def _stream_chat(client: httpx.AsyncClient, settings: BenchSettings, reque
                 result.error = f"HTTP {response.status_code}: {(await response.aread()).decode(errors='replace')[:300]}"
                 return result
             async for event in sse_events(response):
-                now = time.perf_counter()
-                if usage := event.get("usage"):
-                    result.output_tokens = usage.get("completion_tokens") or 0
-                    result.prompt_tokens = usage.get("prompt_tokens") or 0
+                now = time.perf_counter() - start
+                usage = event.get("usage") or usage
                 for choice in event.get("choices") or ():
                     delta = choice.get("delta") or {}
                     audio = delta.get("audio") or {}
                     if audio.get("data"):
-                        result.audio_chunks.append((now - start, wav_seconds(base64.b64decode(audio["data"]))))
+                        result.audio_chunks.append((now, wav_seconds(base64.b64decode(audio["data"]))))
                     if delta.get("content"):
-                        if not result.text:
-                            result.ttft = now - start
-                        else:
-                            result.itl.append(now - last)
-                        last = now
-                        result.text += delta["content"]
+                        last = _on_text(result, delta["content"], now, last)
+        if usage:  # the server's count, as vLLM's bench takes it
+            result.output_tokens = usage.get("completion_tokens") or 0
+            result.prompt_tokens = usage.get("prompt_tokens") or 0
         result.latency = time.perf_counter() - start
         result.success = True
     except (httpx.HTTPError, ValueError, wave.Error) as exc:
@@ -183,8 +193,151 @@ async def openai_speech(client: httpx.AsyncClient, settings: BenchSettings, requ
     return result
 
 
+# ----------------------------------------------------------------------------- speech in
+
+REALTIME_RATE = 24000  # the Realtime API's pcm16
+REALTIME_CHUNK_S = 0.02
+
+
+async def prepare_audio(client: httpx.AsyncClient, settings: BenchSettings, requests: list[BenchRequest]) -> None:
+    """Speech-in backends: a request without audio gets its prompt spoken by the server's own voice
+    (``/v1/audio/speech``, before the run and not timed), once per distinct prompt."""
+    made: dict[str, bytes] = {}
+    for request in requests:
+        if request.audio is not None:
+            continue
+        if request.prompt not in made:
+            body = {"model": settings.model, "input": request.prompt, "response_format": "wav",
+                    **({"voice": settings.voice} if settings.voice else {})}
+            response = await client.post(settings.base_url.rstrip("/") + "/v1/audio/speech", json=body,
+                                         headers=settings.headers(), timeout=settings.timeout_s)
+            response.raise_for_status()
+            made[request.prompt] = response.content
+        request.audio = made[request.prompt]
+
+
+def pcm16_mono(wav_data: bytes, rate: int) -> bytes:
+    """A 16-bit PCM WAV as mono 16-bit PCM at ``rate`` (linear interpolation)."""
+    import numpy as np
+
+    with wave.open(io.BytesIO(wav_data)) as w:
+        if w.getsampwidth() != 2:
+            raise ValueError(f"speech in must be 16-bit PCM WAV (got {8 * w.getsampwidth()}-bit)")
+        samples = np.frombuffer(w.readframes(w.getnframes()), dtype="<i2").astype(np.float32)
+        samples = samples.reshape(-1, w.getnchannels()).mean(axis=1)
+        source_rate = w.getframerate()
+    if source_rate != rate:
+        n = int(round(len(samples) * rate / source_rate))
+        samples = np.interp(np.arange(n) * source_rate / rate, np.arange(len(samples)), samples)
+    return np.clip(samples, -32768, 32767).astype("<i2").tobytes()
+
+
+async def openai_transcription(client: httpx.AsyncClient, settings: BenchSettings,
+                               request: BenchRequest) -> RequestResult:
+    """``/v1/audio/transcriptions`` with ``stream=true``: the transcript's deltas timed as text."""
+    result = RequestResult(request.prompt_words)
+    start = time.perf_counter()
+    last = 0.0
+    try:
+        async with client.stream("POST", settings.url("/v1/audio/transcriptions"), headers=settings.headers(),
+                                 data={"model": settings.model, "stream": "true",
+                                       "temperature": str(settings.temperature)},
+                                 files={"file": ("speech.wav", request.audio or b"", "audio/wav")},
+                                 timeout=settings.timeout_s) as response:
+            if response.status_code != 200:
+                result.error = f"HTTP {response.status_code}: {(await response.aread()).decode(errors='replace')[:300]}"
+                return result
+            async for event in sse_events(response):
+                if "error" in event:
+                    result.error = f"stream error: {event['error'].get('message')}"
+                    return result
+                if event.get("type") == "transcript.text.delta" and event.get("delta"):
+                    last = _on_text(result, event["delta"], time.perf_counter() - start, last)
+        result.latency = time.perf_counter() - start
+        result.success = bool(result.text.strip())
+        result.error = "" if result.success else "an empty transcript"
+    except httpx.HTTPError as exc:
+        result.error = f"{type(exc).__name__}: {exc}"
+    return result
+
+
+async def _send_paced(conn: Any, pcm: bytes) -> None:
+    """``pcm`` (16-bit, REALTIME_RATE) in 20 ms appends at the pace of speech."""
+    step = int(REALTIME_RATE * REALTIME_CHUNK_S) * 2
+    started = time.perf_counter()
+    for n, i in enumerate(range(0, len(pcm), step)):
+        await conn.input_audio_buffer.append(audio=base64.b64encode(pcm[i:i + step]).decode("ascii"))
+        await asyncio.sleep(max(0.0, started + REALTIME_CHUNK_S * (n + 1) - time.perf_counter()))
+
+
+async def openai_realtime(client: httpx.AsyncClient, settings: BenchSettings, request: BenchRequest) -> RequestResult:
+    """A ``/v1/realtime`` session: the question streamed at the pace of speech, then silence for the
+    server's VAD; times (first word, first audio, the end) from the end of the question's speech."""
+    import openai
+
+    result = RequestResult(request.prompt_words)
+    question = pcm16_mono(request.audio or b"", REALTIME_RATE)
+    realtime = openai.AsyncOpenAI(base_url=settings.base_url.rstrip("/") + "/v1",
+                                  api_key=settings.api_key or "unused", max_retries=0)
+    last = 0.0
+    try:
+        async with realtime.realtime.connect(model=settings.model) as conn:
+            await conn.recv()  # session.created
+            await conn.session.update(session={"type": "realtime", "max_output_tokens": request.max_tokens})
+            await _send_paced(conn, question)
+            speech_end = time.perf_counter()
+            silence = asyncio.ensure_future(_send_paced(conn, bytes(2 * REALTIME_RATE * 2)))
+            try:
+                async for event in conn:
+                    now = time.perf_counter() - speech_end
+                    if event.type == "response.output_audio_transcript.delta" and event.delta:
+                        last = _on_text(result, event.delta, now, last)
+                    elif event.type == "response.output_audio.delta":
+                        seconds = len(base64.b64decode(event.delta)) / 2 / REALTIME_RATE
+                        result.audio_chunks.append((now, seconds))
+                    elif event.type == "error":
+                        result.error = f"realtime error: {event.error.message}"
+                        break
+                    elif event.type == "response.done":
+                        result.latency = now
+                        result.success = event.response.status == "completed"
+                        if not result.success:
+                            result.error = f"response {event.response.status}"
+                        break
+            finally:
+                silence.cancel()
+    except (openai.OpenAIError, OSError, ValueError) as exc:
+        result.error = f"{type(exc).__name__}: {exc}"
+    return result
+
+
+async def openai_images(client: httpx.AsyncClient, settings: BenchSettings, request: BenchRequest) -> RequestResult:
+    """``/v1/images/generations``, one image per request: its latency."""
+    result = RequestResult(request.prompt_words)
+    body = {"model": settings.model, "prompt": request.prompt, "n": 1, "response_format": "b64_json"}
+    start = time.perf_counter()
+    try:
+        response = await client.post(settings.url("/v1/images/generations"), json=body, headers=settings.headers(),
+                                     timeout=settings.timeout_s)
+        result.latency = time.perf_counter() - start
+        if response.status_code != 200:
+            result.error = f"HTTP {response.status_code}: {response.text[:300]}"
+        elif not response.json().get("data"):
+            result.error = "the answer had no image"
+        else:
+            result.success = True
+    except (httpx.HTTPError, ValueError) as exc:
+        result.error = f"{type(exc).__name__}: {exc}"
+    return result
+
+
 BACKENDS: dict[str, Backend] = {
     "openai-chat": openai_chat,
     "openai-chat-audio": openai_chat_audio,
     "openai-speech": openai_speech,
+    "openai-transcription": openai_transcription,
+    "openai-realtime": openai_realtime,
+    "openai-images": openai_images,
 }
+# Backends that send speech: their requests' audio is prepared before the run.
+SPEECH_IN = frozenset({"openai-transcription", "openai-realtime"})

@@ -23,11 +23,14 @@ class DatasetError(ValueError):
     """A dataset that cannot be read; the message names the file and line."""
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class BenchRequest:
     prompt: str
     prompt_words: int
     max_tokens: int
+    # Speech in (transcription, realtime): a WAV file's bytes; None: the prompt, spoken by the server's
+    # own voice before the run (``backends.prepare_audio``).
+    audio: bytes | None = None
 
 
 def random_requests(num: int, input_len: int, output_len: int, seed: int) -> list[BenchRequest]:
@@ -39,7 +42,8 @@ def random_requests(num: int, input_len: int, output_len: int, seed: int) -> lis
 
 def custom_requests(path: Path, num: int, output_len: int, seed: int) -> list[BenchRequest]:
     """``num`` requests from a JSONL file of ``{"prompt": ..., "max_tokens": ...}`` lines (``max_tokens``
-    optional), cycled if it has fewer lines, shuffled with ``seed``."""
+    optional; speech in: ``{"audio": "a.wav"}``, relative to the file, instead of or beside ``prompt``),
+    cycled if it has fewer lines, shuffled with ``seed``."""
     rows = []
     try:
         numbered = list(jsonl_rows(path, DatasetError))
@@ -47,12 +51,20 @@ def custom_requests(path: Path, num: int, output_len: int, seed: int) -> list[Be
         raise DatasetError(f"--dataset-path {path}: {exc.strerror or exc}") from None
     for number, row in numbered:
         prompt = row.get("prompt") if isinstance(row, dict) else None
-        if not isinstance(prompt, str) or not prompt:
-            raise DatasetError(f"{path}:{number}: expected an object with a non-empty string 'prompt'")
+        audio_path = row.get("audio") if isinstance(row, dict) else None
+        if audio_path is None and (not isinstance(prompt, str) or not prompt):
+            raise DatasetError(f"{path}:{number}: expected an object with a non-empty string 'prompt' (or 'audio')")
         max_tokens = row.get("max_tokens", output_len)
         if not isinstance(max_tokens, int) or max_tokens < 1:
             raise DatasetError(f"{path}:{number}: max_tokens must be a positive integer, got {max_tokens!r}")
-        rows.append(BenchRequest(prompt, len(prompt.split()), max_tokens))
+        audio = None
+        if audio_path is not None:
+            try:
+                audio = (path.parent / str(audio_path)).read_bytes()
+            except OSError as exc:
+                raise DatasetError(f"{path}:{number}: audio {audio_path!r}: {exc.strerror or exc}") from None
+        prompt = prompt if isinstance(prompt, str) else ""
+        rows.append(BenchRequest(prompt, len(prompt.split()), max_tokens, audio))
     if not rows:
         raise DatasetError(f"{path}: no requests in it")
     random.Random(seed).shuffle(rows)

@@ -17,7 +17,7 @@ from typing import Any
 
 import httpx
 
-from omni_engine.bench.backends import BACKENDS, BenchSettings, RequestResult
+from omni_engine.bench.backends import BACKENDS, SPEECH_IN, BenchSettings, RequestResult, prepare_audio
 from omni_engine.bench.datasets import BenchRequest, DatasetError, custom_requests, random_requests
 from omni_engine.bench.results import summarize
 
@@ -74,6 +74,8 @@ async def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
     async with httpx.AsyncClient(limits=limits, timeout=settings.timeout_s) as client:
         if not settings.model:
             settings.model = await first_model(client, settings)
+        if args.backend in SPEECH_IN:
+            await prepare_audio(client, settings, requests)
         gate = asyncio.Semaphore(args.max_concurrency) if args.max_concurrency else None
         bar = progress_bar(len(requests), args.disable_tqdm)
         rng = random.Random(args.seed)

@@ -1,0 +1,80 @@
+"""``omni-engine bench serve``'s speech-in backends against the voice assistant (Whisper -> SmolLM2 ->
+Piper): transcriptions streamed, and realtime sessions that speak a recorded question at the pace of
+speech; the audio figures checked against an answer this test receives itself."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+
+import numpy as np
+import pytest
+
+from omni_engine.audio import wav_bytes
+from omni_engine.bench.serve_bench import add_arguments, run_benchmark
+from tests.realtime_helpers import aclient, answer_audio, events_until, silence, spoken, stream_audio
+from tests.serve_helpers import assert_nothing_in_flight
+
+pytestmark = [pytest.mark.llm, pytest.mark.asyncio(loop_scope="session")]
+
+MODEL = "voice-assistant"
+MAX_TOKENS = 24
+
+
+@pytest.fixture(scope="module")
+def question(tmp_path_factory):
+    """A recorded question (the voice's own samples, 24 kHz) as a WAV file and its samples."""
+    audio = spoken("What is the capital of France?")
+    path = tmp_path_factory.mktemp("bench-voice") / "france.wav"
+    path.write_bytes(wav_bytes(audio.astype(np.float32) / 32768.0, 24000))
+    return path, audio
+
+
+def bench_args(server, backend: str, dataset, num: int, concurrency: int) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    return parser.parse_args(["--backend", backend, "--base-url", server["url"], "--api-key", server["api_key"],
+                              "--dataset-name", "custom", "--dataset-path", str(dataset), "--num-prompts", str(num),
+                              "--max-concurrency", str(concurrency), "--disable-tqdm"])
+
+
+async def test_bench_transcription_of_files_and_of_prompts_the_server_speaks(server, question, tmp_path):
+    path, _ = question
+    dataset = tmp_path / "speech.jsonl"
+    dataset.write_text(json.dumps({"audio": str(path)}) + "\n" + json.dumps({"prompt": "Berlin is a big city."}) + "\n")
+    result = await run_benchmark(bench_args(server, "openai-transcription", dataset, 4, 2))
+    assert (result["completed"], result["failed"]) == (4, 0), result["errors"]
+    assert result["total_output_tokens"] >= 4 and 0 < result["mean_ttft_ms"] <= result["mean_e2el_ms"]
+    assert "total_audio_s" not in result  # nothing spoken back
+    assert_nothing_in_flight(server)
+
+
+async def test_bench_realtime_sessions_hear_the_answer_this_test_hears(server, question, tmp_path):
+    path, audio = question
+    dataset = tmp_path / "questions.jsonl"
+    dataset.write_text(json.dumps({"audio": path.name, "max_tokens": MAX_TOKENS}) + "\n")  # relative to the file
+    (tmp_path / path.name).write_bytes(path.read_bytes())
+    result = await run_benchmark(bench_args(server, "openai-realtime", dataset, 2, 2))
+    assert (result["completed"], result["failed"]) == (2, 0), result["errors"]
+    # The same question in a session of this test's own: greedy, the same answer and the same audio.
+    async with aclient(server).realtime.connect(model=MODEL) as conn:
+        await conn.recv()
+        await conn.session.update(session={"type": "realtime", "max_output_tokens": MAX_TOKENS})
+        await stream_audio(conn, np.concatenate([audio, silence(1.5)]))
+        events = await events_until(conn, "response.done")
+    seconds = len(answer_audio(events)) / 24000
+    assert seconds > 0.5 and result["total_audio_s"] == pytest.approx(2 * seconds, rel=0.03)
+    # From the end of the question: the first word, then the first audio, then the end.
+    assert 0 < result["mean_ttft_ms"] < result["mean_ttfa_ms"] < result["mean_e2el_ms"]
+    assert result["underruns"] >= 0 and result["mean_rtf"] > 0
+    assert_nothing_in_flight(server)
+
+
+def test_a_missing_audio_file_is_named_with_its_line(server, tmp_path):
+    dataset = tmp_path / "broken.jsonl"
+    dataset.write_text(json.dumps({"prompt": "fine"}) + "\n" + json.dumps({"audio": "nowhere.wav"}) + "\n")
+    from omni_engine.bench.datasets import DatasetError
+
+    with pytest.raises(DatasetError, match=r"broken.jsonl:2: audio 'nowhere.wav': No such file"):
+        asyncio.run(run_benchmark(bench_args(server, "openai-realtime", dataset, 1, 1)))
