@@ -38,7 +38,12 @@ class BenchSettings:
     timeout_s: float = 600.0
 
     def url(self, default_endpoint: str) -> str:
-        return self.base_url.rstrip("/") + (self.endpoint or default_endpoint)
+        """The benchmarked API's URL (``--endpoint`` overrides its path)."""
+        return self.api(self.endpoint or default_endpoint)
+
+    def api(self, path: str) -> str:
+        """A fixed path of the server (models, the voice that speaks prompts, the realtime base)."""
+        return self.base_url.rstrip("/") + path
 
     def headers(self) -> dict[str, str]:
         return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
@@ -72,6 +77,12 @@ async def sse_events(response: httpx.Response) -> AsyncIterator[dict[str, Any]]:
         if data == "[DONE]":
             return
         yield json.loads(data)
+
+
+async def http_error(response: httpx.Response) -> str:
+    """A refused request, as the result's error: status and the start of the body."""
+    body = (await response.aread()).decode(errors="replace")
+    return f"HTTP {response.status_code}: {body[:300]}"
 
 
 def wav_seconds(data: bytes) -> float:
@@ -132,7 +143,7 @@ async def _stream_chat(client: httpx.AsyncClient, settings: BenchSettings, reque
         async with client.stream("POST", settings.url("/v1/chat/completions"), json=body,
                                  headers=settings.headers(), timeout=settings.timeout_s) as response:
             if response.status_code != 200:
-                result.error = f"HTTP {response.status_code}: {(await response.aread()).decode(errors='replace')[:300]}"
+                result.error = await http_error(response)
                 return result
             async for event in sse_events(response):
                 now = time.perf_counter() - start
@@ -179,7 +190,7 @@ async def openai_speech(client: httpx.AsyncClient, settings: BenchSettings, requ
         async with client.stream("POST", settings.url("/v1/audio/speech"), json=body, headers=settings.headers(),
                                  timeout=settings.timeout_s) as response:
             if response.status_code != 200:
-                result.error = f"HTTP {response.status_code}: {(await response.aread()).decode(errors='replace')[:300]}"
+                result.error = await http_error(response)
                 return result
             async for chunk in response.aiter_bytes():
                 if seconds := stream.feed(chunk):
@@ -209,7 +220,7 @@ async def prepare_audio(client: httpx.AsyncClient, settings: BenchSettings, requ
         if request.prompt not in made:
             body = {"model": settings.model, "input": request.prompt, "response_format": "wav",
                     **({"voice": settings.voice} if settings.voice else {})}
-            response = await client.post(settings.base_url.rstrip("/") + "/v1/audio/speech", json=body,
+            response = await client.post(settings.api("/v1/audio/speech"), json=body,
                                          headers=settings.headers(), timeout=settings.timeout_s)
             response.raise_for_status()
             made[request.prompt] = response.content
@@ -245,7 +256,7 @@ async def openai_transcription(client: httpx.AsyncClient, settings: BenchSetting
                                  files={"file": ("speech.wav", request.audio or b"", "audio/wav")},
                                  timeout=settings.timeout_s) as response:
             if response.status_code != 200:
-                result.error = f"HTTP {response.status_code}: {(await response.aread()).decode(errors='replace')[:300]}"
+                result.error = await http_error(response)
                 return result
             async for event in sse_events(response):
                 if "error" in event:
@@ -277,7 +288,7 @@ async def openai_realtime(client: httpx.AsyncClient, settings: BenchSettings, re
 
     result = RequestResult(request.prompt_words)
     question = pcm16_mono(request.audio or b"", REALTIME_RATE)
-    realtime = openai.AsyncOpenAI(base_url=settings.base_url.rstrip("/") + "/v1",
+    realtime = openai.AsyncOpenAI(base_url=settings.api("/v1"),
                                   api_key=settings.api_key or "unused", max_retries=0)
     last = 0.0
     try:
@@ -321,7 +332,7 @@ async def openai_images(client: httpx.AsyncClient, settings: BenchSettings, requ
                                      timeout=settings.timeout_s)
         result.latency = time.perf_counter() - start
         if response.status_code != 200:
-            result.error = f"HTTP {response.status_code}: {response.text[:300]}"
+            result.error = await http_error(response)
         elif not response.json().get("data"):
             result.error = "the answer had no image"
         else:

@@ -57,7 +57,7 @@ def load_requests(args: argparse.Namespace) -> list[BenchRequest]:
 
 
 async def first_model(client: httpx.AsyncClient, settings: BenchSettings) -> str:
-    response = await client.get(settings.base_url.rstrip("/") + "/v1/models", headers=settings.headers())
+    response = await client.get(settings.api("/v1/models"), headers=settings.headers())
     response.raise_for_status()
     return response.json()["data"][0]["id"]
 

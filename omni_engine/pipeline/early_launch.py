@@ -15,7 +15,7 @@ from collections.abc import Callable
 
 from omni_engine.config import PipelineConfig
 from omni_engine.pipeline.stage_specs import build_stage_specs
-from omni_engine.stage_engine.stage_launch import LaunchedStage, launch_stage
+from omni_engine.stage_engine.stage_launch import LaunchedStage, discard_launched, launch_stage
 
 
 def launchable_stage_ids(config: PipelineConfig) -> list[int]:
@@ -45,7 +45,4 @@ def launch_stages_early(config: PipelineConfig, say: Callable[[str], None]) -> d
     return launched
 
 
-def discard_launched(launched: dict[int, LaunchedStage]) -> None:
-    """Stop every launched stage that no client adopted."""
-    for stage in launched.values():
-        stage.discard()
+__all__ = ["discard_launched", "launch_stages_early", "launchable_stage_ids"]

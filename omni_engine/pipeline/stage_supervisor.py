@@ -23,7 +23,7 @@ from omni_engine.errors import StageDeadError
 from omni_engine.loop_context import cancel_now
 from omni_engine.pipeline.replica_set import StageReplicaSet
 from omni_engine.stage_engine.base_client import BaseStageClient
-from omni_engine.stage_engine.stage_launch import LaunchedStage, launch_spare
+from omni_engine.stage_engine.stage_launch import LaunchedStage, discard_launched, launch_spare
 from omni_engine.stage_engine.stage_spec import StageProcessSpec
 from omni_engine.utils import describe_exit
 
@@ -69,7 +69,7 @@ class StageSupervisor:
         # Per stage, its warm spare waiting to be taken; stopped with the supervisor, at the latest
         # at this process's exit.
         self._spares: dict[int, LaunchedStage] = {}
-        self._spares_finalizer = weakref.finalize(self, discard_spares, self._spares)
+        self._spares_finalizer = weakref.finalize(self, discard_launched, self._spares)
         for sid, stage in self._stages.items():
             stage.replicas.on_replica_dead = lambda replica, error, sid=sid: self._on_dead(sid, replica, error)
 
@@ -164,7 +164,7 @@ class StageSupervisor:
         """No more restarts; one under way is cancelled, not awaited (a synchronous shutdown)."""
         self._stopped = True
         cancel_now(self._tasks.values())
-        discard_spares(self._spares)
+        discard_launched(self._spares)
 
     async def stop(self) -> None:
         """No more restarts; wait for one under way to give up."""
@@ -173,10 +173,4 @@ class StageSupervisor:
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-        discard_spares(self._spares)
-
-
-def discard_spares(spares: dict[int, LaunchedStage]) -> None:
-    """Stop the spares no restart took (a spare exits as soon as its pipe closes)."""
-    while spares:
-        spares.popitem()[1].discard()
+        discard_launched(self._spares)

@@ -87,16 +87,12 @@ def main(pipe: BinaryIO) -> None:
     (``spec.spare``) reads the spec it serves from the same pipe once it is taken."""
     with pipe:
         spec, serve = pickle.load(pipe)
-        if not spec.spare:
-            taken = None
-        else:
+        if spec.spare:
             enter_stage_process(spec)
             taken = wait_until_taken(spec, pipe)
-            if taken is None:
-                return
-    if taken is None:
+    if not spec.spare:
         run_stage_process(spec, serve)
-    else:
+    elif taken is not None:  # None: not wanted any more
         resolve_dotted(serve, "stage process entry point")(taken)
 
 

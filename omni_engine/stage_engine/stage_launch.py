@@ -71,6 +71,12 @@ class LaunchedStage:
         unlink_prefix(stage_prefix(self.run_prefix, self.stage_id))
 
 
+def discard_launched(launched: dict[int, LaunchedStage]) -> None:
+    """Stop every launched stage (early, or a warm spare) that no client adopted, and empty ``launched``."""
+    while launched:
+        launched.popitem()[1].discard()
+
+
 def launch_spare(stage_id: int, spec: StageProcessSpec) -> LaunchedStage:
     """A warm spare of the stage: a process that imports what ``spec``'s engine needs and waits; the
     client that adopts it hands it the spec of the replica it replaces (``StageProcess.take``)."""

@@ -189,7 +189,6 @@ async def _serve(args: argparse.Namespace, config, launched: dict[int, Any]) -> 
         # vLLM's parser read other names than the early look did (a --config file of serve flags).
         say("the served model name differs from the command line's: starting the stages again")
         discard_launched(launched)
-        launched.clear()
     config = named
     text_stage = text_stage_of(config)
     server_args = server_args_for(args, str(text_stage.engine_args["model"]), served_names)
