@@ -20,6 +20,7 @@ from omni_engine.stage_output import (  # noqa: F401
     StageCompletionOutput,
     StageRequestOutput,
 )
+from omni_engine.tracing.stage_timing import StageTiming
 
 
 class OmniRequestOutput(RequestOutput):
@@ -32,6 +33,9 @@ class OmniRequestOutput(RequestOutput):
     what it was made from (an audio chunk made from text of version v says v at
     the text stage); empty where no stage has versioned weights.
     """
+
+    # What the stage recorded of a traced request, on its final output (omni_engine.tracing).
+    stage_timing: StageTiming | None = None
 
     def __init__(
         self,

@@ -6,6 +6,7 @@ from __future__ import annotations
 import base64
 import io
 import json
+import secrets
 import time
 import wave
 
@@ -14,6 +15,7 @@ import openai
 import pytest
 
 from omni_engine.pipeline.input_processors import split_sentences
+from tests.otlp_receiver import OtlpReceiver
 from tests.serve_helpers import auth_headers, openai_client, running_server
 
 pytestmark = [pytest.mark.llm, pytest.mark.tts]
@@ -26,12 +28,21 @@ ORIGIN = "https://app.example"
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory, smollm2_path):
+def receiver():
+    """Where the server's traces go (an OTLP/HTTP collector): every test here runs traced."""
+    with OtlpReceiver() as rx:
+        yield rx
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory, smollm2_path, receiver):
     # vLLM's serve flags, as an operator passes them to `vllm serve`.
     # Dev mode: vLLM's RL routes (weight updates) are on, behind the key like every route.
     with running_server("stage_configs/smollm2_speech.yaml", MODEL, tmp_path_factory.mktemp("serve-audio"),
-                        extra_args=("--allowed-origins", f'["{ORIGIN}"]', "--enable-request-id-headers"),
-                        api_key=API_KEY, env={"VLLM_SERVER_DEV_MODE": "1"}) as srv:
+                        extra_args=("--allowed-origins", f'["{ORIGIN}"]', "--enable-request-id-headers",
+                                    "--otlp-traces-endpoint", receiver.url),
+                        api_key=API_KEY, env={"VLLM_SERVER_DEV_MODE": "1",
+                                              "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL": "http/protobuf"}) as srv:
         yield srv
 
 
@@ -430,3 +441,46 @@ def test_bench_chat_audio_and_text_against_the_same_answers(server, client, tmp_
     assert all(key in text for key in (*VLLM_KEYS, "p50_ttft_ms")) and not any(key in text for key in AUDIO_KEYS)
     assert (text["completed"], text["total_output_tokens"]) == (4, 4 * 16)  # ignore_eos reached the server
     assert text["mean_tpot_ms"] > 0 and text["request_rate"] == 20.0
+
+
+# ----------------------------------------------------------------------------- traces
+def traceparent() -> tuple[str, str, dict[str, str]]:
+    trace_id, span_id = secrets.token_hex(16), secrets.token_hex(8)
+    return trace_id, span_id, {"traceparent": f"00-{trace_id}-{span_id}-01"}
+
+
+def test_a_served_chat_with_audio_is_one_trace_with_vllms_span_under_the_llm_stage(client, receiver):
+    trace_id, caller_span, headers = traceparent()
+    response = client.chat.completions.create(
+        model=MODEL, messages=QUESTION, temperature=0, max_tokens=32, extra_headers=headers,
+        modalities=["text", "audio"], audio={"voice": "en", "format": "wav"})
+    samples, rate = read_wav(base64.b64decode(response.choices[0].message.audio.data))
+    spans = receiver.wait_for(trace_id, lambda s: any(x.name == "llm_request" for x in s) and len(s) >= 4)
+    root = next(s for s in spans if s.name == "omni_request")
+    assert root.parent_span_id == caller_span and root.attributes["omni.request.outcome"] == "finished"
+    stages = {s.attributes["omni.stage.id"]: s for s in spans if s.name.startswith("omni_stage ")}
+    assert set(stages) == {0, 1} and all(s.parent_span_id == root.span_id for s in stages.values())
+    llm, voice = stages[0], stages[1]
+    assert llm.attributes["omni.stage.type"] == "llm" and voice.name == "omni_stage espeak_tts"
+    assert llm.attributes["gen_ai.usage.completion_tokens"] == response.usage.completion_tokens
+    assert llm.attributes["gen_ai.latency.time_in_queue"] >= 0  # vLLM's scheduler's, from the stage
+    # One speech sub-request per sentence; their audio is what the WAV holds.
+    assert voice.attributes["omni.stage.sub_requests"] >= 1
+    assert voice.attributes["omni.stage.audio_seconds"] == pytest.approx(len(samples) / rate, abs=0.01)
+    # vLLM's own request span, exported by the llm stage's vLLM, is a child of that stage's span.
+    vllm_span = next(s for s in spans if s.name == "llm_request")
+    assert vllm_span.parent_span_id == llm.span_id
+    assert vllm_span.attributes["gen_ai.usage.completion_tokens"] == response.usage.completion_tokens
+
+
+def test_our_routes_continue_the_callers_trace_too(client, receiver):
+    trace_id, caller_span, headers = traceparent()
+    response = client.audio.speech.create(model=MODEL, voice="en", input="Hello world. Bye now.",
+                                          response_format="wav", extra_headers=headers)
+    samples, rate = read_wav(response.content)
+    spans = receiver.wait_for(trace_id, lambda s: len(s) >= 2)
+    root = next(s for s in spans if s.name == "omni_request")
+    assert root.parent_span_id == caller_span
+    (voice,) = [s for s in spans if s.name.startswith("omni_stage ")]  # the speech route skips the llm
+    assert voice.attributes["omni.stage.id"] == 1 and voice.parent_span_id == root.span_id
+    assert voice.attributes["omni.stage.audio_seconds"] == pytest.approx(len(samples) / rate, abs=0.01)

@@ -79,7 +79,8 @@ def parse_pipeline_config(data: Any, source: str = "<dict>") -> PipelineConfig:
         pc.check_graph(converted, errors)
     if errors.errors or shell is None:
         raise ConfigError(errors.errors, source)
-    return PipelineConfig(stage_args=[s for _, s in converted], runtime=shell.runtime, weights=shell.weights)
+    config = PipelineConfig(stage_args=[s for _, s in converted], runtime=shell.runtime, weights=shell.weights)
+    return config.with_traces_endpoint(shell.runtime.otlp_traces_endpoint)
 
 
 def _config_dir(source: str) -> Path:

@@ -141,6 +141,9 @@ class PipelineRuntimeConfig(_Base):
     edges: list[EdgeConfig] = msgspec.field(default_factory=list)
     security: SecurityConfig = msgspec.field(default_factory=SecurityConfig)
     placement: PlacementConfig = msgspec.field(default_factory=PlacementConfig)
+    # Where the pipeline's OpenTelemetry spans go (vLLM's --otlp-traces-endpoint; README
+    # "Observability"); None: no tracing, and none of its cost.
+    otlp_traces_endpoint: str | None = None
 
 
 class WeightsConfig(_Base):
@@ -313,6 +316,17 @@ class PipelineConfig(_Base):
     def replace(self, **changes: Any) -> PipelineConfig:
         """A copy with ``changes`` (``source_path`` kept)."""
         return msgspec.structs.replace(self, **changes)
+
+    def with_traces_endpoint(self, endpoint: str | None) -> PipelineConfig:
+        """The pipeline traced to ``endpoint`` (None: as it is): its spans, and vLLM's own request
+        spans from every llm stage that names no endpoint of its own (they join the same trace)."""
+        if not endpoint:
+            return self
+        stages = [msgspec.structs.replace(s, engine_args={**s.engine_args, "otlp_traces_endpoint": endpoint})
+                  if s.stage_type == "llm" and not s.engine_args.get("otlp_traces_endpoint") else s
+                  for s in self.stage_args]
+        return self.replace(stage_args=stages,
+                            runtime=msgspec.structs.replace(self.runtime, otlp_traces_endpoint=endpoint))
 
 
 def device_parts(devices: str | int | list[int | str]) -> list[int | str]:

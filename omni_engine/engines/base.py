@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import abc
 import asyncio
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar
 
 if TYPE_CHECKING:
@@ -35,6 +35,12 @@ class StageEngine(abc.ABC):
 
     def __init__(self, stage_id: int) -> None:
         self.stage_id = stage_id
+        # Set by the stage once a request is traced: ``(request_id, at)`` when the engine's work on
+        # a request begins (``at``: wall-clock seconds, None for now). None: nobody asks, no cost.
+        self.on_work_started: Callable[[str, float | None], None] | None = None
+        # A traced request's W3C trace headers, for an engine that hands them on (vLLM's own
+        # request span); taken (popped) by that engine, dropped by the stage when the request ends.
+        self.trace_headers: dict[str, dict[str, str]] = {}
 
     async def start(self) -> None:
         """Load the model. Runs inside the stage's event loop, before READY."""

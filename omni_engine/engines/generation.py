@@ -122,6 +122,9 @@ class GenerationStageEngine(StageEngine):
 
     async def _run_batch(self, batch: list[_Pending]) -> None:
         assert self.model is not None
+        if self.on_work_started is not None:  # (a traced request may be in it)
+            for pending in batch:
+                self.on_work_started(pending.request.request_id, None)
         coro = self.model.generate([p.request for p in batch])
         if self.loop_holds is not None:
             coro = timed_steps(coro, self.loop_holds.limit_s, self.loop_holds)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import time
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
@@ -61,6 +62,9 @@ class LLMStageEngine(StageEngine):
         # The version the engine labels new tokens with (vLLM's own starts as "default"); outputs
         # carry it until vLLM's exact spans arrive with the final one.
         self.weight_version = "default"
+        # vLLM exports its own request span (a child of this stage's) when it has an endpoint;
+        # without one it only warns about trace headers, so it gets none.
+        self.vllm_traces = bool(self.engine_args.get("otlp_traces_endpoint"))
 
     @staticmethod
     def preload() -> None:
@@ -155,8 +159,14 @@ class LLMStageEngine(StageEngine):
         if isinstance(prompt, OmniTextPrompt):
             prompt = prompt.to_vllm()
         versions: list[str] = []
+        trace_headers = self.trace_headers.pop(request_id, None) if self.trace_headers else None
+        if not self.vllm_traces:
+            trace_headers = None
         try:
-            async for output in outputs or self.engine.generate(prompt, params, request_id):
+            async for output in outputs or self.engine.generate(prompt, params, request_id,
+                                                                trace_headers=trace_headers):
+                if self.on_work_started is not None:
+                    self.on_work_started(request_id, scheduled_at(output))
                 out = OmniRequestOutput.from_request_output(
                     output, stage_id=self.stage_id, final_output_type=self.final_output_type
                 )
@@ -228,3 +238,13 @@ class LLMStageEngine(StageEngine):
         if name in LLMStageEngine.UTILITY_METHODS and self.__dict__.get("engine") is not None:
             return getattr(self.__dict__["engine"], name)
         raise AttributeError(name)
+
+
+def scheduled_at(output: Any) -> float | None:
+    """When vLLM's scheduler first took the request, in wall-clock seconds (None: vLLM kept no
+    stats). vLLM stamps it on the monotonic clock, which every process of a host shares."""
+    stats = getattr(output, "metrics", None)
+    scheduled = getattr(stats, "scheduled_ts", 0.0)
+    if not scheduled:
+        return None
+    return time.time() - (time.monotonic() - scheduled)

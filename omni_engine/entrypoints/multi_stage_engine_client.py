@@ -35,6 +35,7 @@ from omni_engine.pipeline.stage_specs import prepare_models
 from omni_engine.pipeline.stage_supervisor import RestartableStage, StageSupervisor
 from omni_engine.pipeline.weight_sync import WeightSync, WeightUpdateError, check_version_order
 from omni_engine.stage_engine.stage_client import ReplicaStatus
+from omni_engine.tracing.context import REQUEST_TRACE_HEADERS
 
 logger = logging.getLogger(__name__)
 
@@ -86,6 +87,9 @@ class MultiStageEngineClient(EngineClient):
         if edges is None:
             edges = config.runtime.edges if config is not None else ()
         self.orchestrator = PipelineOrchestrator(stages, execution_mode, edges, self.metrics, **limits)
+        # Spans of every request, exported to runtime.otlp_traces_endpoint; None: not traced.
+        self.tracer = self._make_tracer(config)
+        self.orchestrator.tracer = self.tracer
         weights = config.weights if config is not None else WeightsConfig()
         weight_stages = (config.weight_stage_ids() if config is not None
                          else [ctx.stage_id for ctx in self.stage_contexts if ctx.stage_type in (None, "llm")])
@@ -105,6 +109,17 @@ class MultiStageEngineClient(EngineClient):
         self.renderer: Any = text_stage.renderer if text_stage is not None else None
         self.input_processor: Any = text_stage.input_processor if text_stage is not None else None
         self.supervisor.launch_spares()  # last: the pipeline is up, nothing after this can fail
+
+    def _make_tracer(self, config: PipelineConfig | None) -> Any:
+        """A ``PipelineTracer`` when the config names an OTLP endpoint (OpenTelemetry imported only then)."""
+        endpoint = config.runtime.otlp_traces_endpoint if config is not None else None
+        if not endpoint:
+            return None
+        from omni_engine.tracing.exporter import make_tracer_provider
+        from omni_engine.tracing.request_trace import PipelineTracer
+
+        names = {ctx.stage_id: (ctx.name, ctx.stage_type or "") for ctx in self.stage_contexts}
+        return PipelineTracer(make_tracer_provider(endpoint), names)
 
     # ------------------------------------------------------------ building
     @classmethod
@@ -164,8 +179,12 @@ class MultiStageEngineClient(EngineClient):
         request on every stage. A dead stage fails only the requests that need
         it (the orchestrator checks the stages a request uses).
 
-        With a text stage (what vLLM's OpenAI server calls; its extra keywords,
-        ``trace_headers``, ``priority``, ... are accepted and unused), a request
+        ``trace_headers`` (vLLM's keyword; else those of the HTTP request being served) is the
+        caller's W3C trace context, which the request's spans continue when the pipeline traces
+        (``runtime.otlp_traces_endpoint``).
+
+        With a text stage (what vLLM's OpenAI server calls; its other extra keywords,
+        ``priority``, ... are accepted and unused), a request
         is checked by vLLM's own input processor first (HTTP 400), ends at the
         text stage unless ``modalities`` asks for more, and a stage's
         validation error becomes vLLM's.
@@ -183,8 +202,9 @@ class MultiStageEngineClient(EngineClient):
             await self._resumed.wait()
         params = self.sampling_params_by_stage(
             sampling_params, entry_stage_id if entry_stage_id is not None else self.text_stage_id)
+        trace_headers = kwargs.get("trace_headers") or REQUEST_TRACE_HEADERS.get() if self.tracer else None
         stream = self.orchestrator.stream_request(
-            request_id, prompt, params, self.metrics, final_stage_id, execution_mode, entry_stage_id
+            request_id, prompt, params, self.metrics, final_stage_id, execution_mode, entry_stage_id, trace_headers
         )
         versions = RESPONSE_VERSIONS.get()  # an HTTP response's weight-version header (None elsewhere)
         try:
@@ -368,7 +388,7 @@ class MultiStageEngineClient(EngineClient):
         return ("generate",)
 
     async def is_tracing_enabled(self) -> bool:
-        return False
+        return self.tracer is not None
 
     async def do_log_stats(self) -> None:
         for sid, m in sorted(self.metrics.stages.items()):
@@ -557,6 +577,8 @@ class MultiStageEngineClient(EngineClient):
         await self.orchestrator.stop()
         await asyncio.gather(*(ctx.client.shutdown() for ctx in self.stage_contexts), return_exceptions=True)
         self._close_placement()
+        if self.tracer is not None:
+            await asyncio.to_thread(self.tracer.shutdown)
         self._closed = True
 
     def _close_placement(self) -> None:
@@ -602,6 +624,8 @@ class MultiStageEngineClient(EngineClient):
             except Exception:  # noqa: BLE001 - the other stages are stopped regardless
                 logger.exception("stage %d: shutdown failed", ctx.stage_id)
         self._close_placement()
+        if self.tracer is not None:
+            self.tracer.shutdown()
         self._closed = True
 
 

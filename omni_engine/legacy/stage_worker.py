@@ -19,6 +19,7 @@ import threading
 from omni_engine.engines.base import StageEngine
 from omni_engine.legacy.queues import StageQueue
 from omni_engine.wire.protocol import (
+    StageGenerateRequest,
     StageReady,
     StageRequestType,
     StageResponseType,
@@ -40,6 +41,9 @@ class LegacyStageWorker(StageEngineCore):
     def __init__(self, stage_id: int, engine: StageEngine, in_q: StageQueue, out_q: StageQueue) -> None:
         super().__init__(stage_id, engine, out_q)
         self._in_q = in_q
+
+    def _trace(self, req: StageGenerateRequest) -> None:
+        """The legacy architecture is not traced: its answers are single outputs on a queue."""
 
     def _start_transport(self) -> None:
         # This process only writes out_q and reads in_q; the other ends are

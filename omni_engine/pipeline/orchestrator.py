@@ -17,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import AsyncGenerator, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from vllm import SamplingParams
 from vllm.sampling_params import RequestOutputKind
@@ -34,6 +34,9 @@ from omni_engine.pipeline.request_events import RequestEventRecorder
 from omni_engine.pipeline.request_state import ClientRequestState, StageTrack, new_text_of
 from omni_engine.pipeline.stage_context import StageContext
 from omni_engine.pipeline.stage_graph import EXECUTION_MODES, RequestPlan, StageGraph
+
+if TYPE_CHECKING:
+    from omni_engine.tracing.request_trace import PipelineTracer
 
 logger = logging.getLogger(__name__)
 
@@ -66,6 +69,8 @@ class PipelineOrchestrator:
         self.max_inflight_requests = max_inflight_requests
         self.max_undelivered_outputs = max_undelivered_outputs
         self.events = RequestEventRecorder()
+        # Opens the spans of every request when set (omni_engine.tracing.request_trace.PipelineTracer).
+        self.tracer: PipelineTracer | None = None
         self._requests: dict[str, ClientRequestState] = {}
         # stage id -> sub-request id -> its request
         self._routes: dict[int, dict[str, ClientRequestState]] = {sid: {} for sid in self.stage_order}
@@ -176,6 +181,7 @@ class PipelineOrchestrator:
         metrics: OrchestratorMetrics | None = None,
         execution_mode: str | None = None,
         entry_stage_id: int | None = None,
+        trace_headers: Mapping[str, str] | None = None,
     ) -> ClientRequestState:
         """Register the request and send it to its entry stage(s).
 
@@ -186,6 +192,8 @@ class PipelineOrchestrator:
         with their own mode in the config keep it). ``entry_stage_id`` starts
         the request at that stage with ``prompt`` as its input, ignoring its
         sources (e.g. a speech stage alone); the final stages default to it.
+        ``trace_headers``: the caller's W3C trace context, which the request's spans continue
+        (when the orchestrator has a ``tracer``).
         """
         if request_id in self._requests:
             raise ValueError(f"request id {request_id!r} is already in the pipeline")
@@ -212,6 +220,8 @@ class PipelineOrchestrator:
         for sid in used:
             if plan.sources[sid]:
                 state.processors[sid] = self.graph.edge_inputs(sid, plan.sources[sid], prompt)
+        if self.tracer is not None:
+            state.trace = self.tracer.start_request(request_id, trace_headers)
         self._requests[request_id] = state
         self._idle.clear()
         self.start()
@@ -262,9 +272,14 @@ class PipelineOrchestrator:
         self.events.submitting(state, sid, k)
         client = self.stages[sid].client
         sent_before = client.bytes_sent
-        await client.submit_request(sub_id, inp.prompt, params, end_on_finish=False, group=state.request_id)
+        trace = state.trace
+        await client.submit_request(sub_id, inp.prompt, params, end_on_finish=False, group=state.request_id,
+                                    trace=trace.submitting(sid) if trace is not None else None)
         nbytes = client.bytes_sent - sent_before
         self.events.submitted(state, sid, nbytes)
+        if trace is not None:
+            replica_of = getattr(client, "replica_of", None)
+            trace.submitted(sid, replica_of(sub_id) if replica_of is not None else None)
         return nbytes
 
     async def _forward_to_next_stage(self, state: ClientRequestState, dst: int, inputs: list[StageInput],
@@ -327,6 +342,8 @@ class PipelineOrchestrator:
         k = track.inflight[sub_id]
         now = asyncio.get_running_loop().time()
         self.events.output(state, sid, k, now, output.finished)
+        if state.trace is not None:
+            state.trace.output(sid, sub_id, output, track.kinds.get(sub_id) is RequestOutputKind.DELTA)
         new_text = new_text_of(track, sub_id, output)
         track.text += new_text
         versions = getattr(output, "stage_versions", None)
@@ -388,6 +405,8 @@ class PipelineOrchestrator:
         track = state.stages[sid]
         track.done = True
         state.metrics.stage_done[sid] = asyncio.get_running_loop().time()
+        if state.trace is not None:
+            state.trace.stage_done(sid, aborted=state.aborting)
         if sid in state.final_stages and not track.closed and not (state.aborting and not track.submitted):
             ctx = self.stages[sid]
             self._deliver(state, sid, OmniRequestOutput(
@@ -439,10 +458,11 @@ class PipelineOrchestrator:
         final_stage_id: int | Sequence[int] | None = None,
         execution_mode: str | None = None,
         entry_stage_id: int | None = None,
+        trace_headers: Mapping[str, str] | None = None,
     ) -> AsyncGenerator[OmniRequestOutput, None]:
         """Submit and stream the request's final outputs; leaving early aborts it."""
         state = await self.submit_request(request_id, prompt, params_by_stage, final_stage_id, metrics,
-                                          execution_mode, entry_stage_id)
+                                          execution_mode, entry_stage_id, trace_headers)
         try:
             while True:
                 item = await state.queue.get()

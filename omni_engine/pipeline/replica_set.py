@@ -59,6 +59,7 @@ class _Submission:
     prompt: Any
     sampling_params: Any
     end_on_finish: bool
+    trace: dict[str, str] | None = None
 
 
 @dataclass(slots=True)
@@ -194,6 +195,10 @@ class StageReplicaSet:
     def bytes_received(self) -> int:
         return self._bytes_gone[1] + sum(r.bytes_received for r in self.replicas)
 
+    def replica_of(self, request_id: str) -> int | None:
+        """The replica running (or holding) ``request_id``; None once it is forgotten."""
+        return self._owner.get(request_id)
+
     def replica_status(self) -> list[ReplicaStatus]:
         return [ReplicaStatus(not r.is_dead, r.num_unfinished_requests(), self.submitted[i],
                               r.ready.pid if r.ready is not None else None,
@@ -243,7 +248,8 @@ class StageReplicaSet:
             self._group_replica[group][0] = index
 
     async def submit_request(self, request_id: str, prompt: Any, sampling_params: Any = None, *,
-                             end_on_finish: bool = True, group: str | None = None) -> None:
+                             end_on_finish: bool = True, group: str | None = None,
+                             trace: dict[str, str] | None = None) -> None:
         """Send a GENERATE to the replica chosen for it (see ``BaseStageClient.submit_request``)."""
         self._check_alive()
         if request_id in self._owner:
@@ -256,10 +262,10 @@ class StageReplicaSet:
         if not end_on_finish:
             self._manual_end.add(request_id)
         if self.retry is RetryPolicy.BEFORE_FIRST_OUTPUT:
-            self._retryable[request_id] = _Submission(prompt, sampling_params, end_on_finish)
+            self._retryable[request_id] = _Submission(prompt, sampling_params, end_on_finish, trace)
         try:
             await self.replicas[index].submit_request(request_id, prompt, sampling_params,
-                                                      end_on_finish=end_on_finish)
+                                                      end_on_finish=end_on_finish, trace=trace)
         except BaseException:
             if self._owner.get(request_id) == index:  # not taken over by a retry (the replica died sending)
                 self._forget(request_id)
@@ -383,7 +389,7 @@ class StageReplicaSet:
         replica = self.replicas[resubmission.replica]
         try:
             await replica.submit_request(rid, submission.prompt, submission.sampling_params,
-                                         end_on_finish=submission.end_on_finish)
+                                         end_on_finish=submission.end_on_finish, trace=submission.trace)
             if resubmission.abort is not None:
                 await replica.abort_request([rid], keep_final=resubmission.abort)
         except Exception as exc:  # noqa: BLE001 - the request fails, naming why

@@ -70,6 +70,8 @@ class RequestEventRecorder:
             self._observe("on_finished", sid, run_s)
 
     def failed(self, state: ClientRequestState, error: BaseException) -> None:
+        if state.trace is not None:
+            state.trace.failed(getattr(error, "stage_id", None), str(error))
         if isinstance(error, StageRequestError):
             state.pipeline_metrics.stage(error.stage_id).failed += 1
             self._observe("on_error", error.stage_id, error.error_type)
@@ -79,10 +81,18 @@ class RequestEventRecorder:
 
     def done(self, state: ClientRequestState, error: BaseException | None) -> None:
         state.metrics.finished = asyncio.get_running_loop().time()
-        if self.observer is None:
+        if self.observer is None and state.trace is None:
             return
         outcome = ("finished" if error is None
                    else "aborted" if isinstance(error, asyncio.CancelledError) else "failed")
+        if state.trace is not None:
+            try:
+                state.trace.end(outcome, None if error is None else str(error) or type(error).__name__,
+                                tuple(sorted(state.final_stages)))
+            except Exception:  # noqa: BLE001 - tracing must never break a request
+                logger.exception("ending the trace of request %s failed", state.request_id)
+        if self.observer is None:
+            return
         ttfo = {sid: max(0.0, t) for sid in sorted(state.final_stages)
                 if (t := state.metrics.time_to_first_output(sid)) is not None}
         self._observe("on_request_done", max(0.0, state.metrics.e2e_s or 0.0), ttfo, outcome,

@@ -19,6 +19,7 @@ from omni_engine.outputs import OmniRequestOutput
 
 if TYPE_CHECKING:
     from omni_engine.pipeline.stage_graph import EdgeInputs
+    from omni_engine.tracing.request_trace import RequestTrace
 
 
 @dataclass
@@ -86,6 +87,8 @@ class ClientRequestState:
     # Stage id -> the weight versions whose outputs this request used so far (every final
     # output carries them: audio made from text of version v says v).
     stage_versions: dict[int, list[str]] = field(default_factory=dict)
+    # Its spans, when the pipeline traces (omni_engine.tracing.request_trace.RequestTrace).
+    trace: RequestTrace | None = None
 
     def add_versions(self, versions: dict[int, list[str]]) -> None:
         for sid, names in versions.items():

@@ -34,3 +34,16 @@ class StageContext:
     @property
     def stage_type(self) -> str | None:
         return self.stage_config.stage_type if self.stage_config else None
+
+    @property
+    def name(self) -> str:
+        """A short name for logs and spans: the generation model's factory (``make_`` dropped), or
+        the last part of the llm's model path; ``stage<id>`` when the config names neither."""
+        args = self.stage_config.engine_args if self.stage_config else {}
+        factory = args.get("model_factory")
+        if isinstance(factory, str):
+            return factory.rpartition(":")[2].rpartition(".")[2].removeprefix("make_")
+        model = args.get("model")
+        if isinstance(model, str) and model.strip("/"):
+            return model.rstrip("/").rpartition("/")[2]
+        return f"stage{self.stage_id}"

@@ -24,6 +24,7 @@ from typing import Any, Protocol
 from omni_engine import envs
 from omni_engine.errors import StageDeadError, StageRequestError
 from omni_engine.outputs import OmniRequestOutput
+from omni_engine.tracing.stage_timing import StageTiming
 from omni_engine.wire.protocol import (
     DUPLICATE_REQUEST,
     StageAbortRequest,
@@ -176,7 +177,8 @@ class BaseStageClient:
 
     # ------------------------------------------------------------- requests
     async def submit_request(self, request_id: str, prompt: Any, sampling_params: Any = None, *,
-                             end_on_finish: bool = True, group: str | None = None) -> None:
+                             end_on_finish: bool = True, group: str | None = None,
+                             trace: dict[str, str] | None = None) -> None:
         """Send a GENERATE; outputs come from ``get_output_async``.
 
         With ``end_on_finish`` False what the transport holds for the request
@@ -184,12 +186,13 @@ class BaseStageClient:
         until ``end_request``: under an orchestrator a handle may still be on
         its way to the next stage. ``group`` names the request a sub-request
         belongs to (a replica set keeps a group on one replica; one client has
-        nothing to choose).
+        nothing to choose). ``trace``: the W3C headers of the request's span in this
+        stage; its final output then carries the stage's ``stage_timing``.
         """
         self._check_alive()
         if request_id in self._requests:
             raise ValueError(f"stage {self.stage_id}: request id {request_id!r} is already in flight")
-        msg = StageGenerateRequest(request_id, prompt, sampling_params, self._loop.time())
+        msg = StageGenerateRequest(request_id, prompt, sampling_params, self._loop.time(), trace)
         self._requests.add(request_id)
         self.submitted += 1
         self.resources.begin(request_id)
@@ -321,7 +324,7 @@ class BaseStageClient:
     def _on_response(self, rtype: StageResponseType, msg: Any) -> None:
         """One decoded answer from the stage."""
         if rtype is StageResponseType.OUTPUT:
-            self._on_outputs(msg.outputs)
+            self._on_outputs(msg.outputs, msg.timings)
         elif rtype is StageResponseType.ERROR:
             self._on_error(msg)
         elif rtype in (StageResponseType.HEALTH, StageResponseType.UTILITY_RESULT):
@@ -340,12 +343,14 @@ class BaseStageClient:
         else:  # READY belongs on the request socket, once
             logger.warning("stage %d: unexpected %s on the output socket dropped", self.stage_id, rtype.name)
 
-    def _on_outputs(self, outputs: list[Any]) -> None:
+    def _on_outputs(self, outputs: list[Any], timings: dict[str, StageTiming] | None = None) -> None:
         items = []
         for output in outputs:
             if not isinstance(output, OmniRequestOutput) or output.request_id not in self._requests:
                 continue  # aborted, or not ours
             if output.finished:
+                if timings:
+                    output.stage_timing = timings.get(output.request_id)
                 self._requests.discard(output.request_id)
                 if output.request_id not in self._manual_end:
                     self.resources.end(output.request_id)

@@ -16,12 +16,14 @@ import os
 import signal
 import sys
 import threading
+import time
 from typing import Any, ClassVar, Protocol
 
 import uvloop
 
 from omni_engine.engines.base import StageEngine, StageEngineError
 from omni_engine.stage_output import StageRequestOutput, aborted_stage_output
+from omni_engine.tracing.stage_timing import StageTiming
 from omni_engine.wire.protocol import (
     DUPLICATE_REQUEST,
     StageDead,
@@ -38,6 +40,8 @@ from omni_engine.wire.protocol import (
 logger = logging.getLogger(__name__)
 
 _OUTPUT = StageResponseType.OUTPUT
+# A traced request's final output and its StageTiming, as one item: the two leave in one message.
+TIMED_OUTPUT = object()
 # Seconds an aborted request's engine has to end its stream with its own final
 # output (vLLM's does at once, with the partial text) before the stage cancels
 # it and sends an empty final output itself.
@@ -68,6 +72,8 @@ class StageEngineCore:
         self._requests: dict[str, asyncio.Future] = {}  # a task, or a submitted request's future
         # Aborted requests whose streams are ending (their final output still to send).
         self._aborting: dict[str, asyncio.Future] = {}
+        # Traced requests (their GENERATE carried trace headers) and what was recorded of them.
+        self._traced: dict[str, StageTiming] = {}
         self._exit_code = 0
         self._loop: asyncio.AbstractEventLoop | None = None
         self._shutdown: asyncio.Event | None = None
@@ -206,6 +212,8 @@ class StageEngineCore:
             self._send_error(f"stage {self.stage_id}: GENERATE for request {rid!r} refused: that request id is "
                              "already running", rid, DUPLICATE_REQUEST)
             return
+        if req.trace is not None:
+            self._trace(req)
         aborted_before = self._aborting.get(rid)
         # An engine that answers once takes the request without a task (``StageEngine.submit``);
         # a request whose id is still ending an aborted stream waits for it in a task.
@@ -217,6 +225,39 @@ class StageEngineCore:
         task = asyncio.create_task(self._generate(req, aborted_before), name=f"stage{self.stage_id}-{rid}")
         self._requests[rid] = task
         task.add_done_callback(functools.partial(self._request_done, rid))
+
+    def _trace(self, req: StageGenerateRequest) -> None:
+        """Record what happens to ``req`` (``StageTiming``), sent with its final output."""
+        timing = self._traced[req.request_id] = StageTiming(time.time(), pid=os.getpid())
+        self.engine.on_work_started = self._work_started
+        if self.engine.USES_VLLM:
+            self.engine.trace_headers[req.request_id] = req.trace
+        self._on_traced(req.request_id, timing)
+
+    def _on_traced(self, request_id: str, timing: StageTiming) -> None:
+        """A request is traced (a transport counts its shared-memory bytes into ``timing``)."""
+
+    def _work_started(self, request_id: str, at: float | None) -> None:
+        timing = self._traced.get(request_id)
+        if timing is not None and not timing.started:
+            timing.started = at if at is not None else time.time()
+
+    def _send_output(self, output: Any) -> None:
+        """Queue one output for the client; a traced request's final one goes with its timing."""
+        timing = self._traced.get(output.request_id) if self._traced else None
+        if timing is None:
+            self._out_q.put((_OUTPUT, output))
+            return
+        now = time.time()
+        timing.outputs += 1
+        if not timing.first_output:
+            timing.first_output = now
+        if not output.finished:
+            self._out_q.put((_OUTPUT, output))
+            return
+        timing.finished = now
+        del self._traced[output.request_id]
+        self._out_q.put((TIMED_OUTPUT, (output, timing)))
 
     def _submit(self, req: StageGenerateRequest) -> asyncio.Future | None:
         try:
@@ -230,11 +271,11 @@ class StageEngineCore:
         """A submitted request ended: send its output, or its abort's, or its error."""
         if future.cancelled():
             if self._aborting.get(rid) is future:
-                self._out_q.put((_OUTPUT, self._abort_output(rid)))
+                self._send_output(self._abort_output(rid))
         elif (exc := future.exception()) is not None:
             self._request_failed(rid, exc)
         else:
-            self._out_q.put((_OUTPUT, future.result()))
+            self._send_output(future.result())
         self._request_done(rid, future)
 
     def _request_done(self, rid: str, task: asyncio.Future) -> None:
@@ -242,6 +283,10 @@ class StageEngineCore:
             del self._requests[rid]
         if self._aborting.get(rid) is task:
             del self._aborting[rid]
+        if self._traced and self._requests.get(rid) is None and self._aborting.get(rid) is None:
+            # (Failed: no final output took its timing.) A new request with the id may be traced now.
+            self._traced.pop(rid, None)
+            self.engine.trace_headers.pop(rid, None)
         self._on_request_done(rid)
 
     def _on_request_done(self, request_id: str) -> None:
@@ -253,17 +298,17 @@ class StageEngineCore:
         if aborted_before is not None:
             # The aborted request with this id sends its final output first.
             await asyncio.wait([aborted_before])
-        put = self._out_q.put
+        send = self._send_output
         finished = False
         try:
             async for output in self.engine.generate(req.request_id, req.prompt, req.sampling_params):
-                put((_OUTPUT, output))
+                send(output)
                 finished = output.finished
             if not finished and self._is_aborting(req.request_id):
-                put((_OUTPUT, self._abort_output(req.request_id)))
+                send(self._abort_output(req.request_id))
         except asyncio.CancelledError:
             if not finished and self._is_aborting(req.request_id):
-                put((_OUTPUT, self._abort_output(req.request_id)))
+                send(self._abort_output(req.request_id))
             raise
         except Exception as exc:  # noqa: BLE001 - a request failure is not a stage failure (but see below)
             self._request_failed(req.request_id, exc)

@@ -50,8 +50,9 @@ from omni_engine.engines.base import StageEngine
 from omni_engine.stage_engine import security
 from omni_engine.stage_engine.loop_socket import LoopSocket
 from omni_engine.stage_engine.security import StageCurveKeys
-from omni_engine.stage_engine.stage_core import ResponseSink, StageEngineCore
+from omni_engine.stage_engine.stage_core import TIMED_OUTPUT, ResponseSink, StageEngineCore
 from omni_engine.stage_engine.stage_sockets import open_stage_socket
+from omni_engine.tracing.stage_timing import StageTiming
 from omni_engine.utils import call_quietly, machine_host_id
 from omni_engine.wire.protocol import (
     MALFORMED_MESSAGE,
@@ -289,6 +290,10 @@ class StageEngineCoreProc(StageEngineCore):
         if self.pool is not None:
             self._out_q.put((REQUEST_DONE, request_id))
 
+    def _on_traced(self, request_id: str, timing: StageTiming) -> None:
+        if self.pool is not None:  # (no pool, no shared memory to count; REQUEST_DONE ends the count)
+            self._encoder.shm_meter[request_id] = timing
+
     def shm_stats(self) -> dict[str, int]:
         """The stage's shared-memory pool: segments held, leased, bytes."""
         if self.pool is None:
@@ -344,34 +349,48 @@ class StageEngineCoreProc(StageEngineCore):
     def _send_items(self, sock: zmq.Socket | LoopSocket, items: list[Any]) -> None:
         """Send ``items`` in order, consecutive outputs as one message."""
         outputs: list[Any] = []  # StageRequestOutput, or an llm stage's OmniRequestOutput
+        timings: dict[str, StageTiming] = {}
+        ended: list[str] = []
         for item in items:
             rtype, payload = item
             if rtype is _OUTPUT:
                 outputs.append(payload)
                 continue
+            if rtype is TIMED_OUTPUT:
+                output, timings[payload[0].request_id] = payload
+                outputs.append(output)
+                continue
             if rtype is REQUEST_DONE:
                 # A model wrote into slots (empty_output) it did not send: they may go back once
                 # the request's outputs are encoded. Only then does the marker split the outputs.
+                ended.append(payload)
                 if payload in self.pool.unsent:
-                    self._send_outputs(sock, outputs)
-                    outputs = []
+                    self._send_outputs(sock, outputs, timings)
+                    outputs, timings = [], {}
                     self.pool.release_unsent(payload)
                 continue
-            self._send_outputs(sock, outputs)
-            outputs = []
+            self._send_outputs(sock, outputs, timings)
+            outputs, timings = [], {}
             self._send(sock, rtype, payload)
-        self._send_outputs(sock, outputs)
+        self._send_outputs(sock, outputs, timings)
+        meter = self._encoder.shm_meter
+        if meter:  # (after the sends: a request's last outputs may be in this very batch)
+            for request_id in ended:
+                meter.pop(request_id, None)
 
-    def _send_outputs(self, sock: zmq.Socket | LoopSocket, outputs: list[Any]) -> None:
+    def _send_outputs(self, sock: zmq.Socket | LoopSocket, outputs: list[Any],
+                      timings: dict[str, StageTiming]) -> None:
         if not outputs:
             return
         try:
-            self._send(sock, _OUTPUT, StageOutputs(outputs, time.time()), strict=True)
+            self._send(sock, _OUTPUT, StageOutputs(outputs, time.time(), timings or None), strict=True)
         except TypeError:
             # One output the wire cannot carry must not take the others down.
             for output in outputs:
+                timing = timings.get(output.request_id) if output.finished else None
                 try:
-                    self._send(sock, _OUTPUT, StageOutputs([output], time.time()), strict=True)
+                    self._send(sock, _OUTPUT, StageOutputs(
+                        [output], time.time(), {output.request_id: timing} if timing else None), strict=True)
                 except TypeError as exc:
                     self._send(sock, StageResponseType.ERROR, StageError(
                         f"stage {self.stage_id}: output of request {output.request_id!r} cannot be sent: {exc}",

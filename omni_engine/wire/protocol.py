@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import msgspec
 
+from omni_engine.tracing.stage_timing import StageTiming
 from omni_engine.wire.headers import WireFormatError
 
 if TYPE_CHECKING:
@@ -53,6 +54,10 @@ class StageGenerateRequest(msgspec.Struct, array_like=True, omit_defaults=True, 
     prompt: Any
     sampling_params: Any = None
     arrival_time: float = 0.0
+    # Set for a traced request: the W3C trace headers of the request's span in this stage (an
+    # llm stage hands them to vLLM, whose own request span then joins the trace). The stage
+    # answers with a StageTiming beside the final output (StageOutputs.timings).
+    trace: dict[str, str] | None = None
 
 
 class StageAbortRequest(msgspec.Struct, array_like=True, gc=False):
@@ -94,11 +99,14 @@ class StageReady(msgspec.Struct, array_like=True, gc=False):
     host_id: str = ""
 
 
-class StageOutputs(msgspec.Struct, array_like=True, gc=False):
+class StageOutputs(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     """Every output ready at once, in one message (as vLLM's EngineCoreOutputs)."""
 
     outputs: list[Any]
     timestamp: float = 0.0
+    # Request id -> what the stage recorded, for traced requests whose final output is in
+    # ``outputs`` (encoded after them: the shared-memory bytes they took are counted in).
+    timings: dict[str, StageTiming] | None = None
 
 
 # StageError.error_type of a GENERATE refused because its id is in flight.

@@ -39,6 +39,7 @@ from omni_engine.connectors.settings import (
 from omni_engine.connectors.shm import SEGMENT_INDEX, ShmPool
 from omni_engine.params import NeutralSamplingParams
 from omni_engine.stage_output import REQUEST_OUTPUT_FIELDS, StageRequestOutput
+from omni_engine.tracing.stage_timing import StageTiming
 from omni_engine.wire.ext_types import (  # noqa: F401 (re-exported: the wire's public names)
     DATACLASS_CODES,
     DATACLASS_FIELDS,
@@ -105,6 +106,8 @@ class StageMsgpackEncoder:
         # The request that shared-memory slots leased now belong to; set while
         # an OmniRequestOutput's fields are encoded.
         self._owner: str | None = None
+        # Traced requests (by id) whose shared-memory bytes are counted into their StageTiming.
+        self.shm_meter: dict[str, StageTiming] = {}
 
     @classmethod
     def from_settings(cls, settings: ConnectorSettings, shm_pool: ShmPool | None = None) -> StageMsgpackEncoder:
@@ -273,6 +276,8 @@ class StageMsgpackEncoder:
         elif found is not None and self.shm_pool is not None:
             self.shm_pool.mark_sent(found[0])  # a slot a model wrote its output into (empty_output)
         if found is not None:
+            if self.shm_meter and (timing := self.shm_meter.get(self._owner or "")) is not None:
+                timing.shm_bytes += nbytes
             header += [DataLocation.SHM, found[0], found[1], nbytes, self._owner]
         else:
             assert self._aux is not None

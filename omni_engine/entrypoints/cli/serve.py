@@ -50,7 +50,9 @@ def main(argv: Sequence[str]) -> int:
         # imports run while this process imports vLLM.
         config = _load_checked(Path(argv[0])) if argv and Path(argv[0]).is_file() else None
         if config is not None and not _asks_for_help(argv):
-            config = _with_served_names(config, _served_names_given(argv))
+            early = _early_flags(argv)
+            config = _with_served_names(config, early.served_model_name).with_traces_endpoint(
+                early.otlp_traces_endpoint)
             launched = _launch_early(config)
         args = parse_serve_args(argv)
     except (ConfigError, ServeArgsError) as exc:
@@ -70,14 +72,16 @@ def _asks_for_help(argv: Sequence[str]) -> bool:
     return any(a in ("-h", "--help") or a.startswith("--help=") for a in argv)
 
 
-def _served_names_given(argv: Sequence[str]) -> list[str] | None:
-    """``--served-model-name`` from the command line, read before vLLM's parser (which imports vLLM)
-    can. vLLM's parser has the last word: ``_serve`` restarts the stages if it reads other names
-    (from a ``--config`` file of serve flags)."""
+def _early_flags(argv: Sequence[str]) -> argparse.Namespace:
+    """``--served-model-name`` and ``--otlp-traces-endpoint`` from the command line (what the
+    stages are started with), read before vLLM's parser (which imports vLLM) can. vLLM's parser
+    has the last word: ``_serve`` restarts the stages if it reads otherwise (from a ``--config``
+    file of serve flags)."""
     early = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
     early.add_argument("--served-model-name", "--served_model_name", nargs="+")
+    early.add_argument("--otlp-traces-endpoint", "--otlp_traces_endpoint")
     known, _rest = early.parse_known_args(list(argv[1:]))
-    return known.served_model_name
+    return known
 
 
 def _with_served_names(config: PipelineConfig, names: list[str] | None) -> PipelineConfig:
@@ -184,10 +188,10 @@ async def _serve(args: argparse.Namespace, config, launched: dict[int, Any]) -> 
     started = time.monotonic()
     served_names = list(args.served_model_name or [default_served_model_name(text_stage_of(config))])
     # The text stage's vLLM labels its vllm:* metrics with the name the API serves, as under `vllm serve`.
-    named = with_served_model_name(config, served_names)
+    named = with_served_model_name(config, served_names).with_traces_endpoint(args.otlp_traces_endpoint)
     if launched and named != config:
-        # vLLM's parser read other names than the early look did (a --config file of serve flags).
-        say("the served model name differs from the command line's: starting the stages again")
+        # vLLM's parser read other names (or an endpoint) than the early look did (a --config file).
+        say("the served model name or traces endpoint differs from the command line's: starting the stages again")
         discard_launched(launched)
     config = named
     text_stage = text_stage_of(config)

@@ -30,7 +30,9 @@ DEFAULT_HOST = "127.0.0.1"
 DEFAULT_ENGINE_METRICS_TIMEOUT_S = 2.0
 
 # vLLM engine flags whose meaning in ``vllm serve`` is the server's own.
-SERVER_SIDE_ENGINE_FLAGS = frozenset({"served_model_name", "disable_log_stats", "enable_log_requests"})
+# (--otlp-traces-endpoint traces the whole pipeline: runtime.otlp_traces_endpoint, which llm stages share.)
+SERVER_SIDE_ENGINE_FLAGS = frozenset({"served_model_name", "disable_log_stats", "enable_log_requests",
+                                      "otlp_traces_endpoint"})
 # Server flags that need one engine per API server, or that serve something a pipeline does not have.
 UNSUPPORTED_SERVER_FLAGS: dict[str, str] = {
     "headless": "a pipeline's stages run under the server that starts them",

@@ -6,8 +6,8 @@ therefore wrapped where it is looked up. The wrapper registers every route famil
 (``add_omni_routes``: one module each, built on ``served_pipeline``), replaces
 vLLM's ``/abort_requests`` where it has one (``rl_routes``), when an API key is
 set swaps vLLM's authentication middleware for one guarding every route
-(``auth``), and tags completions with the weight version that made them
-(``weight_versions``).
+(``auth``), tags completions with the weight version that made them
+(``weight_versions``), and hands every route its caller's trace context (``trace_context``).
 
 This is the one module that imports the route families; none of them imports
 another.
@@ -25,6 +25,7 @@ from omni_engine.entrypoints.openai import chat_audio, images, realtime, speech,
 from omni_engine.entrypoints.openai.auth import guard_every_route
 from omni_engine.entrypoints.openai.rl_routes import replace_abort_requests_route
 from omni_engine.entrypoints.openai.routing import include_router_first
+from omni_engine.entrypoints.openai.trace_context import add_trace_context
 from omni_engine.entrypoints.openai.weight_versions import add_weight_versions
 
 VLLM_BUILD_APP = "vllm.entrypoints.launchers.api_server.entry.build_app"
@@ -53,7 +54,7 @@ class _OmniBuildApp:
         app = add_omni_routes(self.wrapped(*args, **kwargs))
         replace_abort_requests_route(app)
         guard_every_route(app)
-        return add_weight_versions(app)
+        return add_trace_context(add_weight_versions(app))
 
 
 def install_app_extensions() -> None:
