@@ -141,6 +141,25 @@ def test_defaults_and_edge_fallbacks() -> None:
     assert graph.edge_processors[(0, 1)] is resolve_dotted(PROCESSOR)  # from the destination stage
 
 
+def test_a_traced_pipeline_traces_its_llm_stages_with_vllms_own_spans_too() -> None:
+    """``runtime.otlp_traces_endpoint``: every llm stage's vLLM exports its request spans there too,
+    unless the stage names an endpoint of its own; other stages' engines get nothing."""
+    url = "http://collector:4317"
+    data = chain(llm(0), llm(1, [0], engine_args={"model": "m", "otlp_traces_endpoint": "http://own:4317"}),
+                 final({"stage_id": 2, "stage_type": "generation", "engine_input_source": [1],
+                        "engine_args": {"model_factory": TTS_FACTORY}}, "audio"))
+    data["runtime"] = {"otlp_traces_endpoint": url}
+    cfg = parse_pipeline_config(data)
+    assert cfg.runtime.otlp_traces_endpoint == url
+    assert cfg.stage(0).engine_args["otlp_traces_endpoint"] == url
+    assert cfg.stage(1).engine_args["otlp_traces_endpoint"] == "http://own:4317"
+    assert "otlp_traces_endpoint" not in cfg.stage(2).engine_args
+    assert cfg.with_traces_endpoint(url) == cfg  # serve's flag on a traced config changes nothing
+    untraced = parse_pipeline_config(chain(final(llm(0))))
+    assert untraced.runtime.otlp_traces_endpoint is None
+    assert "otlp_traces_endpoint" not in untraced.stage(0).engine_args
+
+
 def test_null_optional_sections_mean_defaults() -> None:
     cfg = parse_pipeline_config({"runtime": None, "stage_args": [final(llm(0, None, runtime=None))]})
     assert cfg.stage(0).runtime.max_batch_size is None and StageGraph.from_config(cfg).sources == {0: []}
