@@ -6,11 +6,15 @@ benchmark modules and must start fast.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import platform
+import signal
+import subprocess
 import sys
 import time
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -107,3 +111,18 @@ def save_figure(fig: Any, path: str | Path) -> Path:
     fig.savefig(path, dpi=110)
     progress(f"wrote {path}")
     return path
+
+
+def stop_process_groups(procs: Iterable[subprocess.Popen], timeout: float = 60.0) -> None:
+    """SIGTERM to each process's group (servers started with ``start_new_session``), all at once,
+    then wait for each; SIGKILL for a group that outlives ``timeout``."""
+    procs = list(procs)
+    for proc in procs:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGTERM)
+    for proc in procs:
+        try:
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()

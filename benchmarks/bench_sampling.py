@@ -48,6 +48,7 @@ from benchmarks.bench_common import (  # noqa: E402
     new_figure,
     progress,
     save_figure,
+    stop_process_groups,
     write_json,
 )
 
@@ -206,14 +207,7 @@ def servers(tmp: Path) -> Iterator[dict[str, str]]:
             progress(f"{name} healthy on port {ports[name]}")
         yield {name: f"http://127.0.0.1:{port}" for name, port in ports.items()}
     finally:
-        for proc in procs.values():
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGTERM)
-        for proc in procs.values():
-            try:
-                proc.wait(60)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
+        stop_process_groups(procs.values())
 
 
 async def serve_part(args: argparse.Namespace, items: list[dict[str, Any]], urls: dict[str, str]) -> dict[str, Any]:

@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import signal
 import statistics
 import subprocess
 import sys
@@ -28,7 +27,14 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from benchmarks.bench_common import REPO, RESULTS, machine_info, progress, write_json  # noqa: E402
+from benchmarks.bench_common import (  # noqa: E402
+    REPO,
+    RESULTS,
+    machine_info,
+    progress,
+    stop_process_groups,
+    write_json,
+)
 from benchmarks.bench_startup import free_port, healthy  # noqa: E402
 
 OMNI = [sys.executable, "-m", "omni_engine.entrypoints.cli.main", "serve"]
@@ -123,13 +129,7 @@ def main() -> None:
                          f"{result['request_throughput']:.3f} req/s, {result['output_throughput']:.1f} tok/s, "
                          f"TTFT p50 {result['median_ttft_ms']:.0f} ms")
     finally:
-        for proc in procs.values():
-            os.killpg(proc.pid, signal.SIGTERM)
-        for proc in procs.values():
-            try:
-                proc.wait(60)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
+        stop_process_groups(procs.values())
     medians = {name: {k: statistics.median(x[k] for x in v if x.get(k) is not None)
                       for k in FIGURES if any(x.get(k) is not None for x in v)} for name, v in runs.items()}
     ratios = {k: medians["on"][k] / medians["off"][k] for k in medians["off"] if medians["off"][k]}
