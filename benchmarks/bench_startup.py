@@ -71,6 +71,18 @@ def healthy(url: str) -> bool:
         return False
 
 
+def wait_healthy(proc: subprocess.Popen, port: int, log: Path, timeout: float = READY_TIMEOUT_S) -> None:
+    """Return once the server of ``proc`` answers /health with 200; fails naming its log if it exits
+    or is not healthy within ``timeout`` seconds."""
+    deadline = time.perf_counter() + timeout
+    while not healthy(f"http://127.0.0.1:{port}/health"):
+        if proc.poll() is not None:
+            raise RuntimeError(f"{proc.args[:4]} exited with {proc.returncode}; see {log}")
+        if time.perf_counter() > deadline:
+            raise RuntimeError(f"{proc.args[:4]} not healthy after {timeout:.0f} s; see {log}")
+        time.sleep(0.1)
+
+
 def tree_rss_mib(pid: int) -> dict[str, float]:
     """RSS (and USS) of a process and its descendants, by what ``top`` calls them (omni-stage<N>,
     VLLM::EngineCore, the forkserver)."""
@@ -108,12 +120,7 @@ def time_server(cmd: list[str], port: int, log: Path, env: dict[str, str] | None
         proc = subprocess.Popen(cmd, cwd=REPO, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
                                 env={**os.environ, **(env or {})})
     try:
-        while not healthy(f"http://127.0.0.1:{port}/health"):
-            if proc.poll() is not None:
-                raise RuntimeError(f"{cmd[:4]} exited with {proc.returncode}; see {log}")
-            if time.perf_counter() - t0 > READY_TIMEOUT_S:
-                raise RuntimeError(f"{cmd[:4]} not healthy after {READY_TIMEOUT_S} s; see {log}")
-            time.sleep(0.1)
+        wait_healthy(proc, port, log, READY_TIMEOUT_S - (time.perf_counter() - t0))
         ready_s = time.perf_counter() - t0
         return {"ready_s": ready_s, "rss_mib": tree_rss_mib(proc.pid)}
     finally:

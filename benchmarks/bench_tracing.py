@@ -21,7 +21,6 @@ import statistics
 import subprocess
 import sys
 import threading
-import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
@@ -35,10 +34,9 @@ from benchmarks.bench_common import (  # noqa: E402
     stop_process_groups,
     write_json,
 )
-from benchmarks.bench_startup import free_port, healthy  # noqa: E402
+from benchmarks.bench_startup import free_port, wait_healthy  # noqa: E402
 
 OMNI = [sys.executable, "-m", "omni_engine.entrypoints.cli.main", "serve"]
-READY_TIMEOUT_S = 600
 FIGURES = ("request_throughput", "output_throughput", "median_ttft_ms", "p99_ttft_ms", "median_tpot_ms",
            "median_ttfa_ms", "audio_throughput")
 
@@ -74,16 +72,6 @@ def start_server(config: str, port: int, log: Path, extra: list[str]) -> subproc
         return subprocess.Popen([*OMNI, config, "--port", str(port), "--served-model-name", "smollm2", *extra],
                                 cwd=REPO, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
                                 env={**os.environ, "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL": "http/protobuf"})
-
-
-def wait_healthy(proc: subprocess.Popen, port: int, log: Path) -> None:
-    t0 = time.monotonic()
-    while not healthy(f"http://127.0.0.1:{port}/health"):
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited with {proc.returncode}; see {log}")
-        if time.monotonic() - t0 > READY_TIMEOUT_S:
-            raise RuntimeError(f"server not healthy after {READY_TIMEOUT_S} s; see {log}")
-        time.sleep(0.5)
 
 
 def bench(base_url: str, args: argparse.Namespace) -> dict[str, Any]:

@@ -3,8 +3,11 @@ official ``opentelemetry-proto`` types (not with the SDK that sent it)."""
 
 from __future__ import annotations
 
+import contextlib
+import os
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
@@ -110,3 +113,19 @@ class OtlpReceiver:
             if time.monotonic() > deadline:
                 raise AssertionError(f"trace {trace_id}: got {[(s.name, s.parent_span_id) for s in spans]}")
             time.sleep(0.1)
+
+
+@contextlib.contextmanager
+def otlp_over_http() -> Iterator[None]:
+    """Exporters made inside send OTLP over HTTP (what ``OtlpReceiver`` speaks), as
+    ``OTEL_EXPORTER_OTLP_TRACES_PROTOCOL=http/protobuf`` makes them; the variable is restored after."""
+    name = "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL"
+    before = os.environ.get(name)
+    os.environ[name] = "http/protobuf"
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = before

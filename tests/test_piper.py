@@ -4,6 +4,8 @@ the stage boundaries."""
 
 from __future__ import annotations
 
+import secrets
+
 import numpy as np
 import pytest
 import pytest_asyncio
@@ -16,6 +18,7 @@ from omni_engine.errors import StageRequestError
 from omni_engine.models.prepare import MARKER_FILE, prepare_model
 from omni_engine.outputs import SPOKEN_TEXT
 from omni_engine.pipeline.input_processors import split_sentences
+from tests.otlp_receiver import OtlpReceiver, otlp_over_http
 from tests.stress.checks import after_shutdown, wait_clean
 from tests.stress.pipeline import REPO, speech_config, text_params
 
@@ -138,12 +141,20 @@ def test_factories_name_the_engine_arg_that_is_wrong(tmp_path, voice_dir):
 
 
 # ---------------------------------------------------------------- the pipeline
+@pytest.fixture(scope="module")
+def receiver():
+    with OtlpReceiver() as rx:
+        yield rx
+
+
 @pytest_asyncio.fixture(scope="module", loop_scope="session")
-async def piper_pipeline(smollm2_path):
+async def piper_pipeline(smollm2_path, receiver):
     """stage_configs/smollm2_piper.yaml with a 256-byte shared-memory threshold: a sentence's
-    phoneme ids (> 32 ids) and its audio cross the stage boundaries through shared memory."""
+    phoneme ids (> 32 ids) and its audio cross the stage boundaries through shared memory.
+    Traced to ``receiver`` (OTLP/HTTP)."""
     config = speech_config(REPO / "stage_configs" / "smollm2_piper.yaml", model=smollm2_path, shm_threshold=256)
-    client = await MultiStageEngineClient.from_config(config)
+    with otlp_over_http():
+        client = await MultiStageEngineClient.from_config(config.with_traces_endpoint(receiver.url))
     yield client
     await client.shutdown_async()
     assert not await after_shutdown(client)
@@ -178,6 +189,40 @@ async def test_an_answer_is_spoken_sentence_by_sentence_with_tensors_between_the
     stats = await client.stage_contexts[1].client.call_each_replica_async("shm_stats", call_timeout=10)
     assert all(stat["bytes"] > 0 for stat in stats.values()), stats
     assert not await wait_clean(client)
+
+
+async def counted_answer(client, prompt: str, request_id: str, headers: dict) -> tuple[str, list[int], int]:
+    """The answer's text, each utterance's length in samples, and its tokens (no output is kept, so
+    no shared-memory view of a stage outlives this)."""
+    text, audio, tokens = "", [], 0
+    async for out in client.generate(prompt, text_params(64), request_id, modalities=["text", "audio"],
+                                     trace_headers=headers):
+        if out.outputs:
+            text += out.outputs[0].text
+            tokens += len(out.outputs[0].token_ids)
+        if out.multimodal_output and out.multimodal_output.get("audio") is not None:
+            audio.append(len(out.multimodal_output["audio"]))
+    return text, audio, tokens
+
+
+@on_session_loop
+async def test_a_traced_answer_shows_each_stage_its_sentences_tensors_and_audio(piper_pipeline, chat_prompt,
+                                                                                 receiver):
+    trace_id = secrets.token_hex(16)
+    headers = {"traceparent": f"00-{trace_id}-{secrets.token_hex(8)}-01"}
+    text, audio, tokens = await counted_answer(piper_pipeline, chat_prompt("Tell me a short story about a dog."),
+                                               "traced-dog", headers)
+    spans = receiver.wait_for(trace_id, lambda s: len(s) >= 4)
+    stages = {s.attributes["omni.stage.id"]: s.attributes for s in spans if s.name.startswith("omni_stage ")}
+    sentences = len(split_sentences(text))
+    assert stages[0]["gen_ai.usage.completion_tokens"] == tokens and stages[0]["omni.stage.sub_requests"] == 1
+    # One phonemizer and one voice request per sentence; the ids and the audio left through shared memory.
+    assert stages[1]["omni.stage.name"] == "piper_phonemizer" and stages[1]["omni.stage.sub_requests"] == sentences
+    assert stages[2]["omni.stage.name"] == "piper_voice" and stages[2]["omni.stage.sub_requests"] == sentences
+    assert stages[1]["omni.stage.shm_bytes"] > 0
+    assert stages[2]["omni.stage.shm_bytes"] >= 4 * sum(audio) - 256 * sentences  # float32 samples
+    assert stages[2]["omni.stage.audio_seconds"] == pytest.approx(sum(audio) / RATE, abs=1e-3)
+    assert not await wait_clean(piper_pipeline)
 
 
 @on_session_loop

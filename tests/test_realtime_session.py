@@ -19,6 +19,7 @@ from omni_engine.entrypoints.openai.realtime import vad_factory
 from omni_engine.params import SpeechParams
 from omni_engine.realtime.engine import ResponseStart, TextDelta
 from omni_engine.realtime.session import RealtimeSession
+from omni_engine.tracing.context import REQUEST_TRACE_HEADERS
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 RATE = 24000
@@ -31,12 +32,22 @@ class RecordingEngine:
 
     can_hear = can_speak = True
 
-    def __init__(self, delay: float = 0.3, answer_delay: float = 0.0, log: list | None = None) -> None:
+    def __init__(self, delay: float = 0.3, answer_delay: float = 0.0, log: list | None = None,
+                 trace: bool = False) -> None:
         self.delay, self.answer_delay = delay, answer_delay
+        # trace: each turn is a RecordedTurn, and each request notes the trace context it ran in.
+        self.trace, self.turns = trace, []
+        self.contexts: dict[str, dict | None] = {}
         self.calls: list[tuple[str, int]] = []      # (request id, ms of audio)
         self.cancelled: list[str] = []
         self.log = log if log is not None else []
         self.asked: dict[str, list[dict]] = {}      # request id -> the messages it answered
+
+    def start_turn(self, item_id):
+        if not self.trace:
+            return None
+        self.turns.append(RecordedTurn(item_id, len(self.turns)))
+        return self.turns[-1]
 
     def check_voice(self, voice, speed):
         pass
@@ -46,6 +57,7 @@ class RecordingEngine:
 
     async def transcribe(self, audio, *, language, prompt, request_id):
         self.calls.append((request_id, len(audio) * 1000 // 16000))
+        self.contexts[request_id] = REQUEST_TRACE_HEADERS.get()
         try:
             await asyncio.sleep(self.delay)
         except asyncio.CancelledError:
@@ -56,6 +68,7 @@ class RecordingEngine:
     async def respond(self, messages, *, request_id, **kwargs):
         self.log.append(("respond", request_id))
         self.asked[request_id] = messages
+        self.contexts[request_id] = REQUEST_TRACE_HEADERS.get()
         try:
             yield ResponseStart(len(messages))
             await asyncio.sleep(self.answer_delay)
@@ -65,6 +78,24 @@ class RecordingEngine:
 
     def answers(self, what: str = "respond") -> list[str]:
         return [rid for entry in self.log if isinstance(entry, tuple) and entry[0] == what for rid in entry[1:]]
+
+
+class RecordedTurn:
+    """A turn's trace as the session drives it: its events in order, attributes, how it ended."""
+
+    def __init__(self, item_id: str | None, n: int) -> None:
+        self.item_id, self.events, self.attrs, self.status = item_id, [], {}, None
+        self.headers = {"traceparent": f"00-{n + 1:032x}-{n + 1:016x}-01"}
+
+    def event(self, name: str) -> None:
+        self.events.append(name)
+
+    def set(self, key: str, value) -> None:
+        self.attrs[key] = value
+
+    def end(self, status: str) -> None:
+        assert self.status is None, f"turn {self.item_id} ended twice ({self.status}, then {status})"
+        self.status = status
 
 
 @pytest.fixture(scope="module")
@@ -206,3 +237,39 @@ async def test_an_answer_to_what_the_session_no_longer_asks_is_not_used(phrase):
     assert engine.asked[response["id"]][0] == {"role": "system", "content": "Be brief."}
     assert preempted in engine.answers("closed")
     await session.close()
+
+
+async def test_a_traced_turn_records_its_moments_and_its_requests_run_under_it(phrase):
+    engine, out = RecordingEngine(trace=True), []
+    session = RealtimeSession(engine, out.append, model="m", vad_factory=vad_factory())
+    await feed(session, np.concatenate([zeros(0.3), phrase, zeros(1.0)]), [])
+    for _ in range(100):
+        if any(e["type"] == "response.done" for e in out):
+            break
+        await asyncio.sleep(0.05)
+    (turn,) = engine.turns
+    stopped = next(e for e in out if e["type"] == "input_audio_buffer.speech_stopped")
+    done = next(e for e in out if e["type"] == "response.done")
+    assert turn.item_id == stopped["item_id"] and turn.attrs["response_id"] == done["response"]["id"]
+    moments = [e for e in turn.events if e != "answer_started_early"]
+    assert moments == ["speech_started", "vad_stop", "transcript_ready", "first_word"], turn.events
+    assert turn.status == "completed"
+    # Every request of the turn (the guesses, the transcript, the answer) ran in the turn's trace context.
+    assert engine.contexts and all(ctx == turn.headers for ctx in engine.contexts.values()), engine.contexts
+    await session.close()
+
+
+async def test_a_barge_in_is_recorded_on_the_turn_it_cut_off(phrase):
+    engine, out = RecordingEngine(trace=True, answer_delay=5.0), []
+    session = RealtimeSession(engine, out.append, model="m", vad_factory=vad_factory())
+    await feed(session, np.concatenate([zeros(0.3), phrase, zeros(1.0)]), [])
+    for _ in range(100):  # the first answer is under way
+        if engine.answers():
+            break
+        await asyncio.sleep(0.05)
+    await feed(session, np.concatenate([phrase, zeros(1.0)]), [])
+    first, second = engine.turns[:2]
+    assert "barge_in" in first.events and first.status == "cancelled"
+    assert second.events[:2] == ["speech_started", "vad_stop"] and "barge_in" not in second.events
+    await session.close()
+    assert all(turn.status is not None for turn in engine.turns)  # closing ends every turn

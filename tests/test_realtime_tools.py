@@ -40,6 +40,9 @@ class ScriptedEngine:
         self.asked: list[dict[str, Any]] = []
         self.gate = gate  # when set, each piece after the first waits for it
 
+    def start_turn(self, item_id):
+        return None  # (not traced)
+
     def check_voice(self, voice, speed):
         pass
 

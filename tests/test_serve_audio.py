@@ -383,6 +383,8 @@ def bench(server, backend: str, *extra: str, result_dir=None) -> dict:
     done = subprocess.run(args, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
     assert "Serving Benchmark Result" in done.stdout
+    plot = (result_dir / f"{backend}.png").read_bytes()  # the run's picture, beside its JSON
+    assert plot.startswith(b"\x89PNG") and len(plot) > 10_000
     return json.loads((result_dir / f"{backend}.json").read_text())
 
 
@@ -412,13 +414,17 @@ def test_bench_speech_counts_the_audio_the_server_sends(server, client, tmp_path
     text = "The cat sat by the window. It watched the rain fall on the garden."
     prompts.write_text(json.dumps({"prompt": text}) + "\n")
     result = bench(server, "openai-speech", "--dataset-name", "custom", "--dataset-path", str(prompts),
-                   "--num-prompts", "3", "--max-concurrency", "2", result_dir=tmp_path)
+                   "--num-prompts", "3", "--max-concurrency", "2", "--save-detailed", result_dir=tmp_path)
     assert all(key in result for key in (*VLLM_KEYS, *AUDIO_KEYS))
     assert (result["completed"], result["failed"], result["model_id"]) == (3, 0, MODEL)
     seconds = streamed_speech_seconds(server, text)
     assert seconds > 2.0 and result["total_audio_s"] == pytest.approx(3 * seconds, rel=0.01)
     assert 0 < result["mean_ttfa_ms"] <= result["mean_e2el_ms"]
     assert result["mean_rtf"] == pytest.approx(result["mean_e2el_ms"] / 1000 / seconds, rel=0.05)
+    # --save-detailed: each request's figures, which the summary's are made of.
+    assert len(result["ttfas"]) == len(result["e2els"]) == len(result["underrun_ms_per_stream"]) == 3
+    assert 1000 * float(np.mean(result["ttfas"])) == pytest.approx(result["mean_ttfa_ms"])
+    assert sum(result["underrun_ms_per_stream"]) == pytest.approx(result["underrun_ms"])
 
 
 def test_bench_chat_audio_and_text_against_the_same_answers(server, client, tmp_path):
@@ -439,6 +445,7 @@ def test_bench_chat_audio_and_text_against_the_same_answers(server, client, tmp_
     text = bench(server, "openai-chat", "--num-prompts", "4", "--random-input-len", "8", "--random-output-len",
                  "16", "--ignore-eos", "--request-rate", "20", "--metric-percentiles", "50,99", result_dir=tmp_path)
     assert all(key in text for key in (*VLLM_KEYS, "p50_ttft_ms")) and not any(key in text for key in AUDIO_KEYS)
+    assert "ttfts" not in text  # per-request lists only with --save-detailed
     assert (text["completed"], text["total_output_tokens"]) == (4, 4 * 16)  # ignore_eos reached the server
     assert text["mean_tpot_ms"] > 0 and text["request_rate"] == 20.0
 

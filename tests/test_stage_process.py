@@ -234,7 +234,7 @@ async def test_the_outputs_of_one_batch_leave_as_one_message():
     try:
         messages: list[int] = []
         on_outputs = client._on_outputs
-        client._on_outputs = lambda outputs: messages.append(len(outputs)) or on_outputs(outputs)
+        client._on_outputs = lambda outputs, timings=None: messages.append(len(outputs)) or on_outputs(outputs, timings)
         sent: list[bytes] = []
         send_multipart = client._requests_out.send_multipart
         client._requests_out.send_multipart = lambda frames, **kw: (

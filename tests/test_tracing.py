@@ -9,17 +9,15 @@ HTTP ``traceparent``, vLLM's own span under the llm stage's) is in ``test_serve_
 from __future__ import annotations
 
 import asyncio
-import os
 import secrets
 
 import pytest
 import pytest_asyncio
 
 from omni_engine.entrypoints.multi_stage_engine_client import MultiStageEngineClient
-from omni_engine.tracing.exporter import PROTOCOL_ENV
 from omni_engine.tracing.request_trace import REQUEST_SPAN, STAGE_SPAN
 from tests.helpers import tensor_pipeline_config
-from tests.otlp_receiver import OtlpReceiver
+from tests.otlp_receiver import OtlpReceiver, otlp_over_http
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 
@@ -40,15 +38,8 @@ def receiver():
 
 @pytest_asyncio.fixture(scope="module", loop_scope="session")
 async def traced(receiver):
-    before = os.environ.get(PROTOCOL_ENV)
-    os.environ[PROTOCOL_ENV] = "http/protobuf"  # (read when the exporter is made)
-    try:
+    with otlp_over_http():
         client = await MultiStageEngineClient.from_config(tensor_pipeline_config().with_traces_endpoint(receiver.url))
-    finally:
-        if before is None:
-            os.environ.pop(PROTOCOL_ENV)
-        else:
-            os.environ[PROTOCOL_ENV] = before
     yield client
     await client.shutdown_async()
 

@@ -61,3 +61,23 @@ def summarize(results: Sequence[RequestResult], duration_s: float, percentiles: 
             "streams_with_underruns": sum(p.underruns > 0 for _, p in heard),
         })
     return summary
+
+
+# The per-request lists ``per_request`` adds (vLLM's ``--save-detailed`` keys, and audio's own).
+PER_REQUEST_KEYS = ("input_lens", "output_lens", "ttfts", "e2els", "ttfas", "underrun_ms_per_stream")
+
+
+def per_request(results: Sequence[RequestResult]) -> dict[str, list[Any]]:
+    """Each request's figures, in request order (seconds, as vLLM's detailed result has its ``ttfts``);
+    audio lists only where audio came (None for a request without)."""
+    detail: dict[str, list[Any]] = {
+        "input_lens": [r.prompt_tokens or r.prompt_words for r in results],
+        "output_lens": [r.output_tokens for r in results],
+        "ttfts": [r.ttft if r.success and r.text else None for r in results],
+        "e2els": [r.latency if r.success else None for r in results],
+    }
+    if any(r.audio_chunks for r in results):
+        heard = [play(r.audio_chunks) if r.success and r.audio_chunks else None for r in results]
+        detail["ttfas"] = [p.first_audio_s if p else None for p in heard]
+        detail["underrun_ms_per_stream"] = [1000.0 * p.underrun_s if p else None for p in heard]
+    return detail

@@ -19,7 +19,7 @@ import httpx
 
 from omni_engine.bench.backends import BACKENDS, SPEECH_IN, BenchSettings, RequestResult, prepare_audio
 from omni_engine.bench.datasets import BenchRequest, DatasetError, custom_requests, random_requests
-from omni_engine.bench.results import summarize
+from omni_engine.bench.results import PER_REQUEST_KEYS, per_request, summarize
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -45,6 +45,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--save-result", action="store_true")
     parser.add_argument("--result-dir", type=Path, default=Path("."))
     parser.add_argument("--result-filename", default=None)
+    parser.add_argument("--save-detailed", action="store_true",
+                        help="with --save-result: each request's figures too (vLLM's ttfts, ... lists)")
+    parser.add_argument("--no-plot", action="store_true", help="with --save-result: no PNG beside the JSON")
     parser.add_argument("--disable-tqdm", action="store_true")
 
 
@@ -104,7 +107,7 @@ async def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
             "base_url": args.base_url, "num_prompts": len(requests),
             "request_rate": args.request_rate if math.isfinite(args.request_rate) else "inf",
             "max_concurrency": args.max_concurrency, "dataset_name": args.dataset_name,
-            **summarize(results, duration, percentiles)}
+            **summarize(results, duration, percentiles), **per_request(results)}
 
 
 def progress_bar(total: int, disabled: bool) -> Any:
@@ -138,6 +141,15 @@ def result_path(args: argparse.Namespace, result: dict[str, Any]) -> Path:
     return args.result_dir / name
 
 
+def save_plot(result: dict[str, Any], path: Path) -> None:
+    try:
+        from omni_engine.bench.plot import plot_result
+
+        print(f"wrote {plot_result(result, path)}")
+    except ImportError as exc:
+        print(f"no plot ({exc}; pip install 'omni_engine[bench]')", file=sys.stderr)
+
+
 def main(args: argparse.Namespace) -> int:
     try:
         result = asyncio.run(run_benchmark(args))
@@ -150,7 +162,10 @@ def main(args: argparse.Namespace) -> int:
     print(report(result))
     if args.save_result:
         path = result_path(args, result)
+        if not args.no_plot:
+            save_plot(result, path.with_suffix(".png"))
+        saved = result if args.save_detailed else {k: v for k, v in result.items() if k not in PER_REQUEST_KEYS}
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(result, indent=2))
+        path.write_text(json.dumps(saved, indent=2))
         print(f"wrote {path}")
     return 0 if result["completed"] else 1

@@ -159,13 +159,15 @@ class LLMStageEngine(StageEngine):
         if isinstance(prompt, OmniTextPrompt):
             prompt = prompt.to_vllm()
         versions: list[str] = []
+        started = False  # (its start is reported once, at its first output)
         trace_headers = self.trace_headers.pop(request_id, None) if self.trace_headers else None
         if not self.vllm_traces:
             trace_headers = None
         try:
             async for output in outputs or self.engine.generate(prompt, params, request_id,
                                                                 trace_headers=trace_headers):
-                if self.on_work_started is not None:
+                if self.on_work_started is not None and not started:
+                    started = True
                     self.on_work_started(request_id, scheduled_at(output))
                 out = OmniRequestOutput.from_request_output(
                     output, stage_id=self.stage_id, final_output_type=self.final_output_type

@@ -46,10 +46,26 @@ class FunctionCallDelta(NamedTuple):
 ResponsePiece = ResponseStart | TextDelta | AudioChunk | FunctionCallDelta
 
 
+class Turn(Protocol):
+    """A turn's trace (``omni_engine.tracing.turn_trace.TurnTrace``): the moments it records, and the
+    trace context (``headers``) the pipeline requests made for the turn run under."""
+
+    headers: dict[str, str]
+
+    def event(self, name: str) -> None: ...
+
+    def set(self, key: str, value: Any) -> None: ...
+
+    def end(self, status: str) -> None: ...
+
+
 class RealtimeEngine(Protocol):
     can_hear: bool   # the pipeline has a speech-to-text stage
     can_speak: bool  # the pipeline has a speech stage
     can_call_tools: bool  # the server parses the LLM's tool calls (--enable-auto-tool-choice)
+
+    def start_turn(self, item_id: str | None) -> Turn | None:
+        """A new turn's trace, or None where the pipeline is not traced."""
 
     def check_voice(self, voice: str, speed: float) -> None:
         """``SessionConfigError`` if the speech stage does not take ``voice``/``speed``."""

@@ -18,6 +18,7 @@ from collections.abc import AsyncGenerator
 from typing import Any
 
 from omni_engine.realtime.engine import RealtimeEngine, ResponsePiece
+from omni_engine.tracing.context import traced
 
 _END = object()
 
@@ -30,11 +31,13 @@ class _Failed:
 class PreemptiveAnswer:
     """``engine.respond(**request)`` running ahead into a buffer, until adopted or cancelled."""
 
-    def __init__(self, engine: RealtimeEngine, request: dict[str, Any], request_id: str) -> None:
+    def __init__(self, engine: RealtimeEngine, request: dict[str, Any], request_id: str,
+                 trace_headers: dict[str, str] | None = None) -> None:
+        """``trace_headers``: the trace context of the turn it answers (its request's spans go there)."""
         self.request = request
         self._pieces = engine.respond(**request, request_id=request_id)
         self._buffer: asyncio.Queue[Any] = asyncio.Queue()
-        self._task = asyncio.ensure_future(self._pump())
+        self._task = asyncio.ensure_future(traced(trace_headers, self._pump()))
         self.adopted = False
 
     async def _pump(self) -> None:

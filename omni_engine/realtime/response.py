@@ -23,10 +23,11 @@ from omni_engine.pipeline.input_processors import split_sentences
 from omni_engine.realtime.audio_io import DELTA_MS, StreamResampler, encode_output
 from omni_engine.realtime.config import SessionConfig
 from omni_engine.realtime.conversation import Conversation, Item, chat_messages, new_id
-from omni_engine.realtime.engine import AudioChunk, FunctionCallDelta, RealtimeEngine, ResponseStart, TextDelta
+from omni_engine.realtime.engine import AudioChunk, FunctionCallDelta, RealtimeEngine, ResponseStart, TextDelta, Turn
 from omni_engine.realtime.events import event
 from omni_engine.realtime.preemptive import PreemptiveAnswer
 from omni_engine.realtime.tools import chat_tool_choice, chat_tools
+from omni_engine.tracing.context import traced
 
 logger = logging.getLogger(__name__)
 
@@ -47,7 +48,9 @@ class ResponseRun:
 
     def __init__(self, *, engine: RealtimeEngine, config: SessionConfig, conversation: Conversation,
                  send: Callable[[dict[str, Any]], None], options: dict[str, Any],
-                 wait_for: list[asyncio.Future], preempted: PreemptiveAnswer | None = None) -> None:
+                 wait_for: list[asyncio.Future], preempted: PreemptiveAnswer | None = None,
+                 turn: Turn | None = None) -> None:
+        """``turn``: the trace of the turn it answers (None: not traced)."""
         self.id = new_id("resp")
         self.engine, self.config, self.conversation, self.send = engine, config, conversation, send
         self.options = options
@@ -66,10 +69,13 @@ class ResponseRun:
         self.prompt_tokens = self.output_tokens = 0
         self.cancel_reason: str | None = None
         self.task: asyncio.Task | None = None
+        self.turn = turn
+        if turn is not None:
+            turn.set("response_id", self.id)
 
     def start(self) -> None:
         self.send(event("response.created", response=self._json("in_progress")))
-        self.task = asyncio.ensure_future(self._run())
+        self.task = asyncio.ensure_future(traced(self.turn.headers if self.turn is not None else None, self._run()))
 
     @property
     def done(self) -> bool:
@@ -174,6 +180,8 @@ class ResponseRun:
                     self.output_tokens += piece.tokens
                     finish = piece.finish_reason or finish
                     if piece.text:
+                        if self.turn is not None:
+                            self.turn.event("first_word")
                         self._open_message()
                         self.text += piece.text
                         kind = "response.output_audio_transcript.delta" if self.audio else "response.output_text.delta"
@@ -183,6 +191,8 @@ class ResponseRun:
                 elif isinstance(piece, FunctionCallDelta):
                     self._call_delta(piece)
                 elif isinstance(piece, AudioChunk) and len(piece.samples):
+                    if self.turn is not None:
+                        self.turn.event("first_audio")
                     self._open_message()
                     resampler = resampler or StreamResampler(piece.rate, out.format.sample_rate)
                     samples = resampler.feed(np.asarray(piece.samples, dtype=np.float32))
@@ -227,6 +237,8 @@ class ResponseRun:
             if self.in_conversation:
                 self.send(event("conversation.item.done", item=item.to_json()))
         self.send(event("response.done", response=self._json(status, details, kept)))
+        if self.turn is not None:
+            self.turn.end(status)
 
     def _finish_message(self) -> None:
         part = self._part()

@@ -22,12 +22,13 @@ import numpy as np
 from omni_engine.realtime.audio_io import AudioInputError, StreamResampler, decode_input, rate_of
 from omni_engine.realtime.config import SessionConfig, SessionConfigError, updated
 from omni_engine.realtime.conversation import Conversation, Item, chat_messages, item_from_client, new_id
-from omni_engine.realtime.engine import RealtimeEngine
+from omni_engine.realtime.engine import RealtimeEngine, Turn
 from omni_engine.realtime.events import ClientEvent, EventSession, RealtimeError, event
 from omni_engine.realtime.input_audio import RATE, InputAudio
 from omni_engine.realtime.preemptive import PreemptiveAnswer
 from omni_engine.realtime.response import ResponseRun, engine_request
 from omni_engine.realtime.tools import check_tool_choice, check_tools
+from omni_engine.tracing.context import traced
 
 logger = logging.getLogger(__name__)
 
@@ -66,6 +67,8 @@ class RealtimeSession(EventSession):
         self._speech: tuple[str, int] | None = None  # (item id, start sample) while the VAD hears speech
         self._early: tuple[str, int, asyncio.Task] | None = None  # (item id, pause start, transcription)
         self._preempted: tuple[str, int, PreemptiveAnswer] | None = None  # (item id, pause start, answer)
+        # The trace of the user's turn being heard (VAD start or commit until its response starts).
+        self._turn: Turn | None = None
 
     async def close(self) -> None:
         """The connection is gone: end the response and the transcriptions (their stage requests are aborted)."""
@@ -77,6 +80,7 @@ class RealtimeSession(EventSession):
         await asyncio.gather(*tasks, return_exceptions=True)
         if self._preempted is not None:
             await self._preempted[2].aclose()
+        self._end_turn("unanswered")
 
     # -------------------------------------------------------------- session
     async def _on_session_update(self, body: dict[str, Any]) -> None:
@@ -134,7 +138,8 @@ class RealtimeSession(EventSession):
             if missing > 0:
                 audio = np.concatenate((audio, np.zeros(missing, dtype=audio.dtype)))
             # The pause's offset in the id: a dropped guess's request may still be aborting in the stages.
-            task = asyncio.ensure_future(self._recognize(audio, f"{item_id}-stt-early-{pause}"))
+            task = asyncio.ensure_future(traced(self._turn_headers(),
+                                                self._recognize(audio, f"{item_id}-stt-early-{pause}")))
             task.add_done_callback(lambda t: t.cancelled() or t.exception())  # a dropped guess's error is moot
             task.add_done_callback(lambda t, key=(item_id, pause): self._preempt(key, t))
             self._early = (item_id, pause, task)
@@ -153,7 +158,9 @@ class RealtimeSession(EventSession):
                      content=[{"type": "input_audio", "transcript": transcription.result()}])
         messages = chat_messages([*self.conversation.items, heard], self.config.instructions)
         answer = PreemptiveAnswer(self.engine, engine_request(self.config, {}, messages),
-                                  f"{item_id}-preempted-{key[1]}")
+                                  f"{item_id}-preempted-{key[1]}", self._turn_headers())
+        if self._turn is not None:
+            self._turn.event("answer_started_early")
         self._preempted = (item_id, key[1], answer)
 
     def _drop_preempted(self) -> None:
@@ -164,14 +171,20 @@ class RealtimeSession(EventSession):
     async def _speech_started(self, sample: int) -> None:
         item_id = new_id("item")
         self._speech = (item_id, sample)
+        self._start_turn(item_id, "speech_started")
         self.send(event("input_audio_buffer.speech_started", audio_start_ms=sample * 1000 // RATE, item_id=item_id))
         turn = self.config.audio.input.turn_detection
         if turn is not None and turn.interrupt_response and self.response is not None and not self.response.done:
+            if self.response.turn is not None:
+                self.response.turn.event("barge_in")
             await self.response.cancel("turn_detected")  # barge-in
 
     def _speech_stopped(self, sample: int) -> None:
         item_id, start = self._speech or (new_id("item"), self._input.total)
         self._speech = None
+        if self._turn is None:
+            self._start_turn(item_id)
+        self._turn_event("vad_stop")
         early = None
         if self._early is not None and self._early[:2] == (item_id, sample - self._input.silence_samples()):
             early = self._early[2]  # the pause that ended the turn is the one already being transcribed
@@ -195,6 +208,9 @@ class RealtimeSession(EventSession):
             raise RealtimeError(f"buffer too small. Expected at least {MIN_COMMIT_MS}ms of audio, but buffer only "
                                 f"has {buffered_ms}ms of audio.", "input_audio_buffer_commit_empty")
         item_id = self._speech[0] if self._speech else new_id("item")
+        if self._turn is None:
+            self._start_turn(item_id)
+        self._turn_event("committed")
         audio = self._input.take()
         if self._speech is not None:  # a manual commit ends the VAD's turn too
             self._speech = None
@@ -220,7 +236,8 @@ class RealtimeSession(EventSession):
             self.send(event(kind, previous_item_id=previous, item=item.to_json()))
 
     def _transcribe(self, item: Item, audio: np.ndarray, early: asyncio.Task | None = None) -> None:
-        task = asyncio.ensure_future(self._run_transcription(item, audio, early))
+        task = asyncio.ensure_future(traced(self._turn_headers(),
+                                            self._run_transcription(item, audio, early, self._turn)))
         self._transcriptions[item.id] = task
         task.add_done_callback(lambda _t, key=item.id: self._transcriptions.pop(key, None))
 
@@ -231,7 +248,8 @@ class RealtimeSession(EventSession):
         return await self.engine.transcribe(audio, language=settings.language if settings else None,
                                             prompt=settings.prompt if settings else None, request_id=request_id)
 
-    async def _run_transcription(self, item: Item, audio: np.ndarray, early: asyncio.Task | None) -> None:
+    async def _run_transcription(self, item: Item, audio: np.ndarray, early: asyncio.Task | None,
+                                 turn: Turn | None) -> None:
         settings = self.config.audio.input.transcription
         try:
             text = await (early if early is not None else self._recognize(audio, f"{item.id}-stt"))
@@ -246,6 +264,8 @@ class RealtimeSession(EventSession):
                                    "message": str(exc), "param": None}))
             return
         item.content[0]["transcript"] = text
+        if turn is not None:
+            turn.event("transcript_ready")
         if settings is not None:
             self.send(event("conversation.item.input_audio_transcription.completed", item_id=item.id,
                             content_index=0, transcript=text,
@@ -366,10 +386,33 @@ class RealtimeSession(EventSession):
         return resolved
 
     def _start_response(self, options: dict[str, Any], preempted: PreemptiveAnswer | None = None) -> None:
+        # The turn it answers (a response.create with no turn heard is a turn of its own).
+        turn, self._turn = self._turn or self.engine.start_turn(None), None
         run = ResponseRun(engine=self.engine, config=self.config, conversation=self.conversation, send=self.send,
-                          options=options, wait_for=list(self._transcriptions.values()), preempted=preempted)
+                          options=options, wait_for=list(self._transcriptions.values()), preempted=preempted,
+                          turn=turn)
         self.response = run
         run.start()
+
+    # ------------------------------------------------------------- traces
+    def _start_turn(self, item_id: str | None, first_event: str | None = None) -> None:
+        """Trace a new user turn; one still open (heard, never answered) ends first."""
+        self._end_turn("unanswered")
+        self._turn = self.engine.start_turn(item_id)
+        if first_event is not None:
+            self._turn_event(first_event)
+
+    def _end_turn(self, status: str) -> None:
+        if self._turn is not None:
+            self._turn.end(status)
+            self._turn = None
+
+    def _turn_event(self, name: str) -> None:
+        if self._turn is not None:
+            self._turn.event(name)
+
+    def _turn_headers(self) -> dict[str, str] | None:
+        return self._turn.headers if self._turn is not None else None
 
     async def _on_response_cancel(self, body: dict[str, Any]) -> None:
         wanted = body.get("response_id")

@@ -8,8 +8,11 @@ route runs in the context of its request), where ``generate`` finds them.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Awaitable, Iterable, Mapping
 from contextvars import ContextVar
+from typing import TypeVar
+
+T = TypeVar("T")
 
 # The W3C Trace Context headers (what vLLM's server extracts too).
 TRACE_HEADERS = ("traceparent", "tracestate")
@@ -25,3 +28,11 @@ def trace_headers_of(headers: Iterable[tuple[bytes, bytes]]) -> dict[str, str] |
         if key in TRACE_HEADERS:
             found[key] = value.decode("latin-1")
     return found or None
+
+
+async def traced(headers: Mapping[str, str] | None, awaitable: Awaitable[T]) -> T:
+    """Await ``awaitable`` with ``headers`` as the trace context of the requests it makes. For the
+    body of a task of its own: a task runs in a copy of the context, so the setting stays in it."""
+    if headers:
+        REQUEST_TRACE_HEADERS.set(headers)
+    return await awaitable

@@ -27,6 +27,7 @@ from opentelemetry.trace import SpanKind, Status, StatusCode
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 from omni_engine.tracing.stage_timing import StageTiming
+from omni_engine.tracing.turn_trace import TurnTrace
 
 REQUEST_SPAN = "omni_request"
 STAGE_SPAN = "omni_stage"
@@ -202,6 +203,10 @@ class PipelineTracer:
 
     def start_request(self, request_id: str, trace_headers: Mapping[str, str] | None) -> RequestTrace:
         return RequestTrace(self.tracer, request_id, trace_headers, self.stage_names)
+
+    def start_turn(self, item_id: str | None, trace_headers: Mapping[str, str] | None) -> TurnTrace:
+        """A realtime session's turn (``turn_trace``), under the session's own trace context."""
+        return TurnTrace(self.tracer, item_id, trace_headers)
 
     def shutdown(self, timeout: float = SHUTDOWN_TIMEOUT_S) -> None:
         """Export what is pending, then stop the exporter; waits at most ``timeout`` seconds (a

@@ -8,15 +8,24 @@ from __future__ import annotations
 
 import pytest
 
+from tests.otlp_receiver import OtlpReceiver
 from tests.serve_helpers import openai_client, running_server
 
 
 @pytest.fixture(scope="package")
-def server(tmp_path_factory, smollm2_path):
+def receiver():
+    """The OTLP/HTTP collector the server traces to (every test of the package runs traced)."""
+    with OtlpReceiver() as rx:
+        yield rx
+
+
+@pytest.fixture(scope="package")
+def server(tmp_path_factory, smollm2_path, receiver):
     """``omni-engine serve`` of stage_configs/voice_assistant.yaml as model ``voice-assistant`` behind an
-    API key."""
+    API key, traced to ``receiver``."""
     with running_server("stage_configs/voice_assistant.yaml", "voice-assistant", tmp_path_factory.mktemp("serve-va"),
-                        api_key="va-key") as srv:
+                        api_key="va-key", extra_args=("--otlp-traces-endpoint", receiver.url),
+                        env={"OTEL_EXPORTER_OTLP_TRACES_PROTOCOL": "http/protobuf"}) as srv:
         yield srv
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import json
+import secrets
 
 import numpy as np
 import openai
@@ -57,6 +58,30 @@ async def test_a_spoken_question_is_answered_aloud_with_server_vad(server, clien
     assert len(audio) > 24000 * 0.5
     assert "paris" in heard(client, audio).lower()
     assert_nothing_in_flight(server)
+
+
+async def test_a_traced_turn_is_a_span_with_its_moments_over_the_requests_it_made(server, receiver, france):
+    trace_id, session_span = secrets.token_hex(16), secrets.token_hex(8)
+    headers = {"traceparent": f"00-{trace_id}-{session_span}-01"}
+    async with aclient(server).realtime.connect(model=MODEL, extra_headers=headers) as conn:
+        await conn.recv()
+        await stream_audio(conn, np.concatenate([silence(0.5), france, silence(1.0)]))
+        events = await events_until(conn, "response.done")
+    response_id = of_type(events, "response.done")[-1].response.id
+    spans = receiver.wait_for(trace_id, lambda s: any(x.name == "realtime_turn" for x in s)
+                              and sum(x.name == "omni_request" for x in s) >= 2)
+    (turn,) = [s for s in spans if s.name == "realtime_turn"]
+    assert turn.parent_span_id == session_span and turn.attributes["omni.realtime.status"] == "completed"
+    assert turn.attributes["omni.realtime.response_id"] == response_id
+    moments = [name for name, _ in turn.events if name != "answer_started_early"]
+    assert moments == ["speech_started", "vad_stop", "transcript_ready", "first_word", "first_audio"], turn.events
+    times = [t for _, t in turn.events]
+    assert times == sorted(times) and turn.start_ns <= times[0] and times[-1] <= turn.end_ns
+    # The turn's pipeline requests (Whisper's transcription, the spoken answer) are its children.
+    requests = [s for s in spans if s.name == "omni_request"]
+    assert requests and all(r.parent_span_id == turn.span_id for r in requests)
+    stages = {s.attributes["omni.stage.type"] for s in spans if s.name.startswith("omni_stage ")}
+    assert stages == {"llm", "generation"}
 
 
 async def test_barge_in_cancels_the_answer_and_the_new_question_is_answered(server, client, france):

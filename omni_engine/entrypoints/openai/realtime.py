@@ -44,6 +44,7 @@ from omni_engine.outputs import SPOKEN_TEXT
 from omni_engine.realtime.config import SessionConfigError
 from omni_engine.realtime.engine import AudioChunk, FunctionCallDelta, ResponsePiece, ResponseStart, TextDelta
 from omni_engine.realtime.session import RealtimeSession
+from omni_engine.tracing.context import REQUEST_TRACE_HEADERS
 
 logger = logging.getLogger(__name__)
 
@@ -86,10 +87,16 @@ class PipelineRealtimeEngine:
         self.speech_stage = audio_stage_id(self.client)
         self.can_hear = self.stt_stage is not None
         self.can_speak = self.speech_stage is not None
+        # The session's trace context (the WebSocket's traceparent, read by the server's middleware).
+        self._trace_headers = REQUEST_TRACE_HEADERS.get()
         self._chat = websocket.app.state.openai_serving_chat
         self.can_call_tools = bool(self._chat is not None and self._chat.enable_auto_tools
                                    and self._chat.parser_cls is not None
                                    and self._chat.parser_cls.tool_parser_cls is not None)
+
+    def start_turn(self, item_id: str | None) -> Any:
+        tracer = self.client.tracer
+        return tracer.start_turn(item_id, self._trace_headers) if tracer is not None else None
 
     def check_voice(self, voice: str, speed: float) -> None:
         if self.speech_stage is None:
