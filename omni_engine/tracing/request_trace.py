@@ -24,14 +24,13 @@ from typing import Any
 
 from opentelemetry import trace
 from opentelemetry.trace import SpanKind, Status, StatusCode
-from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
+from omni_engine.tracing.propagation import headers_of, parent_context
 from omni_engine.tracing.stage_timing import StageTiming
 from omni_engine.tracing.turn_trace import TurnTrace
 
 REQUEST_SPAN = "omni_request"
 STAGE_SPAN = "omni_stage"
-_PROPAGATOR = TraceContextTextMapPropagator()
 # Seconds a shutdown waits for the last spans to leave.
 SHUTDOWN_TIMEOUT_S = 5.0
 
@@ -84,18 +83,13 @@ class RequestTrace:
 
     def __init__(self, tracer: Any, request_id: str, trace_headers: Mapping[str, str] | None,
                  stage_names: Mapping[int, tuple[str, str]]) -> None:
-        parent = _PROPAGATOR.extract(dict(trace_headers)) if trace_headers else None
         self.tracer = tracer
         self.request_id = request_id
         self.stage_names = stage_names
-        self.root = tracer.start_span(REQUEST_SPAN, context=parent, kind=SpanKind.SERVER,
+        self.root = tracer.start_span(REQUEST_SPAN, context=parent_context(trace_headers), kind=SpanKind.SERVER,
                                       attributes={A.REQUEST_ID: request_id})
         self._root_context = trace.set_span_in_context(self.root)
         self.stages: dict[int, _StageSpan] = {}
-
-    @property
-    def trace_id(self) -> int:
-        return self.root.get_span_context().trace_id
 
     def submitting(self, stage_id: int) -> dict[str, str]:
         """A sub-request goes to ``stage_id``: the W3C headers of that stage's span (opened now)."""
@@ -106,9 +100,7 @@ class RequestTrace:
             span = self.tracer.start_span(f"{STAGE_SPAN} {name}", context=self._root_context, start_time=now,
                                           attributes={A.STAGE_ID: stage_id, A.STAGE_NAME: name, A.STAGE_TYPE: kind,
                                                       A.REQUEST_ID: self.request_id})
-            headers: dict[str, str] = {}
-            _PROPAGATOR.inject(headers, context=trace.set_span_in_context(span))
-            stage = self.stages[stage_id] = _StageSpan(span, now, headers)
+            stage = self.stages[stage_id] = _StageSpan(span, now, headers_of(span))
         stage.sub_requests += 1
         return stage.headers
 

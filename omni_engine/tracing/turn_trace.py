@@ -14,23 +14,20 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
-from opentelemetry import trace
 from opentelemetry.trace import Status, StatusCode
-from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+
+from omni_engine.tracing.propagation import headers_of, parent_context
 
 TURN_SPAN = "realtime_turn"
-_PROPAGATOR = TraceContextTextMapPropagator()
 
 
 class TurnTrace:
     """The span of one turn (see the module docstring); each event is recorded once, the first time."""
 
     def __init__(self, tracer: Any, item_id: str | None, parent_headers: Mapping[str, str] | None) -> None:
-        parent = _PROPAGATOR.extract(dict(parent_headers)) if parent_headers else None
-        self.span = tracer.start_span(TURN_SPAN, context=parent, start_time=time.time_ns(),
+        self.span = tracer.start_span(TURN_SPAN, context=parent_context(parent_headers), start_time=time.time_ns(),
                                       attributes={"omni.realtime.item_id": item_id or ""})
-        self.headers: dict[str, str] = {}
-        _PROPAGATOR.inject(self.headers, context=trace.set_span_in_context(self.span))
+        self.headers = headers_of(self.span)
         self._seen: set[str] = set()
         self.ended = False
 

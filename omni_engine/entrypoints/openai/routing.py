@@ -1,8 +1,12 @@
-"""Adding routes to the app vLLM built, ahead of its own."""
+"""Adding routes and middleware to the app vLLM built, ahead of its own."""
 
 from __future__ import annotations
 
+from typing import Any
+
 from fastapi import APIRouter, FastAPI
+from starlette.applications import Starlette
+from starlette.middleware import Middleware
 
 
 def include_router_first(app: FastAPI, router: APIRouter) -> FastAPI:
@@ -12,4 +16,12 @@ def include_router_first(app: FastAPI, router: APIRouter) -> FastAPI:
     ours = [r for r in app.router.routes if r not in before]
     app.router.routes[:] = ours + before
     app.openapi_schema = None
+    return app
+
+
+def add_middleware_first(app: Starlette, middleware_class: Any) -> Starlette:
+    """Install ``middleware_class`` outermost on the app vLLM built (its stack is built already)."""
+    app.user_middleware.insert(0, Middleware(middleware_class))
+    if app.middleware_stack is not None:
+        app.middleware_stack = app.build_middleware_stack()
     return app

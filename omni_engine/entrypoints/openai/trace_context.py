@@ -10,9 +10,9 @@ without them (or a server that does not trace) costs one scan of its headers.
 from __future__ import annotations
 
 from starlette.applications import Starlette
-from starlette.middleware import Middleware
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from omni_engine.entrypoints.openai.routing import add_middleware_first
 from omni_engine.tracing.context import REQUEST_TRACE_HEADERS, trace_headers_of
 
 
@@ -35,8 +35,5 @@ class TraceContextMiddleware:
 
 
 def add_trace_context(app: Starlette) -> Starlette:
-    """Install ``TraceContextMiddleware`` on the app vLLM built (its stack is built already)."""
-    app.user_middleware.insert(0, Middleware(TraceContextMiddleware))
-    if app.middleware_stack is not None:
-        app.middleware_stack = app.build_middleware_stack()
-    return app
+    """Install ``TraceContextMiddleware`` on the app vLLM built."""
+    return add_middleware_first(app, TraceContextMiddleware)

@@ -22,8 +22,9 @@ import json
 from contextvars import ContextVar
 
 from starlette.applications import Starlette
-from starlette.middleware import Middleware
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from omni_engine.entrypoints.openai.routing import add_middleware_first
 
 HEADER = b"x-weight-version"
 VERSIONED_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
@@ -119,8 +120,5 @@ class _VersionedSend:
 
 
 def add_weight_versions(app: Starlette) -> Starlette:
-    """Install ``WeightVersionMiddleware`` on the app vLLM built (its stack is built already)."""
-    app.user_middleware.insert(0, Middleware(WeightVersionMiddleware))
-    if app.middleware_stack is not None:
-        app.middleware_stack = app.build_middleware_stack()
-    return app
+    """Install ``WeightVersionMiddleware`` on the app vLLM built."""
+    return add_middleware_first(app, WeightVersionMiddleware)
