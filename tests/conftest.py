@@ -24,7 +24,22 @@ import pytest_asyncio  # noqa: E402
 
 from omni_engine.connectors.shm import list_segments  # noqa: E402
 from omni_engine.stage_engine.stage_process import StageProcessSpec  # noqa: E402
+from tests.early_release import EarlyRelease  # noqa: E402
 from tests.helpers import RawFrameClient, llm_engine_args, tts_spec  # noqa: E402
+
+# The session-scoped engines below end right after the last test of the run that uses them.
+EARLY_RELEASE = EarlyRelease()
+SHARED_ENGINES = ("text_server", "text_pipeline", "llm_stage", "tts_stage")
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    EARLY_RELEASE.plan(session.items, SHARED_ENGINES)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None):
+    yield
+    EARLY_RELEASE.after(item)
 
 
 @pytest.fixture(scope="session")
@@ -54,11 +69,16 @@ def text_server(tmp_path_factory, smollm2_path):
     """``omni-engine serve`` of the text pipeline as model ``smollm2-test``, for the modules that only
     send it requests (one vLLM start instead of one per module). Dev mode: vLLM's RL routes
     (/pause, /resume, /abort_requests) are on, as RL trainers use them."""
+    from contextlib import ExitStack
+
     from tests.serve_helpers import running_server
 
-    with running_server("stage_configs/smollm2_text.yaml", "smollm2-test", tmp_path_factory.mktemp("serve"),
-                        env={"VLLM_SERVER_DEV_MODE": "1"}) as srv:
-        yield srv
+    stack = ExitStack()
+    srv = stack.enter_context(running_server("stage_configs/smollm2_text.yaml", "smollm2-test",
+                                             tmp_path_factory.mktemp("serve"), env={"VLLM_SERVER_DEV_MODE": "1"}))
+    release = EARLY_RELEASE.register("text_server", stack.close)
+    yield srv
+    release()
 
 
 @pytest_asyncio.fixture(scope="session", loop_scope="session")
@@ -70,25 +90,32 @@ async def text_pipeline(smollm2_path):
     from tests.stress.pipeline import REPO, speech_config, start_pipeline
 
     client = await start_pipeline(speech_config(REPO / "stage_configs" / "smollm2_text.yaml", model=smollm2_path))
+
+    async def stop() -> None:
+        await client.shutdown_async()
+        assert not await after_shutdown(client)
+
+    release = EARLY_RELEASE.register_async("text_pipeline", stop)
     yield client
-    await client.shutdown_async()
-    assert not await after_shutdown(client)
+    await release()
 
 
 @pytest_asyncio.fixture(scope="session", loop_scope="session")
 async def llm_stage(smollm2_path):
     client = RawFrameClient(0, process=StageProcessSpec("llm", llm_engine_args(smollm2_path)))
     await client.start()
+    release = EARLY_RELEASE.register_async("llm_stage", client.shutdown)
     yield client
-    await client.shutdown()
+    await release()
 
 
 @pytest_asyncio.fixture(scope="session", loop_scope="session")
 async def tts_stage():
     client = RawFrameClient(1, process=tts_spec(max_batch_size=4))
     await client.start()
+    release = EARLY_RELEASE.register_async("tts_stage", client.shutdown)
     yield client
-    await client.shutdown()
+    await release()
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="session")

@@ -324,7 +324,22 @@ async def test_zmq_push_from_another_process_over_tcp_with_curve(pipeline, oracl
     assert output.stage_versions == {0: [label]}
 
 
-async def test_a_killed_replica_comes_back_on_the_current_weights(pipeline, oracle, versions):
+def engine_core_of(stage_pid: int) -> int:
+    """The pid of vLLM's EngineCore under a stage process (it titles itself ``VLLM::EngineCore``)."""
+    import psutil
+
+    cores = [p.pid for p in psutil.Process(stage_pid).children(recursive=True) if "EngineCor" in p.name()]
+    assert len(cores) == 1, f"stage pid {stage_pid} has EngineCores {cores}"
+    return cores[0]
+
+
+async def test_a_replica_whose_engine_core_is_killed_comes_back_on_the_current_weights(pipeline, oracle, versions):
+    """Replica 1's EngineCore is killed (as the OOM killer does) while a utility call waits on it and no
+    request is in flight (an update_weights fetching a chunk its sender never serves): the call fails at
+    once naming the EngineCore and its signal, the stage ends with DEAD, and the warm spare takes its
+    place on the current weights."""
+    from omni_engine.errors import StageDeadError
+
     on = versions["on"][0]
     if on == "A":  # make the current weights differ from what a fresh process loads
         await push(pipeline, versions, "B", "wait")
@@ -332,7 +347,19 @@ async def test_a_killed_replica_comes_back_on_the_current_weights(pipeline, orac
     label = await pipeline.get_weight_version()
     victim = pipeline.replica_status(0)[1]
     spare = pipeline.supervisor.spares[0].process.pid
-    os.kill(victim.pid, signal.SIGKILL)
+    replica = pipeline.stage_contexts[0].client.replicas[1]
+    silent = WeightSender("zmq", timeout_s=120.0)  # replica 1 alone: the pipeline's own transfer is untouched
+    await replica.call_utility_async("init_weight_transfer_engine", silent.init_info())
+    first = next(iter(silent.update_infos(versions["states"][on])))
+    silent.close()
+    await replica.call_utility_async("start_weight_update")
+    update = asyncio.create_task(replica.call_utility_async("update_weights", first))
+    await asyncio.sleep(1.0)
+    assert not update.done(), "update_weights returned though its sender serves nothing"
+    os.kill(engine_core_of(victim.pid), signal.SIGKILL)
+    async with asyncio.timeout(30):  # without the stage's watch on its EngineCore: 120 s, then a fetch error
+        with pytest.raises(StageDeadError, match=r"EngineCore \(pid \d+\) was killed by SIGKILL"):
+            await update
     for _ in range(600):
         status = pipeline.replica_status(0)[1]
         if status.alive and status.pid not in (None, victim.pid):

@@ -41,6 +41,10 @@ class StageEngine(abc.ABC):
         # A traced request's W3C trace headers, for an engine that hands them on (vLLM's own
         # request span); taken (popped) by that engine, dropped by the stage when the request ends.
         self.trace_headers: dict[str, dict[str, str]] = {}
+        # Set by the stage once the engine has started: the engine calls it when it can no longer
+        # serve and no request would tell (a process it depends on died while idle, or under a
+        # utility call). The stage sends DEAD and exits.
+        self.on_fatal: Callable[[BaseException], None] | None = None
 
     async def start(self) -> None:
         """Load the model. Runs inside the stage's event loop, before READY."""

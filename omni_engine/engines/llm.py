@@ -17,6 +17,7 @@ from typing import Any
 from vllm import SamplingParams
 
 from omni_engine.engines.base import StageEngine, StageEngineError
+from omni_engine.engines.engine_core_watch import EngineCoreWatch, engine_core_processes
 from omni_engine.inputs import OmniTextPrompt
 from omni_engine.logits.mixing_wiring import THETA_KEY
 from omni_engine.logits.slot_table import tag_request
@@ -65,6 +66,7 @@ class LLMStageEngine(StageEngine):
         # vLLM exports its own request span (a child of this stage's) when it has an endpoint;
         # without one it only warns about trace headers, so it gets none.
         self.vllm_traces = bool(self.engine_args.get("otlp_traces_endpoint"))
+        self.core_watch: EngineCoreWatch | None = None
 
     @staticmethod
     def preload() -> None:
@@ -90,6 +92,7 @@ class LLMStageEngine(StageEngine):
         except TypeError as exc:
             raise ValueError(f"stage {self.stage_id}: invalid engine_args for vLLM: {exc}") from exc
         self.engine = AsyncLLM.from_engine_args(args)
+        self.core_watch = EngineCoreWatch(engine_core_processes(self.engine), self._engine_core_died)
         if getattr(self.engine.model_config.hf_config, "model_type", None) == "whisper":
             from omni_engine.engines.transcription import SpeechToText
 
@@ -100,6 +103,10 @@ class LLMStageEngine(StageEngine):
             self.theta_scorer = ThetaScorer(self.engine, self.theta_settings["address"],
                                             bool(self.theta_settings.get("chat_template", True)))
             self.theta_scorer.start()
+
+    def _engine_core_died(self, message: str) -> None:
+        if self.on_fatal is not None:
+            self.on_fatal(StageEngineError(message))
 
     def theta_requests(self) -> dict[str, list[int]]:
         """A theta stage's token lists by teacher request (prompt + tokens so far); {} elsewhere."""
@@ -216,6 +223,8 @@ class LLMStageEngine(StageEngine):
         return self.engine.output_processor.get_num_unfinished_requests()
 
     async def shutdown(self) -> None:
+        if self.core_watch is not None:
+            self.core_watch.close()  # its EngineCore ends now on purpose
         if self.theta_scorer is not None:
             await self.theta_scorer.close()
             self.theta_scorer = None

@@ -98,6 +98,7 @@ class StageEngineCore:
         self._loop = asyncio.get_running_loop()
         self._shutdown = asyncio.Event()
         await self.engine.start()
+        self.engine.on_fatal = self._fatal
         self._start_transport()
         if self.OWNS_PROCESS and threading.current_thread() is threading.main_thread():
             for sig in (signal.SIGTERM, signal.SIGINT):
