@@ -8,6 +8,7 @@ A format no installed library can produce is an ``AudioFormatError`` naming it.
 from __future__ import annotations
 
 import io
+import struct
 import wave
 from dataclasses import dataclass
 from pathlib import Path
@@ -57,6 +58,19 @@ def wav_bytes(audio: np.ndarray, sample_rate: int) -> bytes:
     return buf.getvalue()
 
 
+# A streamed WAV's sizes are not known when its header is sent: RIFF's and data's say "as much as
+# follows" (0xFFFFFFFF), as streaming servers (OpenAI's among them) send them; readers take it.
+UNKNOWN_SIZE = 0xFFFFFFFF
+
+
+def wav_stream_header(sample_rate: int) -> bytes:
+    """The 44-byte header of a 16-bit mono WAV of unknown length (``wav_bytes``'s, sizes aside)."""
+    rate = int(sample_rate)
+    fmt_chunk = struct.pack("<IHHIIHH", 16, 1, 1, rate, 2 * rate, 2, 16)  # PCM, mono, 16 bits
+    unknown = struct.pack("<I", UNKNOWN_SIZE)
+    return b"RIFF" + unknown + b"WAVEfmt " + fmt_chunk + b"data" + unknown
+
+
 def write_wav(path: Path, audio: np.ndarray, sample_rate: int) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -104,19 +118,21 @@ class AudioStreamEncoder:
     ``feed`` and ``close`` return the bytes ready to send; ``whole`` is the
     complete file after ``close`` (with the headers a muxer rewrites at the
     end, which a stream sent as it goes cannot have: its length is unknown).
+    Concatenated, what ``feed`` and ``close`` return is ``encode_audio`` of all the audio but for
+    those headers: WAV's sizes (``wav_stream_header``), FLAC's STREAMINFO, MP3's gapless tag.
     """
 
     def __init__(self, fmt: str, sample_rate: int) -> None:
         self.fmt, self.sample_rate = fmt, int(sample_rate)
         self._buf = io.BytesIO()
         self._sent = 0
-        if fmt == "pcm":
+        if fmt in PCM_MEDIA_TYPES:
+            self._head = wav_stream_header(self.sample_rate) if fmt == "wav" else b""
             return
         import av
 
-        spec = ENCODED_FORMATS.get(fmt) or EncodedFormat("wav", "pcm_s16le", "audio/wav")
-        if fmt != "wav":
-            check_format(fmt)
+        spec = ENCODED_FORMATS[fmt]
+        check_format(fmt)
         rate = self.sample_rate if spec.rates is None or self.sample_rate in spec.rates else spec.rates[0]
         self._av = av
         self._out = av.open(self._buf, "w", format=spec.container)
@@ -126,8 +142,9 @@ class AudioStreamEncoder:
 
     def feed(self, audio: np.ndarray) -> bytes:
         samples = pcm16(audio)
-        if self.fmt == "pcm":
-            return samples.tobytes()
+        if self.fmt in PCM_MEDIA_TYPES:
+            head, self._head = self._head, b""
+            return head + samples.tobytes()
         if len(samples):
             frame = self._av.AudioFrame.from_ndarray(samples[None, :], format="s16", layout="mono")
             frame.sample_rate = self.sample_rate
@@ -135,8 +152,9 @@ class AudioStreamEncoder:
         return self._drain()
 
     def close(self) -> bytes:
-        if self.fmt == "pcm":
-            return b""
+        if self.fmt in PCM_MEDIA_TYPES:
+            head, self._head = self._head, b""
+            return head  # (a stream with no audio at all is still a WAV)
         self._encode(self._resampler.resample(None))
         for packet in self._stream.encode(None):
             self._out.mux(packet)
@@ -144,6 +162,7 @@ class AudioStreamEncoder:
         return self._drain()
 
     def whole(self) -> bytes:
+        """The compressed file (``encode_audio``'s); WAV and PCM are written by ``encode_audio`` itself."""
         return self._buf.getvalue()
 
     def _encode(self, frames: list) -> None:

@@ -102,7 +102,10 @@ async def text_pipeline(smollm2_path):
 
 @pytest_asyncio.fixture(scope="session", loop_scope="session")
 async def llm_stage(smollm2_path):
-    client = RawFrameClient(0, process=StageProcessSpec("llm", llm_engine_args(smollm2_path)))
+    # Priority scheduling: a request's deadline becomes vLLM's priority (test_stage_llm); without
+    # one every request is due a fixed slack after it arrived, which is first come, first served.
+    client = RawFrameClient(0, process=StageProcessSpec("llm", llm_engine_args(smollm2_path,
+                                                                               scheduling_policy="priority")))
     await client.start()
     release = EARLY_RELEASE.register_async("llm_stage", client.shutdown)
     yield client

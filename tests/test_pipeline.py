@@ -10,6 +10,7 @@ import asyncio
 import io
 import os
 import signal
+import time
 import wave
 
 import numpy as np
@@ -162,6 +163,28 @@ async def test_async_chunk_speaks_before_the_text_is_finished(pipeline, chat_pro
     first_audio = next(t for t, s, _ in events if s == 1)
     assert first_audio < text_done, events
     assert sum(1 for _, s, _ in events if s == 1) >= 2, "expected one audio chunk per sentence"
+
+
+async def test_each_sentence_reaches_the_speech_stage_due_when_its_listener_needs_it(pipeline, chat_prompt):
+    """The orchestrator stamps every piece of a spoken answer with its playback deadline: the first is
+    due at the request's start, each later one when the pieces before it have played at 1x
+    (estimated from their text until their audio came), and the speech stage saw those deadlines."""
+    t0 = time.time()
+    _, outputs = await run(pipeline, chat_prompt(STORY), "due", params=SamplingParams(
+        temperature=0.0, max_tokens=48, output_kind=RequestOutputKind.DELTA))
+    pieces = [o.multimodal_output for o in outputs if o.final_output_type == "audio" and o.multimodal_output]
+    seconds = [len(p["audio"]) / p["sample_rate"] for p in pieces]
+    stats = await pipeline.stage_contexts[1].client.call_utility_async("deadline_stats")
+    seen = {rid: deadline for rid, deadline in stats["recent"] if rid == "due" or rid.startswith("due#")}
+    ids = ["due"] + [f"due#{k}" for k in range(1, len(pieces))]
+    assert len(pieces) >= 2 and sorted(seen) == sorted(ids), (len(pieces), sorted(seen))
+    due = [seen[rid] for rid in ids]
+    assert t0 - 0.05 <= due[0] <= t0 + 1.0, (due[0] - t0)
+    for k in range(1, len(due)):
+        # Piece k is due after piece k-1 by about its length (estimated, or heard; plus the wait for
+        # the first audio once it came).
+        gap = due[k] - due[k - 1]
+        assert 0.5 * seconds[k - 1] <= gap <= 2.0 * seconds[k - 1] + 2.0, (k, gap, seconds)
 
 
 async def test_sequential_speaks_after_the_text_is_finished(pipeline, chat_prompt):

@@ -255,6 +255,52 @@ def test_speech_streams_sentence_by_sentence_as_audio(client):
     assert float(np.sqrt(np.mean(samples ** 2))) > 0.01
 
 
+PASSAGE = ("Once upon a time, in a quiet village by the sea, there lived a cat named Tom. "
+           "He liked fish. Every morning he walked to the harbour to watch the boats come in.")
+
+
+def envelope(samples: np.ndarray, rate: int, window_s: float = 0.05) -> np.ndarray:
+    """RMS per window: the shape of the speech, blind to a few samples' shift."""
+    n = int(rate * window_s)
+    frames = samples[: len(samples) // n * n].reshape(-1, n)
+    return np.sqrt((frames ** 2).mean(axis=1))
+
+
+@pytest.mark.parametrize("fmt", ["wav", "flac", "mp3", "opus", "aac"])
+def test_speech_streams_as_it_is_spoken_in_every_format(server, fmt):
+    """Without ``stream_format`` (as OpenAI's clients ask), every format streams a piece at a time
+    (chunked transfer: the passage's first clause, then its sentences) and decodes to the passage:
+    as long as the raw pcm answer, with its shape. (eSpeak varies a few samples per synthesis;
+    that the stream is byte for byte the file made at once is test_audio_formats' to show.)"""
+    import httpx
+
+    from omni_engine.pipeline.input_processors import split_for_speech
+
+    assert len(split_for_speech(PASSAGE)) == 4
+    url, headers = f"{server['url']}/v1/audio/speech", auth_headers(server)
+    pcm = httpx.post(url, json={"model": MODEL, "input": PASSAGE, "voice": "en", "response_format": "pcm"},
+                     headers=headers, timeout=60)
+    assert pcm.headers["x-sample-rate"] == "22050" and "content-length" not in pcm.headers
+    reference = np.frombuffer(pcm.content, dtype="<i2") / 32768.0
+    with httpx.stream("POST", url, json={"model": MODEL, "input": PASSAGE, "voice": "en", "response_format": fmt},
+                      headers=headers, timeout=60) as response:
+        assert response.status_code == 200 and response.headers["transfer-encoding"] == "chunked"
+        chunks = list(response.iter_bytes())
+    assert len(chunks) >= 2, "the answer came in one piece"
+    samples, rate = decode(b"".join(chunks))
+    assert rate == (48000 if fmt == "opus" else 22050)
+    # Codec priming and padding (mp3, aac, opus) and eSpeak's own variation: well under 0.1 s.
+    assert abs(len(samples) / rate - len(reference) / 22050) < 0.1, (len(samples) / rate, len(reference) / 22050)
+    want = envelope(reference, 22050)
+
+    def likeness(shift: int) -> float:  # lossy codecs put their priming samples in front
+        got = envelope(samples[shift:], rate)
+        n = min(len(got), len(want))
+        return float(np.corrcoef(got[:n], want[:n])[0, 1])
+
+    assert max(likeness(shift) for shift in range(0, rate // 10, rate // 400)) > 0.95
+
+
 def test_speech_streams_as_sse_events(client):
     """``stream_format: sse``: speech.audio.delta events with base64 audio, then speech.audio.done."""
     import json
@@ -485,9 +531,12 @@ def test_our_routes_continue_the_callers_trace_too(client, receiver):
     response = client.audio.speech.create(model=MODEL, voice="en", input="Hello world. Bye now.",
                                           response_format="wav", extra_headers=headers)
     samples, rate = read_wav(response.content)
-    spans = receiver.wait_for(trace_id, lambda s: len(s) >= 2)
-    root = next(s for s in spans if s.name == "omni_request")
-    assert root.parent_span_id == caller_span
-    (voice,) = [s for s in spans if s.name.startswith("omni_stage ")]  # the speech route skips the llm
-    assert voice.attributes["omni.stage.id"] == 1 and voice.parent_span_id == root.span_id
-    assert voice.attributes["omni.stage.audio_seconds"] == pytest.approx(len(samples) / rate, abs=0.01)
+    # One pipeline request per piece of the passage (its two sentences), each under the caller's span.
+    spans = receiver.wait_for(trace_id, lambda s: len(s) >= 4)
+    roots = {s.span_id: s for s in spans if s.name == "omni_request"}
+    assert len(roots) == 2 and all(root.parent_span_id == caller_span for root in roots.values())
+    voices = [s for s in spans if s.name.startswith("omni_stage ")]  # the speech route skips the llm
+    assert len(voices) == 2 and {v.parent_span_id for v in voices} == set(roots)
+    assert all(v.attributes["omni.stage.id"] == 1 for v in voices)
+    assert sum(v.attributes["omni.stage.audio_seconds"] for v in voices) == pytest.approx(len(samples) / rate,
+                                                                                          abs=0.01)

@@ -75,6 +75,33 @@ async def test_abort_mid_stream_stops_the_request_and_the_stage_lives_on(llm_sta
     assert "Paris" in "".join(o.outputs[0].text for o in outputs)
 
 
+async def test_deadlines_order_the_requests_waiting_for_a_slot_through_vllms_priority(llm_stage, chat_prompt):
+    """All of vLLM's slots (max_num_seqs 16) are taken by answers that end one after another; four
+    requests that wait meanwhile, sent in another order, start in the order of their deadlines
+    (the llm stage runs ``scheduling_policy: priority`` and passes each deadline as the priority)."""
+    fill = [f"slot-{i}" for i in range(16)]
+    for i, rid in enumerate(fill):
+        await llm_stage.submit_request(rid, chat_prompt(f"Count to {i + 20}."), greedy(12 + 3 * i, ignore_eos=True))
+    first_seen: dict[str, int] = {}  # request -> the rank of its first output among all outputs
+    async with asyncio.timeout(120):  # every slot is decoding before the waiting ones are sent
+        while len(first_seen) < len(fill):
+            for output in await llm_stage.get_outputs_async():
+                first_seen.setdefault(output.request_id, len(first_seen))
+    now = time.time()
+    waiting = {"wait-c": now + 30, "wait-a": now + 10, "wait-d": now + 40, "wait-b": now + 20}
+    for rid, deadline in waiting.items():
+        await llm_stage.submit_request(rid, chat_prompt(QUESTION), greedy(8, ignore_eos=True), deadline=deadline)
+    finished: set[str] = set()
+    async with asyncio.timeout(180):
+        while len(finished) < len(fill) + len(waiting):
+            for output in await llm_stage.get_outputs_async():
+                first_seen.setdefault(output.request_id, len(first_seen))
+                if output.finished:
+                    finished.add(output.request_id)
+    started = sorted(waiting, key=lambda rid: first_seen[rid])
+    assert started == sorted(waiting, key=waiting.get), {rid: first_seen[rid] for rid in waiting}
+
+
 async def test_the_engine_core_is_forked_by_a_warm_forkserver_with_vllms_cpu_preload(llm_stage):
     """vLLM's EngineCore comes from the forkserver the stage started before importing vLLM (its
     import overlapped the stage's), which was exec'd with the libraries vLLM preloads on CPUs."""

@@ -36,6 +36,7 @@ class BenchSettings:
     temperature: float = 0.0
     ignore_eos: bool = False
     timeout_s: float = 600.0
+    speech_format: str = "wav"  # openai-speech: "wav" or raw "pcm" (its rate in X-Sample-Rate)
 
     def url(self, default_endpoint: str) -> str:
         """The benchmarked API's URL (``--endpoint`` overrides its path)."""
@@ -113,6 +114,16 @@ class WavStream:
         return (len(self._head) - data_at - 8) / self._bytes_per_second
 
 
+class PcmStream:
+    """Seconds of audio in each chunk of raw 16-bit mono PCM at ``rate``."""
+
+    def __init__(self, rate: int) -> None:
+        self._bytes_per_second = 2 * rate
+
+    def feed(self, chunk: bytes) -> float:
+        return len(chunk) / self._bytes_per_second
+
+
 def _on_text(result: RequestResult, piece: str, now: float, last: float) -> float:
     """A piece of answer text arrived at ``now``: TTFT or one more inter-token gap."""
     if not result.text:
@@ -180,18 +191,25 @@ async def openai_chat_audio(client: httpx.AsyncClient, settings: BenchSettings,
 
 
 async def openai_speech(client: httpx.AsyncClient, settings: BenchSettings, request: BenchRequest) -> RequestResult:
-    """``/v1/audio/speech``, the prompt read aloud, streamed as WAV bytes (``stream_format: audio``)."""
+    """``/v1/audio/speech``, the prompt read aloud, as OpenAI's clients stream it: WAV or raw PCM
+    bytes (``settings.speech_format``) timed as they arrive."""
     result = RequestResult(request.prompt_words)
-    body = {"model": settings.model, "input": request.prompt, "response_format": "wav", "stream_format": "audio",
+    body = {"model": settings.model, "input": request.prompt, "response_format": settings.speech_format,
             **({"voice": settings.voice} if settings.voice else {})}
     start = time.perf_counter()
-    stream = WavStream()
+    stream: WavStream | PcmStream = WavStream()
     try:
         async with client.stream("POST", settings.url("/v1/audio/speech"), json=body, headers=settings.headers(),
                                  timeout=settings.timeout_s) as response:
             if response.status_code != 200:
                 result.error = await http_error(response)
                 return result
+            if settings.speech_format == "pcm":
+                rate = response.headers.get("x-sample-rate")
+                if not rate:
+                    result.error = "a pcm answer without an X-Sample-Rate header: its audio cannot be timed"
+                    return result
+                stream = PcmStream(int(rate))
             async for chunk in response.aiter_bytes():
                 if seconds := stream.feed(chunk):
                     result.audio_chunks.append((time.perf_counter() - start, seconds))

@@ -39,6 +39,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"))
     parser.add_argument("--voice", default=None, help="audio backends: the voice")
+    parser.add_argument("--speech-format", choices=("wav", "pcm"), default="wav",
+                        help="openai-speech: the response_format asked for (both are timed as their bytes arrive; "
+                             "pcm is what OpenAI's clients stream to a player)")
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--ignore-eos", action="store_true")
     parser.add_argument("--metric-percentiles", default="99", help="comma-separated, e.g. 50,90,99")
@@ -72,7 +75,7 @@ async def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
     percentiles = [float(p) for p in args.metric_percentiles.split(",") if p.strip()]
     backend = BACKENDS[args.backend]
     settings = BenchSettings(args.base_url, args.model or "", args.endpoint, args.api_key, args.voice,
-                             args.temperature, args.ignore_eos)
+                             args.temperature, args.ignore_eos, speech_format=args.speech_format)
     limits = httpx.Limits(max_connections=args.max_concurrency or len(requests) or 1)
     async with httpx.AsyncClient(limits=limits, timeout=settings.timeout_s) as client:
         if not settings.model:

@@ -51,16 +51,20 @@ class StageEngine(abc.ABC):
 
     @abc.abstractmethod
     def generate(
-        self, request_id: str, prompt: Any, sampling_params: Any
+        self, request_id: str, prompt: Any, sampling_params: Any, deadline: float | None = None
     ) -> AsyncIterator[OmniRequestOutput | StageRequestOutput]:
         """Stream the outputs of one request; the last one has ``finished=True``.
+
+        ``deadline`` (``time.time()`` seconds, None: no hurry) is when its output is needed: an
+        engine with a queue serves the earliest first (``omni_engine.deadlines``).
 
         An exception raised here fails this request only (the stage sends
         ERROR for it); raise ``StageEngineError`` when the engine as a whole
         can no longer serve.
         """
 
-    def submit(self, request_id: str, prompt: Any, sampling_params: Any) -> asyncio.Future | None:
+    def submit(self, request_id: str, prompt: Any, sampling_params: Any,
+               deadline: float | None = None) -> asyncio.Future | None:
         """Take a request whose one output is its final one, without a task of its own.
 
         Returns a future of that ``OmniRequestOutput`` (an exception fails the request as one

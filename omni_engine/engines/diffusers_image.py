@@ -157,6 +157,8 @@ class DiffusersImageModel(ThreadedGenerationModel):
         """The default size, as OpenAI writes it (``"WxH"``)."""
         return f"{self.width}x{self.height}"
 
+    renders_alone = False  # one pipeline call per group of alike requests
+
     def _render_batch(self, requests: list[GenerationRequest]) -> list[dict[str, Any] | Exception]:
         results: list[dict[str, Any] | Exception] = [{} for _ in requests]
         groups: dict[tuple[Any, ...], list[tuple[int, str, DiffusionParams, int]]] = {}

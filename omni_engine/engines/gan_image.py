@@ -111,6 +111,8 @@ class GanImageModel(ThreadedGenerationModel):
         generator = self._torch.Generator().manual_seed(seed)
         return self._torch.randn(params.n, 100, generator=generator)
 
+    renders_alone = False  # one GAN forward for the whole batch
+
     def _render_batch(self, requests: list[GenerationRequest]) -> list[dict[str, Any] | Exception]:
         results: list[dict[str, Any] | Exception] = []
         jobs: list[tuple[int, ImageParams, int, str | None]] = []

@@ -4,6 +4,12 @@ Requests that arrive while a batch is running wait and go together in the
 next one (up to ``runtime.max_batch_size``), which is how a TTS or vocoder
 model gets throughput without adding latency at low load. The batcher task
 sleeps on an event: no timer, no polling.
+
+The queue is served earliest deadline first (``omni_engine.deadlines``): a piece of speech
+whose listener is about to run dry goes before one that is needed later. A model that renders
+one request at a time anyway (``renders_alone``: eSpeak, Piper) is handed one at a time, so the
+next pick is made after every piece and each answer leaves as soon as it exists, instead of a
+batch of eight answering when its last is done.
 """
 
 from __future__ import annotations
@@ -11,10 +17,11 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
-from collections import deque
+import time
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
+from omni_engine.deadlines import DeadlineStats, EdfQueue, effective_deadline
 from omni_engine.engines.base import StageEngine, StageEngineError
 from omni_engine.engines.generation_model import GenerationModel, GenerationRequest
 from omni_engine.engines.loop_holds import LoopHoldReport, timed_steps
@@ -27,14 +34,17 @@ MODEL_FACTORY_KEY = "model_factory"
 
 
 class _Pending:
-    __slots__ = ("request", "future")
+    __slots__ = ("request", "future", "deadline")
 
-    def __init__(self, request: GenerationRequest, future: asyncio.Future) -> None:
+    def __init__(self, request: GenerationRequest, future: asyncio.Future, deadline: float) -> None:
         self.request = request
         self.future = future
+        self.deadline = deadline
 
 
 class GenerationStageEngine(StageEngine):
+    UTILITY_METHODS = StageEngine.UTILITY_METHODS | {"deadline_stats"}
+
     def __init__(
         self,
         stage_id: int,
@@ -54,7 +64,9 @@ class GenerationStageEngine(StageEngine):
         self.max_batch_size = max_batch_size
         self._final_output_type = final_output_type
         self.model: GenerationModel | None = None
-        self._queue: deque[_Pending] = deque()
+        self._queue: EdfQueue[_Pending] = EdfQueue()
+        self._batch_limit = max_batch_size  # 1 for a model that renders alone (set at start)
+        self.deadlines = DeadlineStats()
         self._pending: dict[str, _Pending] = {}
         self._wakeup = asyncio.Event()
         self._batcher: asyncio.Task | None = None
@@ -72,17 +84,21 @@ class GenerationStageEngine(StageEngine):
         if not isinstance(model, GenerationModel):
             raise TypeError(f"stage {self.stage_id}: factory returned {type(model).__name__}, not a GenerationModel")
         self.model = model
+        if getattr(model, "renders_alone", False):
+            self._batch_limit = 1
         self._batcher = asyncio.create_task(self._run_batches(), name=f"stage{self.stage_id}-batcher")
 
-    def submit(self, request_id: str, prompt: Any, sampling_params: Any) -> asyncio.Future:
-        """Queue the request for the next batch; the future holds its one output."""
+    def submit(self, request_id: str, prompt: Any, sampling_params: Any,
+               deadline: float | None = None) -> asyncio.Future:
+        """Queue the request (earliest deadline first); the future holds its one output."""
         future = asyncio.get_running_loop().create_future()
         if self._batcher is None or self._batcher.done():
             future.set_exception(StageEngineError(f"stage {self.stage_id}: generation batcher is not running"))
             return future
-        pending = _Pending(GenerationRequest(request_id, prompt, sampling_params), future)
+        pending = _Pending(GenerationRequest(request_id, prompt, sampling_params), future,
+                           effective_deadline(deadline))
         self._pending[request_id] = pending
-        self._queue.append(pending)
+        self._queue.push(pending, pending.deadline)
         self._wakeup.set()
         future.add_done_callback(functools.partial(self._settled, pending))
         return future
@@ -95,8 +111,9 @@ class GenerationStageEngine(StageEngine):
             del self._pending[request_id]
         self._cancel_abandoned_batch()
 
-    async def generate(self, request_id: str, prompt: Any, sampling_params: Any) -> AsyncIterator[StageRequestOutput]:
-        yield await self.submit(request_id, prompt, sampling_params)
+    async def generate(self, request_id: str, prompt: Any, sampling_params: Any,
+                       deadline: float | None = None) -> AsyncIterator[StageRequestOutput]:
+        yield await self.submit(request_id, prompt, sampling_params, deadline)
 
     def _output(self, request_id: str, result: dict[str, Any]) -> StageRequestOutput:
         return StageRequestOutput(request_id, finished=True, stage_id=self.stage_id,
@@ -114,14 +131,16 @@ class GenerationStageEngine(StageEngine):
 
     def _take_batch(self) -> list[_Pending]:
         batch: list[_Pending] = []
-        while self._queue and len(batch) < self.max_batch_size:
-            pending = self._queue.popleft()
+        while self._queue and len(batch) < self._batch_limit:
+            pending, _ = self._queue.pop()
             if not pending.future.done():
                 batch.append(pending)
         return batch
 
     async def _run_batch(self, batch: list[_Pending]) -> None:
         assert self.model is not None
+        for pending in batch:
+            self.deadlines.started(pending.request.request_id, pending.deadline)
         if self.on_work_started is not None:  # (a traced request may be in it)
             for pending in batch:
                 self.on_work_started(pending.request.request_id, None)
@@ -145,7 +164,9 @@ class GenerationStageEngine(StageEngine):
         if len(results) != len(batch):
             error = StageEngineError(f"model returned {len(results)} results for a batch of {len(batch)}")
             results = [error] * len(batch)
+        now = time.time()
         for pending, result in zip(batch, results):
+            self.deadlines.finished(pending.deadline, now)
             if pending.future.done():
                 continue
             if isinstance(result, BaseException):
@@ -168,6 +189,11 @@ class GenerationStageEngine(StageEngine):
                 pending.request.aborted = True
                 pending.future.cancel()
         self._cancel_abandoned_batch()
+
+    def deadline_stats(self) -> dict[str, Any]:
+        """Pieces served, how many after their deadline (made anyway), the worst lateness, and the
+        ids of the last ones in the order their work began."""
+        return self.deadlines.snapshot()
 
     def watch_loop_holds(self) -> LoopHoldReport:
         self.loop_holds = LoopHoldReport(self.stage_id)

@@ -39,6 +39,9 @@ class GenerationModel(Protocol):
     """
 
     output_type: str  # "audio", "image", ...
+    # Optional (default False): True for a model that renders a batch one request after another
+    # anyway; the engine then hands it one request at a time, earliest deadline first.
+    # renders_alone: bool
 
     async def generate(self, requests: list[GenerationRequest]) -> list[dict[str, Any] | Exception]: ...
 
@@ -51,6 +54,10 @@ class ThreadedGenerationModel:
     """A base for models whose work blocks: one worker thread per model, so the stage's loop never
     blocks and batches run in order. Subclasses render one request (``_render``) or a batch
     (``_render_batch``); an exception fails that request alone."""
+
+    # One request at a time (``_render``): the engine hands over one at a time, choosing the
+    # earliest deadline after each. A subclass whose ``_render_batch`` really batches sets False.
+    renders_alone = True
 
     def __init__(self, name: str) -> None:
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=name)

@@ -16,6 +16,7 @@ from typing import Any
 
 from vllm import SamplingParams
 
+from omni_engine.deadlines import effective_deadline
 from omni_engine.engines.base import StageEngine, StageEngineError
 from omni_engine.engines.engine_core_watch import EngineCoreWatch, engine_core_processes
 from omni_engine.inputs import OmniTextPrompt
@@ -67,6 +68,8 @@ class LLMStageEngine(StageEngine):
         # without one it only warns about trace headers, so it gets none.
         self.vllm_traces = bool(self.engine_args.get("otlp_traces_endpoint"))
         self.core_watch: EngineCoreWatch | None = None
+        # engine_args scheduling_policy: priority -> requests carry their deadline as vLLM's priority.
+        self.priority_scheduling = self.engine_args.get("scheduling_policy") == "priority"
 
     @staticmethod
     def preload() -> None:
@@ -103,6 +106,12 @@ class LLMStageEngine(StageEngine):
             self.theta_scorer = ThetaScorer(self.engine, self.theta_settings["address"],
                                             bool(self.theta_settings.get("chat_template", True)))
             self.theta_scorer.start()
+
+    @staticmethod
+    def priority_of(deadline: float | None) -> int:
+        """vLLM's priority for a request due at ``deadline`` (lower runs first): its effective
+        deadline in milliseconds, so vLLM's priority scheduler serves earliest deadline first."""
+        return int(effective_deadline(deadline) * 1000)
 
     def _engine_core_died(self, message: str) -> None:
         if self.on_fatal is not None:
@@ -149,7 +158,8 @@ class LLMStageEngine(StageEngine):
         await self.engine.reset_prefix_cache()
         await self.update_weight_version(weight_version)
 
-    async def generate(self, request_id: str, prompt: Any, sampling_params: Any) -> AsyncIterator[OmniRequestOutput]:
+    async def generate(self, request_id: str, prompt: Any, sampling_params: Any,
+                       deadline: float | None = None) -> AsyncIterator[OmniRequestOutput]:
         from vllm.v1.engine.exceptions import EngineDeadError
 
         params = sampling_params if type(sampling_params) is SamplingParams else to_sampling_params(sampling_params)
@@ -158,11 +168,12 @@ class LLMStageEngine(StageEngine):
             # params of each request, never its id (omni_engine.logits keys state by it).
             params = tag_request(params, request_id)
         outputs = None
+        priority = self.priority_of(deadline) if self.priority_scheduling else 0
         if self.speech_to_text is not None:
             from omni_engine.engines.transcription import audio_prompt_of
 
             if (audio := audio_prompt_of(prompt)) is not None:
-                outputs = self.speech_to_text.generate(request_id, audio, params)
+                outputs = self.speech_to_text.generate(request_id, audio, params, priority)
         if isinstance(prompt, OmniTextPrompt):
             prompt = prompt.to_vllm()
         versions: list[str] = []
@@ -171,7 +182,7 @@ class LLMStageEngine(StageEngine):
         if not self.vllm_traces:
             trace_headers = None
         try:
-            async for output in outputs or self.engine.generate(prompt, params, request_id,
+            async for output in outputs or self.engine.generate(prompt, params, request_id, priority=priority,
                                                                 trace_headers=trace_headers):
                 if self.on_work_started is not None and not started:
                     started = True

@@ -185,12 +185,14 @@ class SpeechToText:
             raise ValueError(f"language {prompt.language!r} is not one of {self.model_name}'s languages "
                              f"({', '.join(sorted(self.languages))})")
 
-    async def generate(self, request_id: str, prompt: AudioPrompt, params: Any) -> AsyncIterator[Any]:
+    async def generate(self, request_id: str, prompt: AudioPrompt, params: Any,
+                       priority: int = 0) -> AsyncIterator[Any]:
         """vLLM ``RequestOutput``s of the whole audio as one request ``request_id``.
 
         Segments run one after another; their outputs are re-labelled so that the caller sees
         one stream (cumulative text keeps the earlier segments' text in front). The last output
-        carries ``language``, ``duration`` and ``segments`` in ``multimodal_output``.
+        carries ``language``, ``duration`` and ``segments`` in ``multimodal_output``. ``priority``:
+        vLLM's, for an engine that schedules by priority (a live turn before a batch file).
         """
         from vllm.sampling_params import RequestOutputKind
 
@@ -204,7 +206,7 @@ class SpeechToText:
         done_text, done_ids, segments = "", [], []
         try:
             language = prompt.language or ("en" if not self.multilingual else
-                                           await self._detect_language(request_id, prompt.audio))
+                                           await self._detect_language(request_id, prompt.audio, priority))
             prefix = self.decoder_prefix(language, prompt.task, prompt.text)  # the same for every window
             for k, (start, end) in enumerate(spans):
                 if request_id in self.aborted:
@@ -213,7 +215,7 @@ class SpeechToText:
                 vllm_prompt = _whisper_prompt(prompt.audio[start:end], prefix)
                 sub_id = self.running[request_id] = f"{request_id}#s{k}"
                 text, ids, output = "", [], None
-                async for output in self.engine.generate(vllm_prompt, params, sub_id):
+                async for output in self.engine.generate(vllm_prompt, params, sub_id, priority=priority):
                     completion = output.outputs[0]
                     text = completion.text if cumulative else text + completion.text
                     ids = list(completion.token_ids) if cumulative else ids + list(completion.token_ids)
@@ -237,7 +239,7 @@ class SpeechToText:
             self.running.pop(request_id, None)
             self.aborted.discard(request_id)
 
-    async def _detect_language(self, request_id: str, audio: np.ndarray) -> str:
+    async def _detect_language(self, request_id: str, audio: np.ndarray, priority: int = 0) -> str:
         """The language Whisper hears in the first window: one step over the language tokens."""
         from vllm import SamplingParams
 
@@ -247,7 +249,7 @@ class SpeechToText:
         by_id = {tid: code for code, tid in self.languages.items()}
         sub_id = self.running[request_id] = f"{request_id}#lang"
         token = None
-        async for output in self.engine.generate(prompt, detect, sub_id):
+        async for output in self.engine.generate(prompt, detect, sub_id, priority=priority):
             if output.outputs[0].token_ids:
                 token = output.outputs[0].token_ids[0]
         return by_id.get(token, "en")

@@ -268,6 +268,7 @@ class EspeakTTSModel:
     """``GenerationModel`` that renders text requests to speech with eSpeak NG."""
 
     output_type = "audio"
+    renders_alone = True  # eSpeak speaks one text at a time: the engine picks the next by deadline
 
     def __init__(self, *, default_voice: str = "en", max_workers: int = 1,
                  voice_map: Mapping[str, str] | None = None) -> None:

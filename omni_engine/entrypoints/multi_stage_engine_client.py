@@ -165,6 +165,7 @@ class MultiStageEngineClient(EngineClient):
         entry_stage_id: int | None = None,
         modalities: Sequence[str] | None = None,
         lora_request: Any = None,
+        deadline: float | None = None,
         **kwargs: Any,
     ) -> AsyncGenerator[OmniRequestOutput, None]:
         """Stream the pipeline's final outputs for one request.
@@ -178,6 +179,10 @@ class MultiStageEngineClient(EngineClient):
         run; ``prompt`` is its input). Leaving the generator early aborts the
         request on every stage. A dead stage fails only the requests that need
         it (the orchestrator checks the stages a request uses).
+
+        ``deadline`` (``time.time()`` seconds) is when the first output is needed; every stage
+        serves earliest deadline first, and a request that ends in speech gets one per piece of
+        speech from it (or from now): when the listener, playing at 1x, would run dry.
 
         ``trace_headers`` (vLLM's keyword; else those of the HTTP request being served) is the
         caller's W3C trace context, which the request's spans continue when the pipeline traces
@@ -204,8 +209,8 @@ class MultiStageEngineClient(EngineClient):
             sampling_params, entry_stage_id if entry_stage_id is not None else self.text_stage_id)
         trace_headers = kwargs.get("trace_headers") or REQUEST_TRACE_HEADERS.get() if self.tracer else None
         stream = self.orchestrator.stream_request(
-            request_id, prompt, params, self.metrics, final_stage_id, execution_mode, entry_stage_id, trace_headers
-        )
+            request_id, prompt, params, self.metrics, final_stage_id, execution_mode, entry_stage_id, trace_headers,
+            deadline)
         versions = RESPONSE_VERSIONS.get()  # an HTTP response's weight-version header (None elsewhere)
         try:
             async for output in stream:

@@ -80,6 +80,21 @@ def split_sentences(text: str, min_chars: int = 2, first_fragment_words: int = 0
     return [inp.prompt for inp in inputs]
 
 
+# A passage spoken at once (``/v1/audio/speech``): its first piece is its first sentence when that
+# is this short (~3 s of speech), else that sentence's first clause or first words; the first audio
+# waits for the synthesis of that piece alone, and the rest is made while it plays.
+FIRST_PIECE_MAX_WORDS = 8
+FIRST_PIECE_WORDS = 6
+
+
+def split_for_speech(text: str) -> list[str]:
+    """``text`` as the pieces it is spoken in: sentences, the first one cut when it is long."""
+    pieces = split_sentences(text)
+    if pieces and len(pieces[0].split()) > FIRST_PIECE_MAX_WORDS:
+        pieces[:1] = split_sentences(pieces[0], first_fragment_words=FIRST_PIECE_WORDS)
+    return pieces
+
+
 class SentenceSplitter:
     """Forwards complete sentences as they appear in the streamed text.
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import AsyncGenerator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -29,6 +30,7 @@ from omni_engine.metrics import OrchestratorMetrics, PipelineObserver
 from omni_engine.outputs import OmniRequestOutput
 from omni_engine.params import parse_output_kind
 from omni_engine.pipeline.input_processors import StageInput
+from omni_engine.pipeline.playback_clock import PlaybackClock, audio_seconds, speed_of
 from omni_engine.pipeline.request_endings import ABORT_WAIT_S, RequestAbortedError, RequestEndings
 from omni_engine.pipeline.request_events import RequestEventRecorder
 from omni_engine.pipeline.request_state import ClientRequestState, StageTrack, new_text_of
@@ -182,6 +184,7 @@ class PipelineOrchestrator:
         execution_mode: str | None = None,
         entry_stage_id: int | None = None,
         trace_headers: Mapping[str, str] | None = None,
+        deadline: float | None = None,
     ) -> ClientRequestState:
         """Register the request and send it to its entry stage(s).
 
@@ -193,7 +196,9 @@ class PipelineOrchestrator:
         the request at that stage with ``prompt`` as its input, ignoring its
         sources (e.g. a speech stage alone); the final stages default to it.
         ``trace_headers``: the caller's W3C trace context, which the request's spans continue
-        (when the orchestrator has a ``tracer``).
+        (when the orchestrator has a ``tracer``). ``deadline``: when its (first) output is needed,
+        ``time.time()`` seconds; a request that ends in speech is stamped per piece (``PlaybackClock``)
+        from it, or from now.
         """
         if request_id in self._requests:
             raise ValueError(f"request id {request_id!r} is already in the pipeline")
@@ -220,6 +225,12 @@ class PipelineOrchestrator:
         for sid in used:
             if plan.sources[sid]:
                 state.processors[sid] = self.graph.edge_inputs(sid, plan.sources[sid], prompt)
+        speaking = [sid for sid in plan.finals if self.stages[sid].final_output_type == "audio"]
+        if speaking:
+            state.playback = PlaybackClock(deadline if deadline is not None else time.time(),
+                                           speed_of(state.params.get(speaking[0])))
+        else:
+            state.deadline = deadline
         if self.tracer is not None:
             state.trace = self.tracer.start_request(request_id, trace_headers)
         self._requests[request_id] = state
@@ -274,7 +285,8 @@ class PipelineOrchestrator:
         sent_before = client.bytes_sent
         trace = state.trace
         await client.submit_request(sub_id, inp.prompt, params, end_on_finish=False, group=state.request_id,
-                                    trace=trace.submitting(sid) if trace is not None else None)
+                                    trace=trace.submitting(sid) if trace is not None else None,
+                                    deadline=state.deadline_of(k, inp.prompt))
         nbytes = client.bytes_sent - sent_before
         self.events.submitted(state, sid, nbytes)
         if trace is not None:
@@ -376,9 +388,12 @@ class PipelineOrchestrator:
             track.held.setdefault(k, []).append(output)
             return
         chunk: list[OmniRequestOutput] | None = [output]
+        clock = state.playback
         while chunk:
             finished = chunk[-1].finished
             for out in chunk:
+                if clock is not None and (seconds := audio_seconds(out)):
+                    clock.heard(track.next_emit, seconds, time.time())
                 self._deliver(state, sid, out)
             if not finished:
                 return
@@ -459,10 +474,11 @@ class PipelineOrchestrator:
         execution_mode: str | None = None,
         entry_stage_id: int | None = None,
         trace_headers: Mapping[str, str] | None = None,
+        deadline: float | None = None,
     ) -> AsyncGenerator[OmniRequestOutput, None]:
         """Submit and stream the request's final outputs; leaving early aborts it."""
         state = await self.submit_request(request_id, prompt, params_by_stage, final_stage_id, metrics,
-                                          execution_mode, entry_stage_id, trace_headers)
+                                          execution_mode, entry_stage_id, trace_headers, deadline)
         try:
             while True:
                 item = await state.queue.get()

@@ -60,6 +60,7 @@ class _Submission:
     sampling_params: Any
     end_on_finish: bool
     trace: dict[str, str] | None = None
+    deadline: float | None = None
 
 
 @dataclass(slots=True)
@@ -249,7 +250,7 @@ class StageReplicaSet:
 
     async def submit_request(self, request_id: str, prompt: Any, sampling_params: Any = None, *,
                              end_on_finish: bool = True, group: str | None = None,
-                             trace: dict[str, str] | None = None) -> None:
+                             trace: dict[str, str] | None = None, deadline: float | None = None) -> None:
         """Send a GENERATE to the replica chosen for it (see ``BaseStageClient.submit_request``)."""
         self._check_alive()
         if request_id in self._owner:
@@ -262,10 +263,10 @@ class StageReplicaSet:
         if not end_on_finish:
             self._manual_end.add(request_id)
         if self.retry is RetryPolicy.BEFORE_FIRST_OUTPUT:
-            self._retryable[request_id] = _Submission(prompt, sampling_params, end_on_finish, trace)
+            self._retryable[request_id] = _Submission(prompt, sampling_params, end_on_finish, trace, deadline)
         try:
             await self.replicas[index].submit_request(request_id, prompt, sampling_params,
-                                                      end_on_finish=end_on_finish, trace=trace)
+                                                      end_on_finish=end_on_finish, trace=trace, deadline=deadline)
         except BaseException:
             if self._owner.get(request_id) == index:  # not taken over by a retry (the replica died sending)
                 self._forget(request_id)
@@ -389,7 +390,8 @@ class StageReplicaSet:
         replica = self.replicas[resubmission.replica]
         try:
             await replica.submit_request(rid, submission.prompt, submission.sampling_params,
-                                         end_on_finish=submission.end_on_finish, trace=submission.trace)
+                                         end_on_finish=submission.end_on_finish, trace=submission.trace,
+                                         deadline=submission.deadline)
             if resubmission.abort is not None:
                 await replica.abort_request([rid], keep_final=resubmission.abort)
         except Exception as exc:  # noqa: BLE001 - the request fails, naming why

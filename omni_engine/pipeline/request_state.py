@@ -18,6 +18,7 @@ from omni_engine.metrics import OrchestratorMetrics, RequestMetrics
 from omni_engine.outputs import OmniRequestOutput
 
 if TYPE_CHECKING:
+    from omni_engine.pipeline.playback_clock import PlaybackClock
     from omni_engine.pipeline.stage_graph import EdgeInputs
     from omni_engine.tracing.request_trace import RequestTrace
 
@@ -89,6 +90,17 @@ class ClientRequestState:
     stage_versions: dict[int, list[str]] = field(default_factory=dict)
     # Its spans, when the pipeline traces (omni_engine.tracing.request_trace.RequestTrace).
     trace: RequestTrace | None = None
+    # When its output is needed (``time.time()`` seconds; None: no hurry), stamped on every
+    # sub-request; a request that ends in speech has a clock instead, a deadline per piece.
+    deadline: float | None = None
+    playback: PlaybackClock | None = None
+
+    def deadline_of(self, k: int, prompt: Any) -> float | None:
+        """The deadline of sub-request ``k`` (of any stage) whose input is ``prompt``."""
+        if self.playback is None:
+            return self.deadline
+        self.playback.note_input(k, prompt)
+        return self.playback.deadline(k)
 
     def add_versions(self, versions: dict[int, list[str]]) -> None:
         for sid, names in versions.items():

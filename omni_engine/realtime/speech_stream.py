@@ -8,6 +8,10 @@ to ``speak`` at once, so several are in flight together and the speech stage bat
 *deliverer* task then sends their audio strictly in sentence order. The deliverer sends a sentence's
 events with no ``await`` between them, so cancelling it (``input_text.clear``, close) leaves every
 sentence either wholly sent or not sent at all.
+
+Each sentence carries the moment its listener needs it (a ``PlaybackClock`` per utterance: the first
+now, each later one when the audio sent before it has played at 1x), so the speech stage serves
+every connection's most urgent sentence first.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import enum
 import logging
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
@@ -23,6 +28,7 @@ import msgspec
 import numpy as np
 
 from omni_engine.pipeline.input_processors import SentenceSplitter
+from omni_engine.pipeline.playback_clock import PlaybackClock
 from omni_engine.realtime.audio_io import StreamResampler, encode_output
 from omni_engine.realtime.audio_io import DELTA_MS
 from omni_engine.realtime.config import BETA_FORMATS, AudioFormat, validation_error
@@ -30,7 +36,8 @@ from omni_engine.realtime.events import EventSession, RealtimeError, error_event
 
 logger = logging.getLogger(__name__)
 
-Speak = Callable[[str, str, float, str], Awaitable[tuple[np.ndarray, int]]]
+# speak(text, voice, speed, request_id, deadline): the audio of ``text`` and its sample rate.
+Speak = Callable[[str, str, float, str, float], Awaitable[tuple[np.ndarray, int]]]
 
 
 
@@ -61,6 +68,8 @@ class _Sentence:
     text: str
     fmt: AudioFormat  # the session's format when the sentence came: an utterance keeps one format
     task: asyncio.Future[tuple[np.ndarray, int]]
+    clock: PlaybackClock  # its utterance's
+    piece: int  # its place in the utterance
 
 
 @dataclass
@@ -84,6 +93,8 @@ class SpeechStreamSession(EventSession):
         self._deliverer: asyncio.Task | None = None
         self._unsent: dict[int, _Sentence] = {}  # submitted, audio not yet sent
         self._utterance = [0, 0]  # sentences and audio ms sent since the last response.done
+        self._clock: PlaybackClock | None = None  # the utterance's; a new one after each commit
+        self._first_piece = 0  # index of the utterance's first sentence
 
     async def close(self) -> None:
         """The connection is gone: abort every sentence in flight (their stage requests too) and wait for it."""
@@ -125,21 +136,28 @@ class SpeechStreamSession(EventSession):
         for inp in self._splitter.on_finish({}, {}):
             self._submit(inp.prompt)
         self._post(_Done())
+        self._clock = None
 
     async def _on_input_text_clear(self, body: dict[str, Any]) -> None:
         aborted = sorted(self._unsent)
         await self._abort()
         self._splitter = SentenceSplitter([], 0)
         self._utterance = [0, 0]
+        self._clock = None
         self.send(event("input_text.cleared", aborted_sentences=aborted))
 
     # --------------------------------------------------------------- speech
     def _submit(self, text: str) -> None:
         """Speak ``text`` now (concurrently with the sentences before it); its audio is sent in turn."""
         index, self._next_index = self._next_index, self._next_index + 1
+        if self._clock is None:
+            self._clock, self._first_piece = PlaybackClock(time.time(), self.config.speed), index
+        piece = index - self._first_piece
+        self._clock.note_input(piece, text)
         task = asyncio.ensure_future(self._speak(text, self.config.voice, self.config.speed,
-                                                 f"{self.id}-{index}"))
-        self._unsent[index] = sentence = _Sentence(index, text, self.config.output_audio_format, task)
+                                                 f"{self.id}-{index}", self._clock.deadline(piece)))
+        self._unsent[index] = sentence = _Sentence(index, text, self.config.output_audio_format, task,
+                                                   self._clock, piece)
         self._post(sentence)
 
     def _post(self, item: _Sentence | _Done) -> None:
@@ -188,6 +206,7 @@ class SpeechStreamSession(EventSession):
             self.send(event("response.output_audio.delta", sentence_index=item.index,
                             delta=encode_output(samples[start:start + step], fmt.type)))
         audio_ms = len(samples) * 1000 // fmt.sample_rate
+        item.clock.heard(item.piece, len(samples) / fmt.sample_rate, time.time())
         self._utterance[0] += 1
         self._utterance[1] += audio_ms
         self.send(event("response.sentence.done", sentence_index=item.index, text=item.text, audio_ms=audio_ms))

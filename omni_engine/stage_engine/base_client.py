@@ -178,7 +178,7 @@ class BaseStageClient:
     # ------------------------------------------------------------- requests
     async def submit_request(self, request_id: str, prompt: Any, sampling_params: Any = None, *,
                              end_on_finish: bool = True, group: str | None = None,
-                             trace: dict[str, str] | None = None) -> None:
+                             trace: dict[str, str] | None = None, deadline: float | None = None) -> None:
         """Send a GENERATE; outputs come from ``get_output_async``.
 
         With ``end_on_finish`` False what the transport holds for the request
@@ -187,12 +187,13 @@ class BaseStageClient:
         its way to the next stage. ``group`` names the request a sub-request
         belongs to (a replica set keeps a group on one replica; one client has
         nothing to choose). ``trace``: the W3C headers of the request's span in this
-        stage; its final output then carries the stage's ``stage_timing``.
+        stage; its final output then carries the stage's ``stage_timing``. ``deadline``: when
+        the output is needed (``time.time()`` seconds); the stage serves earliest first.
         """
         self._check_alive()
         if request_id in self._requests:
             raise ValueError(f"stage {self.stage_id}: request id {request_id!r} is already in flight")
-        msg = StageGenerateRequest(request_id, prompt, sampling_params, self._loop.time(), trace)
+        msg = StageGenerateRequest(request_id, prompt, sampling_params, self._loop.time(), trace, deadline)
         self._requests.add(request_id)
         self.submitted += 1
         self.resources.begin(request_id)

@@ -262,7 +262,7 @@ class StageEngineCore:
 
     def _submit(self, req: StageGenerateRequest) -> asyncio.Future | None:
         try:
-            return self.engine.submit(req.request_id, req.prompt, req.sampling_params)
+            return self.engine.submit(req.request_id, req.prompt, req.sampling_params, req.deadline)
         except Exception as exc:  # noqa: BLE001 - as if raised by generate(): its future fails
             future = asyncio.get_running_loop().create_future()
             future.set_exception(exc)
@@ -302,7 +302,8 @@ class StageEngineCore:
         send = self._send_output
         finished = False
         try:
-            async for output in self.engine.generate(req.request_id, req.prompt, req.sampling_params):
+            async for output in self.engine.generate(req.request_id, req.prompt, req.sampling_params,
+                                                     req.deadline):
                 send(output)
                 finished = output.finished
             if not finished and self._is_aborting(req.request_id):

@@ -58,6 +58,10 @@ class StageGenerateRequest(msgspec.Struct, array_like=True, omit_defaults=True, 
     # llm stage hands them to vLLM, whose own request span then joins the trace). The stage
     # answers with a StageTiming beside the final output (StageOutputs.timings).
     trace: dict[str, str] | None = None
+    # When the request's output is needed (wall-clock seconds, ``time.time()``): a piece of speech
+    # is due when its listener's buffer runs dry. Stages serve earliest deadline first; None is
+    # "no hurry" (``deadlines.NO_DEADLINE_SLACK_S`` after arrival).
+    deadline: float | None = None
 
 
 class StageAbortRequest(msgspec.Struct, array_like=True, gc=False):

@@ -146,13 +146,15 @@ async def chat_engine_input(client: Any, connection: HTTPConnection,
 
 
 # ------------------------------------------------------------ speech out
-async def speak(client: Any, sid: int, text: str, params: dict[str, Any], request_id: str) -> tuple[np.ndarray, int]:
+async def speak(client: Any, sid: int, text: str, params: dict[str, Any], request_id: str,
+                deadline: float | None = None) -> tuple[np.ndarray, int]:
     """``text`` spoken by the speech stage (with the stages before it that take text, e.g. a
-    phonemizer, but not the LLM): the whole waveform and its sample rate."""
+    phonemizer, but not the LLM): the whole waveform and its sample rate. ``deadline``: when its
+    listener needs it (``time.time()`` seconds; default now)."""
     chunks, rate = [], DEFAULT_SAMPLE_RATE
     entry = client.text_entry_stage(sid)
     async for out in client.generate(text, stage_params(client, sid, params), request_id, entry_stage_id=entry,
-                                     final_stage_id=sid):
+                                     final_stage_id=sid, deadline=deadline):
         mm = out.multimodal_output
         if mm and mm.get("audio") is not None:
             chunks.append(np.asarray(mm["audio"], dtype=np.float32).copy())

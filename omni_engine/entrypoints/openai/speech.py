@@ -3,8 +3,17 @@
 The pipeline's audio stage runs *alone* (with the stages before it that take text, such as a
 phonemizer; the LLM does not run): the input text goes straight to it. ``response_format`` mp3
 (OpenAI's default), opus, aac, flac (encoded by FFmpeg through PyAV), wav or pcm (raw 16-bit
-little-endian mono PCM at the stage's sample rate). ``stream_format`` ``audio`` streams the encoded
-audio sentence by sentence; ``sse`` sends it as ``speech.audio.delta`` events.
+little-endian mono PCM at the stage's sample rate, named in ``X-Sample-Rate``).
+
+The answer streams as it is spoken, as OpenAI's does (chunked transfer): the passage is cut into
+pieces (its first clause or first words, then whole sentences), all submitted at once, each with
+the moment its listener will need it (``deadlines``: the first now, each later one when the audio
+before it has played at 1x), and each piece's audio is encoded and sent as soon as it and the
+pieces before it exist. A client that reads the whole body gets the same file, byte for byte, but
+for the sizes a muxer rewrites at the end of a file it can seek in (WAV's, FLAC's). An error
+before the first audio is an OpenAI-shaped JSON error; after it, the stream is cut short.
+``stream_format`` ``sse`` sends the same audio as ``speech.audio.delta`` events; ``audio``
+(OpenAI's default) is the raw stream.
 """
 
 from __future__ import annotations
@@ -12,6 +21,8 @@ from __future__ import annotations
 import asyncio
 import base64
 import json
+import logging
+import time
 import uuid
 from collections.abc import AsyncGenerator
 from typing import Any
@@ -23,14 +34,8 @@ from pydantic import BaseModel, ConfigDict
 from vllm.entrypoints.serve.utils.api_utils import validate_json_request
 from vllm.exceptions import VLLMValidationError
 
-from omni_engine.audio import (
-    SPEECH_FORMATS,
-    AudioFormatError,
-    AudioStreamEncoder,
-    check_format,
-    encode_audio,
-    media_type,
-)
+from omni_engine.audio import SPEECH_FORMATS, AudioFormatError, AudioStreamEncoder, check_format, media_type
+from omni_engine.deadlines import estimate_speech_seconds
 from omni_engine.entrypoints.openai.served_pipeline import (
     audio_stage_id,
     check_model,
@@ -40,8 +45,9 @@ from omni_engine.entrypoints.openai.served_pipeline import (
     speech_dict,
     speech_params,
 )
-from omni_engine.pipeline.input_processors import split_sentences
+from omni_engine.pipeline.input_processors import split_for_speech
 
+logger = logging.getLogger(__name__)
 router = APIRouter()
 
 
@@ -70,8 +76,8 @@ class SpeechRequest(BaseModel):
     response_format: str = "mp3"  # OpenAI's default
     speed: float = 1.0
     instructions: str | None = None  # accepted, ignored (eSpeak has no style prompts)
-    # "audio": the encoded audio streams out sentence by sentence; "sse": as
-    # speech.audio.delta events. Not given: one response once all is spoken.
+    # "audio" (or not given): the encoded audio streams as it is spoken; "sse": as
+    # speech.audio.delta events.
     stream_format: str | None = None
 
 
@@ -100,28 +106,34 @@ async def create_speech(request: SpeechRequest, raw_request: Request) -> Respons
     except ValueError as exc:
         return error_response(str(exc), param="speed" if "speed" in str(exc) else "voice")
     request_id = f"speech-{uuid.uuid4().hex}"
-    if request.stream_format is not None:
-        sentences = _speak_sentences(client, sid, split_sentences(request.input), speech_dict(params), request_id)
-        if request.stream_format == "sse":
-            return StreamingResponse(_speech_events(sentences, request.response_format, len(request.input)),
-                                     media_type="text/event-stream")
-        return StreamingResponse(_speech_bytes(sentences, request.response_format),
-                                 media_type=media_type(request.response_format))
+    pieces = split_for_speech(request.input)
+    spoken = speak_pieces(client, sid, pieces, speech_dict(params), request_id)
     try:
-        audio, rate = await speak(client, sid, request.input, speech_dict(params), request_id)
+        first = await anext(spoken)  # a failure before any audio is still a proper error response
     except (VLLMValidationError, ValueError) as exc:
+        await spoken.aclose()
         return error_response(str(exc), param="voice" if "voice" in str(exc) else None)
-    data = await asyncio.to_thread(encode_audio, audio, rate, request.response_format)
-    headers = {"X-Sample-Rate": str(rate)} if request.response_format == "pcm" else None
-    return Response(data, media_type=media_type(request.response_format), headers=headers)
+    except BaseException:
+        await spoken.aclose()
+        raise
+    body = _speech_bytes(first, spoken, request.response_format, request_id)
+    if request.stream_format == "sse":
+        return StreamingResponse(_speech_events(body, len(request.input)), media_type="text/event-stream")
+    headers = {"X-Sample-Rate": str(first[1])} if request.response_format == "pcm" else None
+    return StreamingResponse(body, media_type=media_type(request.response_format), headers=headers)
 
 
-async def _speak_sentences(client: Any, sid: int, sentences: list[str], params: dict[str, Any],
-                           request_id: str) -> AsyncGenerator[tuple[np.ndarray, int], None]:
-    """Each sentence's audio in order, as soon as it is spoken; all are submitted at once
-    (the speech stage batches them). Leaving early aborts the ones not yet done."""
-    tasks = [asyncio.ensure_future(speak(client, sid, text, params, f"{request_id}-{i}"))
-             for i, text in enumerate(sentences)]
+async def speak_pieces(client: Any, sid: int, pieces: list[str], params: dict[str, Any],
+                       request_id: str) -> AsyncGenerator[tuple[np.ndarray, int], None]:
+    """Each piece's audio in order, as soon as it is spoken. All are submitted at once, piece k due
+    when pieces 0..k-1 (their length estimated from their text) have played from now: the speech
+    stage serves every listener's most urgent piece first. Leaving early aborts the ones not done."""
+    now, due = time.time(), []
+    for text in pieces:
+        due.append(now)
+        now += estimate_speech_seconds(text, float(params.get("speed", 1.0)))
+    tasks = [asyncio.ensure_future(speak(client, sid, text, params, f"{request_id}-{i}", deadline=deadline))
+             for i, (text, deadline) in enumerate(zip(pieces, due))]
     try:
         for task in tasks:
             yield await task
@@ -131,24 +143,34 @@ async def _speak_sentences(client: Any, sid: int, sentences: list[str], params: 
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
-async def _speech_bytes(sentences: AsyncGenerator, fmt: str) -> AsyncGenerator[bytes, None]:
-    """``stream_format: audio``: one continuous stream of ``fmt``, sent a sentence at a time."""
-    encoder = None
+async def _speech_bytes(first: tuple[np.ndarray, int], rest: AsyncGenerator, fmt: str,
+                        request_id: str) -> AsyncGenerator[bytes, None]:
+    """One continuous stream of ``fmt``, sent a piece at a time from ``first`` on."""
+    audio, rate = first
+    encoder = AudioStreamEncoder(fmt, rate)
     try:
-        async for audio, rate in sentences:
-            encoder = encoder or AudioStreamEncoder(fmt, rate)
+        if data := encoder.feed(audio):
+            yield data
+        async for audio, _ in rest:
             if data := encoder.feed(audio):
                 yield data
-        if encoder is not None and (data := encoder.close()):
+        if data := encoder.close():
             yield data
+    except Exception:
+        logger.exception("speech %s failed after its first audio was sent; the stream ends short", request_id)
+        raise
     finally:
-        await sentences.aclose()
+        await rest.aclose()
 
 
-async def _speech_events(sentences: AsyncGenerator, fmt: str, input_chars: int) -> AsyncGenerator[str, None]:
+async def _speech_events(body: AsyncGenerator[bytes, None], input_chars: int) -> AsyncGenerator[str, None]:
     """``stream_format: sse``: ``speech.audio.delta`` events (base64 audio), then ``speech.audio.done``."""
-    async for data in _speech_bytes(sentences, fmt):
-        yield "data: " + json.dumps({"type": "speech.audio.delta", "audio": base64.b64encode(data).decode()}) + "\n\n"
+    try:
+        async for data in body:
+            yield "data: " + json.dumps({"type": "speech.audio.delta",
+                                         "audio": base64.b64encode(data).decode()}) + "\n\n"
+    finally:
+        await body.aclose()
     # eSpeak has no tokens: usage counts the input's characters, as OpenAI counts tokens.
     usage = {"input_tokens": input_chars, "output_tokens": 0, "total_tokens": input_chars}
     yield "data: " + json.dumps({"type": "speech.audio.done", "usage": usage}) + "\n\n"

@@ -31,9 +31,10 @@ async def speech_stream(websocket: WebSocket) -> None:
     client = engine_client(websocket)
     sid = audio_stage_id(client)
 
-    async def speak_sentence(text: str, voice: str, speed: float, request_id: str) -> tuple[np.ndarray, int]:
+    async def speak_sentence(text: str, voice: str, speed: float, request_id: str,
+                             deadline: float) -> tuple[np.ndarray, int]:
         params = speech_params(client, sid, voice, speed)  # checked when set; cheap to redo
-        return await speak(client, sid, text, speech_dict(params), request_id)
+        return await speak(client, sid, text, speech_dict(params), request_id, deadline)
 
     def check_voice(voice: str, speed: float) -> Any:
         return speech_params(client, sid, voice, speed)

@@ -1,0 +1,100 @@
+"""Playback deadlines: when a piece of output is needed, and serving the earliest first.
+
+A listener hears speech at 1x from its first chunk on, so each later piece of audio is needed
+when the audio before it has played out; the first is needed now. A request carries that moment
+(``deadline``, wall-clock ``time.time()`` seconds, the one clock every process of a host shares)
+to every stage that works for it, and a stage with a queue serves the earliest deadline first
+(EDF) instead of first come, first served: a listener whose buffer is about to run dry goes
+before a sentence whose listener has ten seconds of audio queued, and a new session's first words
+go before everyone's later sentences. A request without a deadline is due ``NO_DEADLINE_SLACK_S``
+after it arrived, so batch work still moves under a steady stream of speech. Nothing is dropped:
+a piece whose deadline has passed is still made, and counted (``DeadlineStats``).
+
+No vLLM here: generation stages import this module.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import time
+from collections import deque
+from collections.abc import Iterator
+from typing import Any, Generic, TypeVar
+
+# A request without a deadline is due this long after it arrived: it yields to speech needed
+# sooner, and overtakes speech needed later.
+NO_DEADLINE_SLACK_S = 2.0
+
+# Spoken English at speed 1.0, characters of text per second of speech (punctuation and spaces
+# included). Measured here on bench_speech_load.py's 4-sentence passage (315 characters): Piper's
+# joe voice 19.8 (15.9 s), eSpeak NG 21.1 (14.9 s); the lower one errs towards earlier deadlines.
+# It only orders pieces before their audio exists.
+CHARS_PER_SECOND = 19.8
+
+T = TypeVar("T")
+
+
+def effective_deadline(deadline: float | None, arrival: float | None = None) -> float:
+    """``deadline``, or ``arrival`` (default: now) plus the slack of a request without one."""
+    if deadline is not None:
+        return deadline
+    return (arrival if arrival is not None else time.time()) + NO_DEADLINE_SLACK_S
+
+
+def estimate_speech_seconds(text: str, speed: float = 1.0) -> float:
+    """Roughly how long ``text`` takes to say at ``speed`` (before it is synthesized)."""
+    return len(text.strip()) / CHARS_PER_SECOND / (speed if speed > 0 else 1.0)
+
+
+class EdfQueue(Generic[T]):
+    """Items by deadline, earliest first; equal deadlines keep their arrival order."""
+
+    def __init__(self) -> None:
+        self._heap: list[tuple[float, int, T]] = []
+        self._order = itertools.count()
+
+    def push(self, item: T, deadline: float) -> None:
+        heapq.heappush(self._heap, (deadline, next(self._order), item))
+
+    def pop(self) -> tuple[T, float]:
+        """The earliest item and its deadline (IndexError when empty)."""
+        deadline, _, item = heapq.heappop(self._heap)
+        return item, deadline
+
+    def __len__(self) -> int:
+        return len(self._heap)
+
+    def __bool__(self) -> bool:
+        return bool(self._heap)
+
+    def __iter__(self) -> Iterator[T]:
+        return (item for _, _, item in self._heap)
+
+
+class DeadlineStats:
+    """What a stage served and how late: for tests (the order) and operators (late pieces)."""
+
+    RECENT = 256
+
+    def __init__(self) -> None:
+        self.served = 0
+        self.late = 0
+        self.max_lateness_s = 0.0
+        # (request id, deadline) in the order their work began, the last RECENT of them.
+        self.recent: deque[tuple[str, float]] = deque(maxlen=self.RECENT)
+
+    def started(self, request_id: str, deadline: float) -> None:
+        self.recent.append((request_id, deadline))
+
+    def finished(self, deadline: float, now: float | None = None) -> None:
+        """A piece is done: late if its output exists only after its deadline."""
+        now = time.time() if now is None else now
+        self.served += 1
+        if now > deadline:
+            self.late += 1
+            self.max_lateness_s = max(self.max_lateness_s, now - deadline)
+
+    def snapshot(self) -> dict[str, Any]:
+        return {"served": self.served, "late": self.late, "max_lateness_s": round(self.max_lateness_s, 4),
+                "recent": [list(entry) for entry in self.recent]}
