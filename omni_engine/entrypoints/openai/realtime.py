@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 from collections.abc import AsyncGenerator
 from typing import Any
 
@@ -117,8 +118,9 @@ class PipelineRealtimeEngine:
 
     async def transcribe(self, audio: np.ndarray, *, language: str | None, prompt: str | None,
                          request_id: str) -> str:
+        # A live turn: its listener waits for the answer now (before any batch transcription).
         text, _details = await transcript_text(self.client, self.stt_stage, audio, language=language,
-                                               hint=prompt or "", request_id=request_id)
+                                               hint=prompt or "", request_id=request_id, deadline=time.time())
         return text
 
     async def _engine_input(self, messages: list[dict[str, Any]], max_tokens: int | None,

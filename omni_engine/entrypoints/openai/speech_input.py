@@ -51,14 +51,16 @@ async def decoded_audio(data: bytes, where: str, param: str) -> Any:
 
 async def transcribe(client: Any, sid: int, audio: Any, *, language: str | None = None, task: str = "transcribe",
                      hint: str = "", temperature: float = 0.0, stream: bool = False,
-                     request_id: str | None = None) -> AsyncGenerator[Any, None]:
-    """The speech-to-text stage's outputs for ``audio`` (16 kHz mono samples), deltas if ``stream``."""
+                     request_id: str | None = None, deadline: float | None = None) -> AsyncGenerator[Any, None]:
+    """The speech-to-text stage's outputs for ``audio`` (16 kHz mono samples), deltas if ``stream``.
+    ``deadline``: a live turn's is now (it goes before batch transcriptions, which have none)."""
     params = SamplingParams(temperature=temperature, max_tokens=MAX_TOKENS_PER_WINDOW,
                             output_kind=RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY)
     prompt = {"prompt": hint, "multi_modal_data": {"audio": audio},
               "mm_processor_kwargs": {"language": language, "task": task}}
     rid = request_id or f"trsc-{uuid.uuid4().hex}"
-    async for out in client.generate(prompt, {sid: params}, rid, entry_stage_id=sid, final_stage_id=sid):
+    async for out in client.generate(prompt, {sid: params}, rid, entry_stage_id=sid, final_stage_id=sid,
+                                     deadline=deadline):
         yield out
 
 
