@@ -16,7 +16,7 @@ import pytest
 
 from omni_engine.pipeline.input_processors import split_sentences
 from tests.otlp_receiver import OtlpReceiver
-from tests.serve_helpers import auth_headers, openai_client, running_server
+from tests.serve_helpers import assert_nothing_in_flight, auth_headers, openai_client, running_server
 
 pytestmark = [pytest.mark.llm, pytest.mark.tts]
 
@@ -299,6 +299,22 @@ def test_speech_streams_as_it_is_spoken_in_every_format(server, fmt):
         return float(np.corrcoef(got[:n], want[:n])[0, 1])
 
     assert max(likeness(shift) for shift in range(0, rate // 10, rate // 400)) > 0.95
+
+
+def test_a_listener_that_hangs_up_mid_speech_leaves_nothing_in_flight(server):
+    """Closing the connection after the first audio aborts every piece not yet spoken, on every stage."""
+    import httpx
+
+    url, headers = f"{server['url']}/v1/audio/speech", auth_headers(server)
+    long_passage = " ".join([PASSAGE] * 6)  # 24 pieces: most are still queued when the listener leaves
+    with httpx.stream("POST", url, json={"model": MODEL, "input": long_passage, "voice": "en",
+                                         "response_format": "pcm"}, headers=headers, timeout=60) as response:
+        first = next(response.iter_bytes())
+    assert len(first) > 1000
+    assert_nothing_in_flight(server)
+    again = httpx.post(url, json={"model": MODEL, "input": "Still here.", "voice": "en", "response_format": "wav"},
+                       headers=headers, timeout=60)
+    assert again.status_code == 200 and len(read_wav(again.content)[0]) > 5000
 
 
 def test_speech_streams_as_sse_events(client):
