@@ -191,3 +191,13 @@ def call_quietly(fn: Callable[[], Any], what: str) -> None:
         fn()
     except Exception:  # noqa: BLE001 - cleanup keeps going
         logger.exception("error while %s", what)
+
+
+def pinned_cores() -> int | None:
+    """How many CPU cores this process is pinned to (``runtime.cpus``), or None when it may run on
+    all of the machine's."""
+    try:
+        allowed = len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return None
+    return allowed if allowed < (os.cpu_count() or allowed) else None

@@ -518,6 +518,29 @@ def test_bad_devices(tmp_path: Path, devices, problem) -> None:
     one_error(tmp_path, data, "stage 1", "stage_args[1].runtime.devices", problem)
 
 
+@pytest.mark.parametrize("cpus, problem", [
+    ("3-1", "'3-1' is not a CPU core or a range of cores"),
+    ([0, 0], "core 0 is listed twice"),
+    ("0,x", "'x' is not a CPU core"),
+    ([-1], "-1 is not a CPU core"),
+])
+def test_bad_cpus(tmp_path: Path, cpus, problem) -> None:
+    data = base()
+    data["stage_args"][1]["runtime"]["cpus"] = cpus
+    one_error(tmp_path, data, "stage 1", "stage_args[1].runtime.cpus", problem)
+
+
+def test_cpus_are_shared_out_over_replicas_and_refused_in_process(tmp_path: Path) -> None:
+    data = base()
+    data["stage_args"][1]["runtime"].update(cpus="0-2", num_replicas=2)
+    one_error(tmp_path, data, "stage 1", "stage_args[1].runtime.cpus", "3 core(s) cannot be shared out equally")
+    data["stage_args"][1]["runtime"].update(cpus="0-3")
+    stage = load_pipeline_config(write(tmp_path, yaml.safe_dump(data, sort_keys=False))).stage(1)
+    assert [stage.runtime.replica_cpus(r) for r in (0, 1)] == [(0, 1), (2, 3)]
+    data["stage_args"][1]["runtime"] = {"process": False, "cpus": 1}
+    one_error(tmp_path, data, "stage 1", "cpus (a thread runs where its process does)")
+
+
 def test_omni_engine_settings_in_stage_env_are_refused(tmp_path: Path) -> None:
     data = base()
     data["stage_args"][1]["env"] = {"OMNI_ENGINE_SHM_THRESHOLD": "4096"}

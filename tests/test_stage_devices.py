@@ -8,6 +8,7 @@ cannot provide; the stage processes, sockets and environments are real.
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -104,3 +105,33 @@ def test_a_stage_process_sets_its_environment_before_importing_vllm():
             "print(spec.process_environment(), sorted(m for m in ('vllm', 'torch', 'numpy') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "{'X': '1'} []"
+
+
+def cpus_pipeline(cpus: dict[int, object], name: str = "OMP_NUM_THREADS") -> object:
+    """Two entry stages that answer with their own ``name`` variable, each on ``cpus[sid]``."""
+    stages = [{"stage_id": sid, "stage_type": "generation", "final_output": True, "final_output_type": "tensor",
+               "engine_args": {"model_factory": "tests.models:make_env_probe", "name": name},
+               "runtime": {"cpus": cpus[sid]}} for sid in (0, 1)]
+    return parse_pipeline_config({"stage_args": stages}, "<cpus>")
+
+
+@ASYNC
+@pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="needs two CPU cores")
+async def test_runtime_cpus_pins_each_stage_process_and_sizes_its_threads():
+    """Each stage runs on its own cores, as does what it starts, with one OpenMP thread per core."""
+    import psutil
+
+    async with await MultiStageEngineClient.from_config(cpus_pipeline({0: "0", 1: [1]})) as client:
+        outputs = [o async for o in client.generate({}, None, "cpus")]
+        assert {o.stage_id: o.multimodal_output["env"] for o in outputs if o.multimodal_output} == {0: "1", 1: "1"}
+        assert psutil.Process(stage_pid(client, 0)).cpu_affinity() == [0]
+        assert psutil.Process(stage_pid(client, 1)).cpu_affinity() == [1]
+
+
+@ASYNC
+async def test_a_core_the_machine_lacks_fails_the_stage_naming_it():
+    from omni_engine.errors import StageStartupError
+
+    missing = (os.cpu_count() or 1) + 7
+    with pytest.raises(StageStartupError, match=rf"stage 1: runtime.cpus \[{missing}\]: cannot run on those cores"):
+        await MultiStageEngineClient.from_config(cpus_pipeline({0: "0", 1: missing}))

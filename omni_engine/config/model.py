@@ -185,6 +185,10 @@ class StageRuntimeConfig(_Base):
     # Accelerator ids for the stage ("0,1", 0 or [0, 1]), given to its process
     # through the platform's device-control variable (README "Devices").
     devices: str | int | list[int | str] | None = None
+    # CPU cores for the stage's process ("0", "2-3", "0,2" or [0, 2]): it runs on them alone
+    # (sched_setaffinity, before anything starts its threads) and its intra-op threads follow
+    # (OMP_NUM_THREADS, a Piper voice's threads). Shared out over num_replicas like devices.
+    cpus: str | int | list[int] | None = None
     # Requests the stage runs together: a generation stage's batch (default 1);
     # an llm stage's max_num_seqs (default: vLLM's).
     max_batch_size: Annotated[int, msgspec.Meta(ge=1)] | None = None
@@ -223,6 +227,14 @@ class StageRuntimeConfig(_Base):
         if self.devices is None:
             return None
         return tuple(str(part).strip() for part in device_parts(self.devices))
+
+    def replica_cpus(self, replica: int) -> tuple[int, ...] | None:
+        """The CPU cores of one replica: ``cpus`` shared out in equal consecutive parts."""
+        if self.cpus is None:
+            return None
+        cores = cpu_list(self.cpus)
+        per = len(cores) // self.num_replicas
+        return cores[replica * per:(replica + 1) * per]
 
     def replica_device_ids(self, replica: int) -> tuple[str, ...] | None:
         """The devices of one replica: ``devices`` shared out in equal consecutive parts."""
@@ -327,6 +339,33 @@ class PipelineConfig(_Base):
                   for s in self.stage_args]
         return self.replace(stage_args=stages,
                             runtime=msgspec.structs.replace(self.runtime, otlp_traces_endpoint=endpoint))
+
+
+def cpu_list(cpus: str | int | list[int]) -> tuple[int, ...]:
+    """``runtime.cpus`` as written ("0", "2-3", "0,2-3", 1 or [0, 2]) as core numbers; ValueError
+    naming the part that is not a core or a range of cores."""
+    if isinstance(cpus, bool):
+        raise ValueError(f"{cpus!r} is not a CPU core")
+    if isinstance(cpus, int):
+        parts: list[int | str] = [cpus]
+    elif isinstance(cpus, list):
+        parts = list(cpus)
+    else:
+        parts = [p.strip() for p in cpus.split(",")]
+    cores: list[int] = []
+    for part in parts:
+        if isinstance(part, int) and not isinstance(part, bool) and part >= 0:
+            cores.append(part)
+            continue
+        first, dash, last = str(part).partition("-")
+        if not first.isdigit() or (dash and not last.isdigit()) or (dash and int(last) < int(first)):
+            raise ValueError(f"{part!r} is not a CPU core or a range of cores (e.g. 0, \"2-3\")")
+        cores.extend(range(int(first), int(last) + 1) if dash else [int(first)])
+    if not cores:
+        raise ValueError("no CPU core listed")
+    if len(set(cores)) != len(cores):
+        raise ValueError(f"core {next(c for c in cores if cores.count(c) > 1)} is listed twice")
+    return tuple(cores)
 
 
 def device_parts(devices: str | int | list[int | str]) -> list[int | str]:

@@ -20,6 +20,7 @@ from omni_engine.config.model import (
     STAGE_IO,
     StageConfig,
     StageRuntimeConfig,
+    cpu_list,
     device_parts,
 )
 from omni_engine.logits.check import check_logits_processors
@@ -78,6 +79,15 @@ def _check_runtime(stage: StageConfig, path: str, report: Report, transports: tu
     _check_io(runtime, f"{path}.runtime.io", report)
     if runtime.devices is not None:
         _check_devices(runtime.devices, f"{path}.runtime.devices", report)
+    if runtime.cpus is not None:
+        try:
+            cores = cpu_list(runtime.cpus)
+        except ValueError as exc:
+            report(f"{path}.runtime.cpus", str(exc))
+        else:
+            if len(cores) % runtime.num_replicas:
+                report(f"{path}.runtime.cpus", f"{len(cores)} core(s) cannot be shared out equally over "
+                                               f"num_replicas: {runtime.num_replicas}")
     _check_replicas(stage, f"{path}.runtime", report)
     batch, max_num_seqs = runtime.max_batch_size, stage.engine_args.get("max_num_seqs")
     if stage.stage_type == "llm" and batch is not None and max_num_seqs is not None and batch != max_num_seqs:
@@ -145,6 +155,8 @@ def _check_in_process(stage: StageConfig, field_path: str, report: Report) -> No
         refused.append(f"restart: {runtime.restart} (a thread cannot be killed and started again)")
     if runtime.devices is not None:
         refused.append("devices (they are given to a process through its environment)")
+    if runtime.cpus is not None:
+        refused.append("cpus (a thread runs where its process does)")
     if stage.env:
         refused.append("env (a thread shares the client's environment)")
     if runtime.transport != "ipc" or runtime.host is not None:

@@ -33,6 +33,7 @@ import numpy as np
 
 from omni_engine.engines.generation_model import GenerationRequest, ThreadedGenerationModel
 from omni_engine.engines.tts import OPENAI_VOICES
+from omni_engine.utils import pinned_cores
 from omni_engine.inputs import prompt_text
 from omni_engine.stage_output import SPOKEN_TEXT
 from omni_engine.params import SpeechParams, speech_params
@@ -138,13 +139,15 @@ class PiperVoice(ThreadedGenerationModel):
 
     output_type = "audio"
 
-    def __init__(self, *, model: str, threads: int = 1, providers: list[str] | None = None,
+    def __init__(self, *, model: str, threads: int | None = None, providers: list[str] | None = None,
                  default_voice: str | None = None, noise_scale: float | None = None,
                  length_scale: float | None = None, noise_w: float | None = None) -> None:
         try:
             import onnxruntime
         except ImportError as exc:
             raise ImportError("the Piper voice needs onnxruntime (pip install 'omni_engine[piper]')") from exc
+        if threads is None:  # as many as the stage's own cores (runtime.cpus), else one
+            threads = pinned_cores() or 1
         if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
             raise ValueError(f"engine_args.threads must be an integer >= 1, got {threads!r}")
         voice = PiperVoiceConfig.load(model)
@@ -157,8 +160,8 @@ class PiperVoice(ThreadedGenerationModel):
             raise ValueError("engine_args.length_scale must be > 0 (it scales every phoneme's duration)")
         self.voice = replace(voice, **{k: float(v) for k, v in scales.items() if v is not None})
         options = onnxruntime.SessionOptions()
-        # One thread by default: the LLM stage beside it wants the cores, and
-        # oversubscribed intra-op threads slow both down.
+        # One thread by default (unpinned): the LLM stage beside it wants the cores, and
+        # oversubscribed intra-op threads slow both down. Pinned, the stage's cores are its own.
         options.intra_op_num_threads = threads
         options.inter_op_num_threads = 1
         # Threads that spin between runs would take those cores from the LLM the rest of the time.

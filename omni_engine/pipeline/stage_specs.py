@@ -114,6 +114,7 @@ def stage_process_spec(stage: StageConfig, connectors: ConnectorSettings, device
         max_batch_size=stage.runtime.max_batch_size,
         connectors=connectors,
         devices=devices,
+        cpus=stage.runtime.replica_cpus(replica),
         env=dict(stage.env),
         io=stage.runtime.io or "loop",
         warm_engine_core=envs.warm_engine_core(),

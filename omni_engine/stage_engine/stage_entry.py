@@ -66,8 +66,26 @@ def enter_stage_process(spec: StageProcessSpec) -> None:
     # After the redirect: what the tracker says of semaphores a killed stage left goes to its log.
     start_resource_tracker_apart()
     os.environ.update(spec.process_environment())
+    pin_to_cpus(spec)
     logging.basicConfig(level=spec.log_level,
                         format=f"%(asctime)s stage{spec.stage_id} %(levelname)s %(name)s: %(message)s")
+
+
+def pin_to_cpus(spec: StageProcessSpec) -> None:
+    """Run the process (and all it starts later: vLLM's EngineCore, its threads) on ``spec.cpus``,
+    with as many intra-op threads as cores unless the stage's environment says otherwise.
+
+    First thing, before any library starts a thread pool: OpenMP and onnxruntime size theirs once.
+    Engines that size their own pool (a Piper voice) read their cores back (``utils.pinned_cores``).
+    """
+    if spec.cpus is None:
+        return
+    try:
+        os.sched_setaffinity(0, spec.cpus)
+    except OSError as exc:
+        raise SystemExit(f"stage {spec.stage_id}: runtime.cpus {list(spec.cpus)}: cannot run on those cores "
+                         f"({exc.strerror}; this machine's cores are {sorted(os.sched_getaffinity(0))})") from None
+    os.environ.setdefault("OMP_NUM_THREADS", str(len(spec.cpus)))
 
 
 def stage_process_name(spec: StageProcessSpec) -> str:
@@ -111,6 +129,7 @@ def wait_until_taken(spec: StageProcessSpec, pipe: BinaryIO) -> StageProcessSpec
         return None
     # The replica's own settings (its devices above all), before its engine touches a device.
     os.environ.update(taken.process_environment())
+    pin_to_cpus(taken)
     set_process_name(stage_process_name(taken))
     logger.info("warm spare taken: serving stage %s", taken.stage_id)
     return taken

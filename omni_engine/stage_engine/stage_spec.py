@@ -53,6 +53,8 @@ class StageProcessSpec(msgspec.Struct):
     max_batch_size: int | None = None
     connectors: ConnectorSettings = DEFAULT_CONNECTORS
     devices: DeviceAssignment | None = None
+    # CPU cores the process runs on (runtime.cpus, this replica's share); None: wherever the OS likes.
+    cpus: tuple[int, ...] | None = None
     # Extra environment for the stage (e.g. VLLM_CPU_KVCACHE_SPACE); applied first thing.
     env: dict[str, str] = msgspec.field(default_factory=dict)
     log_level: str = "INFO"
