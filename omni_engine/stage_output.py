@@ -132,3 +132,13 @@ def aborted_stage_output(request_id: str, stage_id: int, final_output_type: str 
     own abort output without partial text (``finished``, one empty completion, ``finish_reason="abort"``)."""
     return StageRequestOutput(request_id, outputs=[StageCompletionOutput(0, "", [], finish_reason="abort")],
                               finished=True, stage_id=stage_id, final_output_type=final_output_type)
+
+
+def audio_seconds(output: Any) -> float:
+    """Seconds of audio in an output's ``multimodal_output`` (0 without audio): what a listener
+    hears of it (the playback clock) and what a stage span reports (traces)."""
+    media = getattr(output, "multimodal_output", None)
+    audio = media.get("audio") if media else None
+    rate = media.get("sample_rate") if audio is not None else None
+    shape = getattr(audio, "shape", None)
+    return shape[-1] / float(rate) if rate and shape else 0.0

@@ -30,12 +30,13 @@ from omni_engine.metrics import OrchestratorMetrics, PipelineObserver
 from omni_engine.outputs import OmniRequestOutput
 from omni_engine.params import parse_output_kind
 from omni_engine.pipeline.input_processors import StageInput
-from omni_engine.pipeline.playback_clock import PlaybackClock, audio_seconds, speed_of
+from omni_engine.pipeline.playback_clock import PlaybackClock, speed_of
 from omni_engine.pipeline.request_endings import ABORT_WAIT_S, RequestAbortedError, RequestEndings
 from omni_engine.pipeline.request_events import RequestEventRecorder
 from omni_engine.pipeline.request_state import ClientRequestState, StageTrack, new_text_of
 from omni_engine.pipeline.stage_context import StageContext
 from omni_engine.pipeline.stage_graph import EXECUTION_MODES, RequestPlan, StageGraph
+from omni_engine.stage_output import audio_seconds
 
 if TYPE_CHECKING:
     from omni_engine.tracing.request_trace import PipelineTracer

@@ -55,19 +55,6 @@ class PlaybackClock:
         return base + sum(seconds.get(j, 0.0) for j in range(k))
 
 
-def audio_seconds(output: Any) -> float:
-    """Seconds of audio in a stage output (0 without audio)."""
-    mm = getattr(output, "multimodal_output", None)
-    if not mm:
-        return 0.0
-    audio, rate = mm.get("audio"), mm.get("sample_rate")
-    if audio is None or not rate:
-        return 0.0
-    shape = getattr(audio, "shape", None)
-    n = shape[0] if shape else len(audio)
-    return n / float(rate)
-
-
 def speed_of(params: Any) -> float:
     """The speech speed in a speech stage's params (a dict or ``SpeechParams``), 1.0 when unset."""
     speed = params.get("speed") if isinstance(params, dict) else getattr(params, "speed", None)

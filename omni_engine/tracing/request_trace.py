@@ -25,6 +25,7 @@ from typing import Any
 from opentelemetry import trace
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
+from omni_engine.stage_output import audio_seconds
 from omni_engine.tracing.propagation import headers_of, parent_context
 from omni_engine.tracing.stage_timing import StageTiming
 from omni_engine.tracing.turn_trace import TurnTrace
@@ -120,12 +121,7 @@ class RequestTrace:
         if output.outputs:
             n = len(output.outputs[0].token_ids or ())
             stage.tokens[sub_id] = stage.tokens.get(sub_id, 0) + n if delta else n
-        media = getattr(output, "multimodal_output", None)
-        audio = media.get("audio") if media else None
-        rate = media.get("sample_rate") if audio is not None else None
-        shape = getattr(audio, "shape", None)
-        if rate and shape:
-            stage.audio_s += shape[-1] / float(rate)
+        stage.audio_s += audio_seconds(output)
         timing = getattr(output, "stage_timing", None) if output.finished else None
         if timing is not None:
             stage.timings.append(timing)

@@ -35,7 +35,6 @@ from vllm.entrypoints.serve.utils.api_utils import validate_json_request
 from vllm.exceptions import VLLMValidationError
 
 from omni_engine.audio import SPEECH_FORMATS, AudioFormatError, AudioStreamEncoder, check_format, media_type
-from omni_engine.deadlines import estimate_speech_seconds
 from omni_engine.entrypoints.openai.served_pipeline import (
     audio_stage_id,
     check_model,
@@ -46,6 +45,7 @@ from omni_engine.entrypoints.openai.served_pipeline import (
     speech_params,
 )
 from omni_engine.pipeline.input_processors import split_for_speech
+from omni_engine.pipeline.playback_clock import PlaybackClock
 
 logger = logging.getLogger(__name__)
 router = APIRouter()
@@ -128,12 +128,11 @@ async def speak_pieces(client: Any, sid: int, pieces: list[str], params: dict[st
     """Each piece's audio in order, as soon as it is spoken. All are submitted at once, piece k due
     when pieces 0..k-1 (their length estimated from their text) have played from now: the speech
     stage serves every listener's most urgent piece first. Leaving early aborts the ones not done."""
-    now, due = time.time(), []
-    for text in pieces:
-        due.append(now)
-        now += estimate_speech_seconds(text, float(params.get("speed", 1.0)))
-    tasks = [asyncio.ensure_future(speak(client, sid, text, params, f"{request_id}-{i}", deadline=deadline))
-             for i, (text, deadline) in enumerate(zip(pieces, due))]
+    clock = PlaybackClock(time.time(), float(params.get("speed", 1.0)))
+    for k, text in enumerate(pieces):
+        clock.note_input(k, text)
+    tasks = [asyncio.ensure_future(speak(client, sid, text, params, f"{request_id}-{k}", deadline=clock.deadline(k)))
+             for k, text in enumerate(pieces)]
     try:
         for task in tasks:
             yield await task
