@@ -8,6 +8,7 @@ cannot provide; the stage processes, sockets and environments are real.
 
 from __future__ import annotations
 
+import asyncio
 import os
 import subprocess
 import sys
@@ -135,3 +136,48 @@ async def test_a_core_the_machine_lacks_fails_the_stage_naming_it():
     missing = (os.cpu_count() or 1) + 7
     with pytest.raises(StageStartupError, match=rf"stage 1: runtime.cpus \[{missing}\]: cannot run on those cores"):
         await MultiStageEngineClient.from_config(cpus_pipeline({0: "0", 1: missing}))
+
+
+def thread_cores(pid: int) -> list[list[int]]:
+    """The distinct core sets of the threads of process ``pid``."""
+    found = set()
+    for thread_id in os.listdir(f"/proc/{pid}/task"):
+        try:
+            found.add(tuple(sorted(os.sched_getaffinity(int(thread_id)))))
+        except (ProcessLookupError, FileNotFoundError):  # a thread that ended meanwhile
+            pass
+    return [list(cores) for cores in sorted(found)]
+
+
+@ASYNC
+@pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="needs two CPU cores")
+async def test_a_warm_spare_taken_for_a_replica_on_other_cores_moves_all_its_threads_there():
+    """The spare is made from replica 0's spec (core 0) and has a thread of its own before it is
+    taken (``tests/core_probe.py`` starts one at import); taken for replica 1, all of it runs on core 1."""
+    import signal
+
+    from tests.test_stage_restart import wait_healthy
+
+    config = parse_pipeline_config({"stage_args": [{
+        "stage_id": 0, "stage_type": "generation", "final_output": True, "final_output_type": "tensor",
+        "engine_args": {"model_factory": "tests.core_probe:make_core_probe"},
+        "runtime": {"cpus": "0-1", "num_replicas": 2, "restart": "on-failure", "warm_spare": True}}]}, "<spare cpus>")
+    async with await MultiStageEngineClient.from_config(config) as client:
+        stage = client.stage_contexts[0].client
+        assert [thread_cores(r.process.pid) for r in stage.replicas] == [[[0]], [[1]]]
+        async with asyncio.timeout(60):
+            while (spare := client.supervisor.spares.get(0)) is None or not spare.process.log_path.exists() \
+                    or "waiting to be taken" not in spare.process.log_path.read_text():
+                await asyncio.sleep(0.05)
+        spare_pid = spare.process.pid
+        assert thread_cores(spare_pid) == [[0]]
+        killed = stage.replicas[1].process.pid
+        os.kill(killed, signal.SIGKILL)
+        async with asyncio.timeout(60):
+            while stage.replicas[1].process.pid == killed:
+                await asyncio.sleep(0.05)
+        await wait_healthy(client)
+        assert stage.replicas[1].process.pid == spare_pid
+        assert thread_cores(spare_pid) == [[1]]
+        answers = [o async for o in client.generate({}, None, "after-take")]
+        assert answers and answers[-1].multimodal_output["pid"] in {r.process.pid for r in stage.replicas}

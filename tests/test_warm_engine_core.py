@@ -12,6 +12,8 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+
 from omni_engine.engines.warm_engine_core import WarmEngineCoreContext, use_warm_engine_core
 
 
@@ -52,6 +54,39 @@ def test_a_forked_engine_core_runs_with_the_environment_of_its_creation(tmp_path
     # The control: a plain forkserver process has the forkserver's (stale) environment.
     assert read(plain + "SET_LATE") == "<unset>"
     assert read(plain + "GONE_LATE") == "set before the forkserver started"
+
+
+def write_cores(path: str) -> None:
+    """In the child: write the CPU cores it may run on."""
+    with open(path, "w") as f:
+        f.write(",".join(map(str, sorted(os.sched_getaffinity(0)))))
+
+
+_CORES_SCRIPT = textwrap.dedent("""
+    import multiprocessing, multiprocessing.forkserver, os, sys
+    from omni_engine.engines.warm_engine_core import WarmEngineCoreContext
+    from tests.test_warm_engine_core import write_cores
+
+    multiprocessing.forkserver.ensure_running()  # on all cores, as a warm spare's before it is taken
+    os.sched_setaffinity(0, {1})  # the spare taken for a replica on core 1 (stage_entry.pin_to_cpus)
+    for context, path in ((WarmEngineCoreContext(), sys.argv[1]), (multiprocessing.get_context("forkserver"), sys.argv[2])):
+        child = context.Process(target=write_cores, args=(path,))
+        child.start()
+        child.join(60)
+        assert child.exitcode == 0, child.exitcode
+""")
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2 or 1 not in os.sched_getaffinity(0), reason="needs cores 0 and 1")
+def test_a_forked_engine_core_runs_on_the_cores_of_its_creation(tmp_path):
+    """vLLM's EngineCore of a warm spare taken for a replica on other cores runs on the replica's."""
+    warm, plain = str(tmp_path / "warm"), str(tmp_path / "plain")
+    done = subprocess.run([sys.executable, "-c", _CORES_SCRIPT, warm, plain], capture_output=True, text=True,
+                          timeout=120, cwd=os.path.dirname(os.path.dirname(__file__)))
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert open(warm).read() == "1"
+    # The control: a plain forkserver process keeps the forkserver's cores.
+    assert open(plain).read() == ",".join(map(str, sorted(os.sched_getaffinity(0))))
 
 
 def test_without_a_warm_forkserver_vllm_keeps_its_own_process_start():

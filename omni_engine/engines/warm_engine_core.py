@@ -9,11 +9,13 @@ starts its EngineCore the forkserver forks one that has everything imported alre
 
 vLLM picks its process context with ``vllm.v1.engine.utils.get_mp_context``; ``use_warm_engine_core``
 points that name at ``WarmEngineCoreContext`` (vLLM's own function still runs for its side
-effects). Two things a fork does not give and spawn did are restored:
+effects). Three things a fork does not give and spawn did are restored:
 
 * the environment: the forkserver's is the stage's at its start, and vLLM sets variables in the
   stage afterwards (``check_and_update_config``). The process carries the stage's environment of
   the moment it is created and applies it before vLLM's code runs (``EnvCarryingProcess``);
+* the CPU cores (``runtime.cpus``): a forked process inherits the forkserver's, which are a warm
+  spare's from before it was taken to serve a replica on other cores; it takes its creator's;
 * the libraries vLLM's CPU platform preloads in the EngineCore (``LD_PRELOAD``: PyTorch's libgomp,
   tcmalloc where vLLM bundles it, see ``vllm/platforms/cpu.py``): the forkserver is started with
   them, so the forked EngineCore has them loaded as a spawned one would.
@@ -44,11 +46,13 @@ _started = False
 
 
 class EnvCarryingProcess(multiprocessing.context.ForkServerProcess):
-    """A forkserver process that runs with its creator's environment of the moment it was made."""
+    """A forkserver process that runs with its creator's environment and CPU cores of the moment
+    it was made."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.creator_environment = dict(os.environ)
+        self.creator_cpus = os.sched_getaffinity(0)
 
     def run(self) -> None:
         try:
@@ -60,6 +64,8 @@ class EnvCarryingProcess(multiprocessing.context.ForkServerProcess):
             # first use; after the environment changes it finds none and vLLM's "VLLM::EngineCore"
             # title would silently not show. Measured: first use before the change keeps it working.
             setproctitle.getproctitle()
+        if os.sched_getaffinity(0) != self.creator_cpus:  # before vLLM's code starts a thread
+            os.sched_setaffinity(0, self.creator_cpus)
         wanted = self.creator_environment
         for name in [n for n in os.environ if n not in wanted]:
             del os.environ[name]

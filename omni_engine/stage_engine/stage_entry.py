@@ -85,7 +85,15 @@ def pin_to_cpus(spec: StageProcessSpec) -> None:
     except OSError as exc:
         raise SystemExit(f"stage {spec.stage_id}: runtime.cpus {list(spec.cpus)}: cannot run on those cores "
                          f"({exc.strerror}; this machine's cores are {sorted(os.sched_getaffinity(0))})") from None
-    os.environ.setdefault("OMP_NUM_THREADS", str(len(spec.cpus)))
+    # The call moves only this thread; a warm spare taken to serve has threads of its own already
+    # (its imports'), which would stay where the spare ran. A thread that ends meanwhile is gone.
+    for thread_id in os.listdir("/proc/self/task"):
+        try:
+            os.sched_setaffinity(int(thread_id), spec.cpus)
+        except (ProcessLookupError, FileNotFoundError):
+            pass
+    if spec.env.get("OMP_NUM_THREADS") is None:  # a spare taken for a share of another size resizes too
+        os.environ["OMP_NUM_THREADS"] = str(len(spec.cpus))
 
 
 def stage_process_name(spec: StageProcessSpec) -> str:
