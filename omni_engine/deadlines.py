@@ -19,7 +19,6 @@ import heapq
 import itertools
 import time
 from collections import deque
-from collections.abc import Iterator
 from typing import Any, Generic, TypeVar
 
 # A request without a deadline is due this long after it arrived: it yields to speech needed
@@ -68,9 +67,6 @@ class EdfQueue(Generic[T]):
     def __bool__(self) -> bool:
         return bool(self._heap)
 
-    def __iter__(self) -> Iterator[T]:
-        return (item for _, _, item in self._heap)
-
 
 class DeadlineStats:
     """What a stage served and how late: for tests (the order) and operators (late pieces)."""
@@ -87,9 +83,8 @@ class DeadlineStats:
     def started(self, request_id: str, deadline: float) -> None:
         self.recent.append((request_id, deadline))
 
-    def finished(self, deadline: float, now: float | None = None) -> None:
-        """A piece is done: late if its output exists only after its deadline."""
-        now = time.time() if now is None else now
+    def finished(self, deadline: float, now: float) -> None:
+        """A piece is done (its output exists at ``now``): late if that is after its deadline."""
         self.served += 1
         if now > deadline:
             self.late += 1

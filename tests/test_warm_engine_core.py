@@ -69,7 +69,8 @@ _CORES_SCRIPT = textwrap.dedent("""
 
     multiprocessing.forkserver.ensure_running()  # on all cores, as a warm spare's before it is taken
     os.sched_setaffinity(0, {1})  # the spare taken for a replica on core 1 (stage_entry.pin_to_cpus)
-    for context, path in ((WarmEngineCoreContext(), sys.argv[1]), (multiprocessing.get_context("forkserver"), sys.argv[2])):
+    plain = multiprocessing.get_context("forkserver")
+    for context, path in ((WarmEngineCoreContext(), sys.argv[1]), (plain, sys.argv[2])):
         child = context.Process(target=write_cores, args=(path,))
         child.start()
         child.join(60)

@@ -256,3 +256,45 @@ async def test_a_multilingual_model_names_the_language_and_translates(base_pipel
     assert english & {"i", "i'm", "the", "music", "a"} and not english & {"je", "musique", "beaucoup", "livre"}, (
         translated.outputs[0].text)
     assert not await wait_clean(base_pipeline)
+
+
+@pytest.mark.asyncio(loop_scope="session")
+async def test_a_live_turn_starts_before_the_batch_transcriptions_waiting_for_a_slot(base_pipeline, english_speech):
+    """Whisper's 8 slots (``max_num_seqs``) are taken by transcriptions that end a few tokens apart;
+    two more wait. A live turn sent after them (due now, as the realtime route sends it) starts
+    before both: ``scheduling_policy: priority`` and the deadline as vLLM's priority."""
+    import asyncio
+    import time
+
+    from vllm import SamplingParams
+
+    from tests.stress.checks import wait_clean
+
+    stage = base_pipeline.stage_contexts[0].client
+    first_seen: dict[str, int] = {}  # request -> the rank of its first output among all first outputs
+
+    async def transcribe(rid: str, max_tokens: int, deadline: float | None = None) -> None:
+        prompt = {"prompt": "", "multi_modal_data": {"audio": english_speech},
+                  "mm_processor_kwargs": {"language": "en"}}
+        async for _ in base_pipeline.generate(prompt, SamplingParams(temperature=0, max_tokens=max_tokens), rid,
+                                              entry_stage_id=0, deadline=deadline):
+            first_seen.setdefault(rid, len(first_seen))
+
+    async def send(rid: str, max_tokens: int, deadline: float | None = None) -> asyncio.Task:
+        """Start ``rid`` and return once the stage holds it (so the requests arrive in this order)."""
+        held = stage.num_unfinished_requests()
+        task = asyncio.create_task(transcribe(rid, max_tokens, deadline))
+        async with asyncio.timeout(30):
+            while stage.num_unfinished_requests() == held:
+                await asyncio.sleep(0.005)
+        return task
+
+    # Fillers end 4 tokens apart (one slot frees at a time); each is shorter than the passage's text.
+    tasks = [await send(f"batch-fill-{i}", 6 + 4 * i) for i in range(8)]
+    tasks += [await send(f"batch-wait-{i}", 8) for i in range(2)]
+    tasks.append(await send("live-turn", 8, deadline=time.time()))
+    async with asyncio.timeout(240):
+        await asyncio.gather(*tasks)
+    waiting = ["batch-wait-0", "batch-wait-1", "live-turn"]
+    assert min(waiting, key=first_seen.__getitem__) == "live-turn", {rid: first_seen[rid] for rid in waiting}
+    assert not await wait_clean(base_pipeline)
