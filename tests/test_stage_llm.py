@@ -102,6 +102,19 @@ async def test_deadlines_order_the_requests_waiting_for_a_slot_through_vllms_pri
     assert started == sorted(waiting, key=waiting.get), {rid: first_seen[rid] for rid in waiting}
 
 
+async def test_a_request_already_late_is_answered_and_counted(llm_stage, chat_prompt):
+    """Lateness is counted at a request's first output: one due 5 s ago is served, late by 5 s or
+    more; one due in a minute is served on time."""
+    before = await llm_stage.call_utility_async("deadline_stats")
+    for rid, deadline in (("late-by-5s", time.time() - 5), ("due-in-60s", time.time() + 60)):
+        await llm_stage.submit_request(rid, chat_prompt(QUESTION), greedy(4), deadline=deadline)
+        assert "".join(o.outputs[0].text for o in await collect(llm_stage, rid))
+    after = await llm_stage.call_utility_async("deadline_stats")
+    assert after["served"] == before["served"] + 2 and after["late"] == before["late"] + 1, after
+    assert after["max_lateness_s"] >= 5.0
+    assert [rid for rid, _ in after["recent"][-2:]] == ["late-by-5s", "due-in-60s"]
+
+
 async def test_the_engine_core_is_forked_by_a_warm_forkserver_with_vllms_cpu_preload(llm_stage):
     """vLLM's EngineCore comes from the forkserver the stage started before importing vLLM (its
     import overlapped the stage's), which was exec'd with the libraries vLLM preloads on CPUs."""

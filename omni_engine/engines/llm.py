@@ -16,7 +16,7 @@ from typing import Any
 
 from vllm import SamplingParams
 
-from omni_engine.deadlines import effective_deadline
+from omni_engine.deadlines import DeadlineStats, effective_deadline
 from omni_engine.engines.base import StageEngine, StageEngineError
 from omni_engine.engines.engine_core_watch import EngineCoreWatch, engine_core_processes
 from omni_engine.inputs import OmniTextPrompt
@@ -44,7 +44,7 @@ class LLMStageEngine(StageEngine):
         "pause_generation", "resume_generation", "is_paused", "sleep", "wake_up", "is_sleeping",
         "reset_prefix_cache", "collective_rpc", "get_supported_tasks", "reset_mm_cache",
         "reset_encoder_cache", "start_profile", "stop_profile", "add_lora", "engine_metrics",
-        "theta_requests",
+        "theta_requests", "deadline_stats",
     } | WEIGHT_METHODS
     USES_VLLM = True
 
@@ -70,6 +70,8 @@ class LLMStageEngine(StageEngine):
         self.core_watch: EngineCoreWatch | None = None
         # engine_args scheduling_policy: priority -> requests carry their deadline as vLLM's priority.
         self.priority_scheduling = self.engine_args.get("scheduling_policy") == "priority"
+        # A request is on time if its first output exists by its deadline (late ones are counted).
+        self.deadlines = DeadlineStats()
 
     @staticmethod
     def preload() -> None:
@@ -108,10 +110,10 @@ class LLMStageEngine(StageEngine):
             self.theta_scorer.start()
 
     @staticmethod
-    def priority_of(deadline: float | None) -> int:
-        """vLLM's priority for a request due at ``deadline`` (lower runs first): its effective
-        deadline in milliseconds, so vLLM's priority scheduler serves earliest deadline first."""
-        return int(effective_deadline(deadline) * 1000)
+    def priority_of(due: float) -> int:
+        """vLLM's priority for a request due at ``due`` (its effective deadline; lower runs first):
+        milliseconds, so vLLM's priority scheduler serves earliest deadline first."""
+        return int(due * 1000)
 
     def _engine_core_died(self, message: str) -> None:
         if self.on_fatal is not None:
@@ -168,7 +170,8 @@ class LLMStageEngine(StageEngine):
             # params of each request, never its id (omni_engine.logits keys state by it).
             params = tag_request(params, request_id)
         outputs = None
-        priority = self.priority_of(deadline) if self.priority_scheduling else 0
+        due = effective_deadline(deadline)
+        priority = self.priority_of(due) if self.priority_scheduling else 0
         if self.speech_to_text is not None:
             from omni_engine.engines.transcription import audio_prompt_of
 
@@ -184,9 +187,12 @@ class LLMStageEngine(StageEngine):
         try:
             async for output in outputs or self.engine.generate(prompt, params, request_id, priority=priority,
                                                                 trace_headers=trace_headers):
-                if self.on_work_started is not None and not started:
+                if not started:
                     started = True
-                    self.on_work_started(request_id, scheduled_at(output))
+                    self.deadlines.started(request_id, due)
+                    self.deadlines.finished(due, time.time())
+                    if self.on_work_started is not None:
+                        self.on_work_started(request_id, scheduled_at(output))
                 out = OmniRequestOutput.from_request_output(
                     output, stage_id=self.stage_id, final_output_type=self.final_output_type
                 )
@@ -223,6 +229,11 @@ class LLMStageEngine(StageEngine):
             "max_model_len": model_config.max_model_len,
             **(self.speech_to_text.info() if self.speech_to_text is not None else {}),
         }
+
+    def deadline_stats(self) -> dict[str, Any]:
+        """Requests served, how many had their first output only after their deadline, the worst
+        lateness, and the last ones in the order their first outputs came."""
+        return self.deadlines.snapshot()
 
     def engine_metrics(self) -> list[Any]:
         """vLLM's own ``vllm:*`` metric families of this engine, for the server's ``/metrics``."""
