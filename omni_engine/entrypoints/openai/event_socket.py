@@ -16,7 +16,7 @@ from typing import Any
 
 from fastapi import WebSocket, WebSocketDisconnect
 
-from omni_engine.entrypoints.openai.served_pipeline import engine_client, served_names
+from omni_engine.entrypoints.openai.served_pipeline import engine_client, unserved_model
 
 
 class EventWriter:
@@ -58,11 +58,11 @@ async def serve_session(websocket: WebSocket, make_session: Callable[[Callable[[
     """Run one event session on ``websocket`` until it closes, then close the session (it aborts what it
     has in flight). A ``?model=`` this server does not serve, or ``refused``, is sent as an error event
     and the socket closed (1008) instead. ``make_session(send)`` builds the session around the writer."""
-    names = served_names(engine_client(websocket))
     model = websocket.query_params.get("model")
+    names = unserved_model(engine_client(websocket), model)
     await websocket.accept()
     writer = EventWriter(websocket)
-    if model and names and model not in names:
+    if names is not None:
         refused = refusal_event("model_not_found", "model",
                                 f"The model `{model}` does not exist; this server serves {names}.")
     if refused is not None:

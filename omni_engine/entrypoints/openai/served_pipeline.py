@@ -60,10 +60,16 @@ def served_names(client: Any) -> list[str]:
     return list(name) if isinstance(name, (list, tuple)) else [name] if name else []
 
 
+def unserved_model(client: Any, model: str | None) -> list[str] | None:
+    """The names this server serves when ``model`` is none of them; None when it is (or none was
+    named, or the server has no names): the one model check of every route and socket."""
+    names = served_names(client)
+    return names if model and names and model not in names else None
+
+
 def check_model(client: Any, model: str | None) -> JSONResponse | None:
     """OpenAI's 404 for a ``model`` this server does not serve; None when it does (or none was named)."""
-    names = served_names(client)
-    if model and names and model not in names:
+    if unserved_model(client, model) is not None:
         return error_response(f"The model `{model}` does not exist.", 404, "model", "NotFoundError")
     return None
 
