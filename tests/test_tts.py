@@ -50,6 +50,28 @@ def test_speed_changes_duration(synth: EspeakSynthesizer) -> None:
     assert len(fast) * 2 < len(slow)
 
 
+def _trailing_silence_s(audio: np.ndarray, sample_rate: int) -> float:
+    loud = np.nonzero(np.abs(audio) > 0.01)[0]
+    return (len(audio) - loud[-1]) / sample_rate
+
+
+@pytest.mark.parametrize("speed", [1.0, 1.5])
+def test_speech_made_sentence_by_sentence_keeps_the_pauses_of_the_whole(synth: EspeakSynthesizer, speed) -> None:
+    """Streamed speech and an LLM's answer are spoken a sentence (or a first clause) at a time: the
+    pieces, one after the other, last as long as the whole text spoken at once (eSpeak's pause after
+    a sentence or a comma is kept); a piece cut inside a clause ends without a pause."""
+    params, rate = SpeechParams(speed=speed), synth.sample_rate
+    first, comma, rest = "The weather today is sunny and warm.", "We will meet at the library,", "after lunch."
+    whole = synth.synthesize(f"{first} {comma} {rest}", params)
+    pieces = [synth.synthesize(text, params) for text in (first, comma, rest)]
+    lost = (len(whole) - sum(map(len, pieces))) / rate
+    assert abs(lost) < 0.03, f"the pieces are {lost:.3f} s shorter than the whole"
+    # Sentence > comma > none (at 1x: 0.31 s, 0.15 s, ~0.01 s).
+    cut = synth.synthesize("The weather today is", params)
+    ends = [_trailing_silence_s(audio, rate) for audio in (pieces[0], pieces[1], cut)]
+    assert ends[0] > ends[1] > 0.05 > ends[2], ends
+
+
 def _median_f0(audio: np.ndarray, sample_rate: int) -> float:
     """Median fundamental frequency of the loud frames, by autocorrelation (60..400 Hz)."""
     frame, lo, hi = 1024, sample_rate // 400, sample_rate // 60

@@ -19,6 +19,7 @@ import ctypes
 import functools
 import itertools
 import os
+import re
 import threading
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
@@ -35,11 +36,23 @@ from omni_engine.params import SpeechParams, speech_params
 # Constants from espeak-ng/speak_lib.h.
 _AUDIO_OUTPUT_SYNCHRONOUS, _POS_CHARACTER, _CHARS_UTF8 = 2, 1, 1
 _INITIALIZE_DONT_EXIT = 0x8000  # without it a failed init calls exit(1) in C
+# espeakENDPAUSE: the pause eSpeak makes after a clause inside a text, also after its last one.
+_END_PAUSE = 0x1000
+# Text that ends a clause or sentence (closing quotes or brackets may follow the mark).
+_ENDS_A_CLAUSE = re.compile(r"""[.!?,;:\u2026]['"\u2019\u201d)\]]*\s*$""")
 _RATE, _PITCH, _DEFAULT_WPM, _DEFAULT_PITCH = 1, 3, 175, 50
 _EE_OK, _EE_NOT_FOUND = 0, 2
 _EE_NAMES = {-1: "EE_INTERNAL_ERROR", 1: "EE_BUFFER_FULL", 2: "EE_NOT_FOUND"}
 
 _SYNTH_CALLBACK = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.POINTER(ctypes.c_short), ctypes.c_int, ctypes.c_void_p)
+
+
+def _synth_flags(text: str) -> int:
+    """UTF-8, and the pause of a text's last clause when it ends one: speech made sentence by sentence
+    (streamed speech, an LLM's answer) keeps the pauses the whole text would have (measured: 0.31 s
+    after a sentence, 0.15 s after a comma at 1x; eSpeak drops them at the end of a text). A piece
+    cut inside a clause (no mark) gets none, or it would pause mid-sentence."""
+    return _CHARS_UTF8 | (_END_PAUSE if _ENDS_A_CLAUSE.search(text) else 0)
 
 
 class _EspeakVoice(ctypes.Structure):
@@ -226,7 +239,7 @@ class EspeakSynthesizer:
             _check(lib.espeak_SetParameter(_PITCH, pitch, 0), "setting the pitch")
             self._chunks, self._should_abort = [], should_abort
             try:
-                rc = lib.espeak_Synth(data, len(data) + 1, 0, _POS_CHARACTER, 0, _CHARS_UTF8, None, None)
+                rc = lib.espeak_Synth(data, len(data) + 1, 0, _POS_CHARACTER, 0, _synth_flags(text), None, None)
                 pcm = b"".join(self._chunks)
             finally:
                 self._chunks, self._should_abort = [], None
