@@ -10,12 +10,14 @@ median of ``--rounds`` each, the servers taking turns:
   prepared SmolLM2 with the engine arguments of ``smollm2_text.yaml``, against ``omni-engine
   serve`` of ``smollm2_text.yaml``, ``smollm2_speech.yaml`` and ``smollm2_piper.yaml``: seconds
   from the command to ``/health`` 200, and the RSS of every process of the server then;
-  ``omni-text-spawn`` is ``smollm2_text.yaml`` with ``OMNI_ENGINE_WARM_ENGINE_CORE=0`` (vLLM spawns
-  its EngineCore after the stage's import, as before the warm forkserver);
+  ``omni-text-fork`` and ``omni-text-spawn`` are ``smollm2_text.yaml`` with
+  ``OMNI_ENGINE_WARM_ENGINE_CORE=fork`` (the stage forks its EngineCore) and ``=0`` (vLLM spawns it
+  after the stage's import, as before the warm forkserver);
 * stages: each generation stage kind alone (eSpeak NG, Piper voice, eye GAN), from
   ``StageEngineCoreClient.start()`` to READY, its RSS and whether it loaded vLLM or torch;
-* llm: the SmolLM2 llm stage alone to READY, its EngineCore forked by the warm forkserver against
-  spawned by vLLM (taking turns), and the RSS of each process of the stage;
+* llm: the SmolLM2 llm stage alone to READY, its EngineCore forked by the warm forkserver, forked by
+  the stage, or spawned by vLLM (taking turns), the RSS of each process of the stage, and then its
+  decode throughput (32 answers of 160 tokens at once);
 * restart: a one-replica stage with ``restart: on-failure`` is killed (``kill -9``) and the time
   to its replacement's READY and to the next request served is taken; for eSpeak and for the
   SmolLM2 llm stage (compared with the llm stage's cold start), and for that llm stage with
@@ -41,12 +43,15 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.bench_common import REPO, RESULTS, machine_info, progress, write_json  # noqa: E402
+from omni_engine.envs import ENGINE_CORE_STARTS  # noqa: E402
 
 OMNI = [sys.executable, "-m", "omni_engine.entrypoints.cli.main", "serve"]
 SERVE_CONFIGS = {"omni-text": "stage_configs/smollm2_text.yaml", "omni-speech": "stage_configs/smollm2_speech.yaml",
-                 "omni-piper": "stage_configs/smollm2_piper.yaml", "omni-text-spawn": "stage_configs/smollm2_text.yaml"}
+                 "omni-piper": "stage_configs/smollm2_piper.yaml", "omni-text-fork": "stage_configs/smollm2_text.yaml",
+                 "omni-text-spawn": "stage_configs/smollm2_text.yaml"}
 # Environment a server variant runs with (the others: this process's).
-SERVE_ENV = {"omni-text-spawn": {"OMNI_ENGINE_WARM_ENGINE_CORE": "0"}}
+SERVE_ENV = {"omni-text-fork": {"OMNI_ENGINE_WARM_ENGINE_CORE": "fork"},
+             "omni-text-spawn": {"OMNI_ENGINE_WARM_ENGINE_CORE": "0"}}
 STAGE_KINDS = {
     "espeak": ("omni_engine.engines.tts:make_espeak_tts", None),
     "piper-voice": ("omni_engine.engines.piper:make_piper_voice", "piper-joe"),
@@ -189,27 +194,51 @@ def llm_engine_args(model: Path) -> dict[str, Any]:
             "dtype": "float32", "gpu_memory_utilization": 0.3}
 
 
+async def decode_tokens_per_s(client: Any) -> float:
+    """32 answers of 160 tokens at once through a started llm stage: generated tokens per second."""
+    from vllm import SamplingParams
+
+    params = SamplingParams(max_tokens=160, temperature=0, ignore_eos=True)
+    started, tokens, done = time.perf_counter(), 0, 0
+    for i in range(32):
+        await client.submit_request(f"decode-{i}", {"prompt": f"Count to {i + 10}:"}, params)
+    while done < 32:
+        for output in await client.get_outputs_async():
+            if output.finished:
+                done, tokens = done + 1, tokens + len(output.outputs[0].token_ids)
+    return tokens / (time.perf_counter() - started)
+
+
 async def llm_stage(rounds: int, model: Path) -> dict[str, Any]:
-    """The llm stage alone to READY: EngineCore forked warm against spawned, taking turns."""
+    """The llm stage alone to READY, then its decode throughput, for each way of starting vLLM's
+    EngineCore (forkserver, fork, spawn), taking turns."""
     from omni_engine.stage_engine.stage_core_client import StageEngineCoreClient
     from omni_engine.stage_engine.stage_process import StageProcessSpec
 
-    runs: dict[str, list[dict[str, Any]]] = {"warm": [], "spawn": []}
+    runs: dict[str, list[dict[str, Any]]] = {name: [] for name in ENGINE_CORE_STARTS}
     for r in range(rounds):
         for name in (list(runs) if r % 2 == 0 else list(reversed(runs))):
-            spec = StageProcessSpec("llm", llm_engine_args(model), warm_engine_core=name == "warm")
+            spec = StageProcessSpec("llm", llm_engine_args(model), engine_core_start=name)
             client = StageEngineCoreClient(0, process=spec)
             t0 = time.perf_counter()
             await client.start()
             ready_s = time.perf_counter() - t0
-            runs[name].append({"ready_s": ready_s, "rss_mib": tree_rss_mib(client.process.pid)})
+            rss = tree_rss_mib(client.process.pid)
+            tokens_per_s = await decode_tokens_per_s(client)
+            runs[name].append({"ready_s": ready_s, "rss_mib": rss, "tokens_per_s": tokens_per_s})
             await client.shutdown()
-            progress(f"round {r + 1}/{rounds}: llm stage ({name}) ready in {ready_s:.1f} s")
-    result = {name: {"ready_s": [x["ready_s"] for x in v], "median_s": statistics.median(x["ready_s"] for x in v),
-                     "rss_mib": v[-1]["rss_mib"]} for name, v in runs.items()}
-    result["warm_vs_spawn"] = result["warm"]["median_s"] / result["spawn"]["median_s"]
-    progress(f"llm stage ready: warm {result['warm']['median_s']:.1f} s, spawn {result['spawn']['median_s']:.1f} s "
-             f"({result['warm_vs_spawn']:.2f}x)")
+            progress(f"round {r + 1}/{rounds}: llm stage ({name}) ready in {ready_s:.1f} s, "
+                     f"{tokens_per_s:.0f} tokens/s")
+    result: dict[str, Any] = {
+        name: {"ready_s": [x["ready_s"] for x in v], "median_s": statistics.median(x["ready_s"] for x in v),
+               "tokens_per_s": [x["tokens_per_s"] for x in v],
+               "median_tokens_per_s": statistics.median(x["tokens_per_s"] for x in v), "rss_mib": v[-1]["rss_mib"]}
+        for name, v in runs.items()}
+    for name in ("forkserver", "fork"):
+        result[f"{name}_vs_spawn"] = result[name]["median_s"] / result["spawn"]["median_s"]
+    progress("llm stage ready (median): " + ", ".join(
+        f"{name} {result[name]['median_s']:.1f} s, {result[name]['median_tokens_per_s']:.0f} tokens/s"
+        for name in runs))
     return result
 
 

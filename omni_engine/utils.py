@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import glob
 import importlib
+import importlib.util
 import logging
 import os
 import signal
@@ -55,6 +57,28 @@ def installed_vllm_is_cpu_build() -> bool:
     except PackageNotFoundError:
         return False
     return True
+
+
+def cpu_preload_libraries() -> list[str]:
+    """The libraries vLLM's CPU platform puts in its EngineCore's ``LD_PRELOAD`` (vllm/platforms/cpu.py,
+    ``check_and_update_config``): tcmalloc as vLLM bundles it, then PyTorch's libgomp. Found by path,
+    without importing torch or vLLM."""
+    found: list[str] = []
+    vllm_spec = importlib.util.find_spec("vllm")
+    if vllm_spec is not None and vllm_spec.submodule_search_locations:
+        libs = os.path.join(list(vllm_spec.submodule_search_locations)[0], "libs")
+        for pattern in ("libtcmalloc_minimal*.so*", "libtcmalloc.so*"):
+            if matches := sorted(glob.glob(os.path.join(libs, pattern))):
+                found.append(matches[0])
+                break
+    torch_spec = importlib.util.find_spec("torch")
+    if torch_spec is not None and torch_spec.submodule_search_locations:
+        torch_pkg = list(torch_spec.submodule_search_locations)[0]
+        for libs in (os.path.join(os.path.dirname(torch_pkg), "torch.libs"), os.path.join(torch_pkg, "lib")):
+            if matches := sorted(glob.glob(os.path.join(libs, "libgomp*.so*"))):
+                found.append(matches[0])
+                break
+    return found
 
 
 def machine_host_id() -> str:

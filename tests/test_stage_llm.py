@@ -120,7 +120,7 @@ async def test_the_engine_core_is_forked_by_a_warm_forkserver_with_vllms_cpu_pre
     import overlapped the stage's), which was exec'd with the libraries vLLM preloads on CPUs."""
     import psutil
 
-    from omni_engine.engines.warm_engine_core import cpu_preload_libraries
+    from omni_engine.utils import cpu_preload_libraries
 
     stage = psutil.Process(llm_stage.process.pid)
     servers = [p for p in stage.children() if "multiprocessing.forkserver" in " ".join(p.cmdline())]
@@ -141,6 +141,35 @@ async def test_the_engine_core_is_forked_by_a_warm_forkserver_with_vllms_cpu_pre
     # The forked EngineCore has them mapped.
     maps = pathlib.Path(f"/proc/{cores[0].pid}/maps").read_text()
     assert all(lib in maps for lib in libraries)
+
+
+async def test_with_engine_core_start_fork_the_stage_forks_its_engine_core_with_vllms_cpu_preload(
+        smollm2_path, chat_prompt):
+    """``OMNI_ENGINE_WARM_ENGINE_CORE=fork``: no forkserver; the EngineCore is the stage's own child,
+    forked after the stage's import, and the stage was started with the libraries vLLM's CPU platform
+    preloads, so the EngineCore has them mapped as a spawned one would. It answers as the others do."""
+    import psutil
+
+    from omni_engine.utils import cpu_preload_libraries
+
+    client = StageEngineCoreClient(0, process=StageProcessSpec("llm", llm_engine_args(smollm2_path),
+                                                               engine_core_start="fork"))
+    await client.start()
+    try:
+        stage = psutil.Process(client.process.pid)
+        children = {p.pid: " ".join(p.cmdline()) for p in stage.children()}
+        assert not [pid for pid, cmd in children.items() if "multiprocessing.forkserver" in cmd], children
+        cores = [pid for pid, cmd in children.items() if cmd.strip() == "VLLM::EngineCore"]
+        assert len(cores) == 1, children
+        libraries = cpu_preload_libraries()
+        assert any("libgomp" in lib for lib in libraries)
+        for pid in (stage.pid, cores[0]):
+            maps = pathlib.Path(f"/proc/{pid}/maps").read_text()
+            assert all(lib in maps for lib in libraries), (pid, libraries)
+        await client.submit_request("fork-paris", chat_prompt(QUESTION), greedy())
+        assert "Paris" in "".join(o.outputs[0].text for o in await collect(client, "fork-paris"))
+    finally:
+        await client.shutdown()
 
 
 # --- the seed's test (rfc967, 测试计划), against an externally started stage ---------

@@ -97,3 +97,43 @@ def test_without_a_warm_forkserver_vllm_keeps_its_own_process_start():
     use_warm_engine_core()  # this process started no forkserver: nothing changes
     assert engine_utils.get_mp_context is before
     assert WarmEngineCoreContext()._name == "forkserver"
+
+
+@pytest.mark.parametrize("raw, method", [(None, "forkserver"), ("1", "forkserver"), ("forkserver", "forkserver"),
+                                         ("fork", "fork"), ("FORK", "fork"), ("0", "spawn"), ("off", "spawn"),
+                                         ("spawn", "spawn")])
+def test_the_engine_core_start_is_read_from_the_environment(monkeypatch, raw, method):
+    from omni_engine import envs
+
+    if raw is None:
+        monkeypatch.delenv("OMNI_ENGINE_WARM_ENGINE_CORE", raising=False)
+    else:
+        monkeypatch.setenv("OMNI_ENGINE_WARM_ENGINE_CORE", raw)
+    assert envs.engine_core_start() == method
+
+
+def test_an_unknown_engine_core_start_is_refused_naming_the_variable(monkeypatch):
+    from omni_engine import envs
+
+    monkeypatch.setenv("OMNI_ENGINE_WARM_ENGINE_CORE", "vfork")
+    with pytest.raises(ValueError, match=r"OMNI_ENGINE_WARM_ENGINE_CORE='vfork': use one of \['forkserver', 'fork'"):
+        envs.engine_core_start()
+
+
+def test_only_an_llm_stage_that_forks_its_engine_core_is_started_with_vllms_cpu_libraries(monkeypatch):
+    """Its exec environment preloads them (a forked EngineCore has what its stage loaded), after what
+    the stage's env or the client's environment already preloads; nothing else changes."""
+    from omni_engine.stage_engine.stage_spec import StageProcessSpec
+    from omni_engine.utils import cpu_preload_libraries, installed_vllm_is_cpu_build
+
+    if not installed_vllm_is_cpu_build():
+        pytest.skip("vLLM's CPU build is what preloads libraries")
+    monkeypatch.delenv("LD_PRELOAD", raising=False)
+    libraries = cpu_preload_libraries()
+    fork = StageProcessSpec("llm", {}, engine_core_start="fork")
+    assert fork.process_environment()["LD_PRELOAD"] == ":".join(libraries)
+    mine = StageProcessSpec("llm", {}, engine_core_start="fork", env={"LD_PRELOAD": "/opt/mine.so"})
+    assert mine.process_environment()["LD_PRELOAD"] == ":".join(["/opt/mine.so", *libraries])
+    for other in (StageProcessSpec("llm", {}), StageProcessSpec("llm", {}, engine_core_start="spawn"),
+                  StageProcessSpec("generation", {}, engine_core_start="fork")):
+        assert "LD_PRELOAD" not in other.process_environment()

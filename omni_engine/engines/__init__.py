@@ -30,10 +30,9 @@ def preload_stage_engine(spec: StageProcessSpec) -> None:
     forkserver, loading no model and touching no device: what a warm spare does before it is taken
     (its replica's device variables are applied only then)."""
     if spec.stage_type == "llm":
-        if spec.warm_engine_core:
-            from omni_engine.engines.warm_engine_core import start_warm_forkserver
+        from omni_engine.engines.warm_engine_core import prepare_engine_core_start
 
-            start_warm_forkserver()  # first: its import overlaps ours
+        prepare_engine_core_start(spec.engine_core_start)  # first: a forkserver's import overlaps ours
         from omni_engine.engines.llm import LLMStageEngine
 
         LLMStageEngine.preload()

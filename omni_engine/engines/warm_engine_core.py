@@ -22,12 +22,19 @@ effects). Three things a fork does not give and spawn did are restored:
 
 The forkserver is a child of the stage in the stage's process group, so the group kill that
 ends a stage (its client, or its watchdog) ends the forkserver and the EngineCore too.
+
+``OMNI_ENGINE_WARM_ENGINE_CORE=fork`` starts the EngineCore by forking the stage process itself
+once it has imported vLLM (vLLM's own default on GPUs, where CUDA does not forbid it): no second
+import at all, so on 2 cores, where the server's, the stage's and the EngineCore's imports compete,
+``omni-engine serve`` is ready 3-4 s sooner, and the EngineCore shares the stage's pages (about
+480 MiB less per llm stage, and no forkserver); measured 1-3% fewer tokens per second, so it is a
+choice, not the default (``benchmarks/README.md``). The stage is then started with vLLM's CPU
+libraries preloaded (``StageProcessSpec.process_environment``), so the forked EngineCore has them;
+environment and cores are the stage's at the fork, as they should be.
 """
 
 from __future__ import annotations
 
-import glob
-import importlib.util
 import logging
 import multiprocessing
 import multiprocessing.context
@@ -35,14 +42,28 @@ import multiprocessing.forkserver
 import os
 from typing import Any
 
-from omni_engine.utils import installed_vllm_is_cpu_build
+from omni_engine.utils import cpu_preload_libraries, installed_vllm_is_cpu_build
 
 logger = logging.getLogger(__name__)
 
 # What the forkserver imports before it forks anything (this module: the process class below).
 PRELOAD = ("omni_engine.engines.warm_engine_core", "vllm.v1.engine.core")
-# Whether this process started the forkserver (use_warm_engine_core does nothing otherwise).
-_started = False
+# How this process's vLLM starts its EngineCore: "forkserver" (started), "fork", or None (vLLM's own way).
+_method: str | None = None
+
+
+def keep_process_title_settable() -> None:
+    """Let vLLM's EngineCore, forked from this process later, show its title (``VLLM::EngineCore``).
+
+    setproctitle finds the memory it may overwrite (argv, then the environment block) on first use;
+    after the environment changes it finds none and the title silently does not show. Measured: a
+    first use before the change keeps it working, in this process and in what it forks. Call it
+    before this process changes its environment."""
+    try:
+        import setproctitle
+    except ImportError:
+        return
+    setproctitle.getproctitle()
 
 
 class EnvCarryingProcess(multiprocessing.context.ForkServerProcess):
@@ -55,15 +76,7 @@ class EnvCarryingProcess(multiprocessing.context.ForkServerProcess):
         self.creator_cpus = os.sched_getaffinity(0)
 
     def run(self) -> None:
-        try:
-            import setproctitle
-        except ImportError:
-            pass
-        else:
-            # setproctitle finds the memory it may overwrite (argv, then the environment block) on
-            # first use; after the environment changes it finds none and vLLM's "VLLM::EngineCore"
-            # title would silently not show. Measured: first use before the change keeps it working.
-            setproctitle.getproctitle()
+        keep_process_title_settable()
         if os.sched_getaffinity(0) != self.creator_cpus:  # before vLLM's code starts a thread
             os.sched_setaffinity(0, self.creator_cpus)
         wanted = self.creator_environment
@@ -79,39 +92,22 @@ class WarmEngineCoreContext(multiprocessing.context.ForkServerContext):
     Process = EnvCarryingProcess
 
 
-def cpu_preload_libraries() -> list[str]:
-    """The libraries vLLM's CPU platform puts in its EngineCore's ``LD_PRELOAD`` (vllm/platforms/cpu.py,
-    ``check_and_update_config``): tcmalloc as vLLM bundles it, then PyTorch's libgomp. Found by path,
-    without importing torch or vLLM."""
-    found: list[str] = []
-    vllm_spec = importlib.util.find_spec("vllm")
-    if vllm_spec is not None and vllm_spec.submodule_search_locations:
-        libs = os.path.join(list(vllm_spec.submodule_search_locations)[0], "libs")
-        for pattern in ("libtcmalloc_minimal*.so*", "libtcmalloc.so*"):
-            if matches := sorted(glob.glob(os.path.join(libs, pattern))):
-                found.append(matches[0])
-                break
-    torch_spec = importlib.util.find_spec("torch")
-    if torch_spec is not None and torch_spec.submodule_search_locations:
-        torch_pkg = list(torch_spec.submodule_search_locations)[0]
-        for libs in (os.path.join(os.path.dirname(torch_pkg), "torch.libs"), os.path.join(torch_pkg, "lib")):
-            if matches := sorted(glob.glob(os.path.join(libs, "libgomp*.so*"))):
-                found.append(matches[0])
-                break
-    return found
+def prepare_engine_core_start(method: str) -> str | None:
+    """Get ready to start vLLM's EngineCore by ``method`` (``envs.ENGINE_CORE_STARTS``): for
+    "forkserver", start it now. Call it first thing in an llm stage process, before anything imports
+    vLLM. Returns the method in force: None (nothing changes) for "spawn", or where the installed vLLM
+    is not the CPU build (a GPU vLLM keeps its own start)."""
+    global _method
+    if _method is not None or method == "spawn" or not installed_vllm_is_cpu_build():
+        return _method
+    if method == "forkserver":
+        start_warm_forkserver()
+    _method = method
+    return _method
 
 
-def start_warm_forkserver() -> bool:
-    """Start the forkserver that imports vLLM's EngineCore now, in parallel with this process.
-
-    Call it first thing in an llm stage process, before anything imports vLLM. Returns False (and
-    starts nothing) where the installed vLLM is not the CPU build: a GPU vLLM keeps its own start.
-    """
-    global _started
-    if _started:
-        return True
-    if not installed_vllm_is_cpu_build():
-        return False
+def start_warm_forkserver() -> None:
+    """Start the forkserver that imports vLLM's EngineCore now, in parallel with this process."""
     preload = [lib for lib in cpu_preload_libraries() if lib not in os.environ.get("LD_PRELOAD", "")]
     saved = os.environ.get("LD_PRELOAD")
     if preload:
@@ -125,25 +121,24 @@ def start_warm_forkserver() -> bool:
             os.environ.pop("LD_PRELOAD", None)
         else:
             os.environ["LD_PRELOAD"] = saved
-    _started = True
     logger.info("EngineCore forkserver started (preloading %s)", ", ".join(PRELOAD))
-    return True
 
 
 def use_warm_engine_core() -> None:
-    """Make vLLM start its EngineCore through the warm forkserver, if this process started one
-    (``start_warm_forkserver``); otherwise vLLM starts it its own way."""
-    if not _started:
+    """Make vLLM start its EngineCore the way ``prepare_engine_core_start`` prepared (through the
+    warm forkserver, or by forking this process); otherwise vLLM starts it its own way."""
+    if _method is None:
         return
     import vllm.v1.engine.utils as engine_utils
 
     vllm_get_mp_context = engine_utils.get_mp_context
     if getattr(vllm_get_mp_context, "warm_engine_core", False):
         return
+    method = _method
 
     def get_mp_context() -> multiprocessing.context.BaseContext:
         vllm_get_mp_context()  # vLLM's checks and environment syncing still happen
-        return WarmEngineCoreContext()
+        return multiprocessing.get_context("fork") if method == "fork" else WarmEngineCoreContext()
 
     get_mp_context.warm_engine_core = True  # type: ignore[attr-defined]
     engine_utils.get_mp_context = get_mp_context

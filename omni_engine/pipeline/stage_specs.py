@@ -117,7 +117,7 @@ def stage_process_spec(stage: StageConfig, connectors: ConnectorSettings, device
         cpus=stage.runtime.replica_cpus(replica),
         env=dict(stage.env),
         io=stage.runtime.io or "loop",
-        warm_engine_core=envs.warm_engine_core(),
+        engine_core_start=envs.engine_core_start(),
     )
 
 

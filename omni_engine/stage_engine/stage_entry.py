@@ -167,10 +167,11 @@ def serve_zmq_stage(spec: StageProcessSpec) -> None:
     if transport is None:
         raise ValueError(f"stage {spec.stage_id}: a ZMQ stage process needs spec.transport (its addresses)")
     core_class = ThreadedStageEngineCoreProc if spec.io == "threads" else StageEngineCoreProc
-    if spec.stage_type == "llm" and spec.warm_engine_core:
-        from omni_engine.engines.warm_engine_core import start_warm_forkserver
+    if spec.stage_type == "llm":
+        from omni_engine.engines.warm_engine_core import prepare_engine_core_start
 
-        start_warm_forkserver()  # before build_stage_engine imports vLLM: the two imports overlap
+        # Before build_stage_engine imports vLLM: a forkserver's import overlaps it.
+        prepare_engine_core_start(spec.engine_core_start)
 
     def make_core() -> StageEngineCoreProc:
         engine = build_stage_engine(spec)

