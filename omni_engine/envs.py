@@ -85,12 +85,12 @@ ENGINE_CORE_STARTS = ("forkserver", "fork", "spawn")
 
 
 def engine_core_start() -> str:
-    """``OMNI_ENGINE_WARM_ENGINE_CORE``: "forkserver" (default; also 1/true/on): a forkserver imports
-    vLLM's EngineCore while the stage imports vLLM; "fork": the stage forks it after its import;
-    "spawn" (also 0/false/off): vLLM spawns it as usual."""
+    """``OMNI_ENGINE_WARM_ENGINE_CORE``: "fork" (default; also 1/true/on): the stage forks vLLM's
+    EngineCore after its own import of vLLM; "forkserver": a forkserver imports the EngineCore while
+    the stage imports vLLM; "spawn" (also 0/false/off): vLLM spawns it as usual."""
     raw = (os.environ.get("OMNI_ENGINE_WARM_ENGINE_CORE") or "").strip().lower()
     if raw in ("", "1", "true", "yes", "on"):
-        return "forkserver"
+        return "fork"
     if raw in ("0", "false", "no", "off"):
         return "spawn"
     if raw not in ENGINE_CORE_STARTS:

@@ -104,8 +104,11 @@ async def text_pipeline(smollm2_path):
 async def llm_stage(smollm2_path):
     # Priority scheduling: a request's deadline becomes vLLM's priority (test_stage_llm); without
     # one every request is due a fixed slack after it arrived, which is first come, first served.
+    # Its EngineCore comes from a warm forkserver (test_stage_llm checks it); the suite's other llm
+    # stages fork theirs, the default.
     client = RawFrameClient(0, process=StageProcessSpec("llm", llm_engine_args(smollm2_path,
-                                                                               scheduling_policy="priority")))
+                                                                               scheduling_policy="priority"),
+                                                        engine_core_start="forkserver"))
     await client.start()
     release = EARLY_RELEASE.register_async("llm_stage", client.shutdown)
     yield client

@@ -99,7 +99,7 @@ def test_without_a_warm_forkserver_vllm_keeps_its_own_process_start():
     assert WarmEngineCoreContext()._name == "forkserver"
 
 
-@pytest.mark.parametrize("raw, method", [(None, "forkserver"), ("1", "forkserver"), ("forkserver", "forkserver"),
+@pytest.mark.parametrize("raw, method", [(None, "fork"), ("1", "fork"), ("forkserver", "forkserver"),
                                          ("fork", "fork"), ("FORK", "fork"), ("0", "spawn"), ("off", "spawn"),
                                          ("spawn", "spawn")])
 def test_the_engine_core_start_is_read_from_the_environment(monkeypatch, raw, method):
@@ -120,7 +120,7 @@ def test_an_unknown_engine_core_start_is_refused_naming_the_variable(monkeypatch
         envs.engine_core_start()
 
 
-def test_only_an_llm_stage_that_forks_its_engine_core_is_started_with_vllms_cpu_libraries(monkeypatch):
+def test_only_an_llm_stage_that_forks_its_engine_core_is_started_with_vllms_cpu_libraries():
     """Its exec environment preloads them (a forked EngineCore has what its stage loaded), after what
     the stage's env or the client's environment already preloads; nothing else changes."""
     from omni_engine.stage_engine.stage_spec import StageProcessSpec
@@ -128,12 +128,16 @@ def test_only_an_llm_stage_that_forks_its_engine_core_is_started_with_vllms_cpu_
 
     if not installed_vllm_is_cpu_build():
         pytest.skip("vLLM's CPU build is what preloads libraries")
-    monkeypatch.delenv("LD_PRELOAD", raising=False)
-    libraries = cpu_preload_libraries()
-    fork = StageProcessSpec("llm", {}, engine_core_start="fork")
-    assert fork.process_environment()["LD_PRELOAD"] == ":".join(libraries)
+    libraries, base = cpu_preload_libraries(), {"PATH": "/bin"}
+    fork = StageProcessSpec("llm", {}, engine_core_start="fork", env={"A": "1"})
+    assert fork.exec_environment(base) == {"PATH": "/bin", "A": "1", "LD_PRELOAD": ":".join(libraries)}
+    assert fork.process_environment() == {"A": "1"}  # what the stage applies to itself: unchanged
     mine = StageProcessSpec("llm", {}, engine_core_start="fork", env={"LD_PRELOAD": "/opt/mine.so"})
-    assert mine.process_environment()["LD_PRELOAD"] == ":".join(["/opt/mine.so", *libraries])
-    for other in (StageProcessSpec("llm", {}), StageProcessSpec("llm", {}, engine_core_start="spawn"),
+    assert mine.exec_environment(base)["LD_PRELOAD"] == ":".join(["/opt/mine.so", *libraries])
+    theirs = {**base, "LD_PRELOAD": libraries[0]}  # already preloaded by the client: not twice
+    assert fork.exec_environment(theirs)["LD_PRELOAD"] == ":".join(libraries)
+    assert StageProcessSpec("llm", {}).exec_environment(base)["LD_PRELOAD"] == ":".join(libraries)  # the default
+    for other in (StageProcessSpec("llm", {}, engine_core_start="forkserver"),
+                  StageProcessSpec("llm", {}, engine_core_start="spawn"),
                   StageProcessSpec("generation", {}, engine_core_start="fork")):
-        assert "LD_PRELOAD" not in other.process_environment()
+        assert other.exec_environment(base) == base

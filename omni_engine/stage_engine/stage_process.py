@@ -55,7 +55,7 @@ class _ExecLaunch:
         try:
             self.popen = subprocess.Popen(
                 [sys.executable, "-c", _BOOTSTRAP, str(read_end)],
-                pass_fds=(read_end,), env={**os.environ, **self.spec.process_environment()},
+                pass_fds=(read_end,), env=self.spec.exec_environment(os.environ),
                 stdin=subprocess.DEVNULL, process_group=0)
         except BaseException:
             os.close(write_end)

