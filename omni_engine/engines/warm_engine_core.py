@@ -56,20 +56,6 @@ PRELOAD = ("omni_engine.engines.warm_engine_core", "vllm.v1.engine.core")
 _method: str | None = None
 
 
-def keep_process_title_settable() -> None:
-    """Let vLLM's EngineCore, forked from this process later, show its title (``VLLM::EngineCore``).
-
-    setproctitle finds the memory it may overwrite (argv, then the environment block) on first use;
-    after the environment changes it finds none and the title silently does not show. Measured: a
-    first use before the change keeps it working, in this process and in what it forks. Call it
-    before this process changes its environment."""
-    try:
-        import setproctitle
-    except ImportError:
-        return
-    setproctitle.getproctitle()
-
-
 class EnvCarryingProcess(multiprocessing.context.ForkServerProcess):
     """A forkserver process that runs with its creator's environment and CPU cores of the moment
     it was made."""
@@ -80,7 +66,15 @@ class EnvCarryingProcess(multiprocessing.context.ForkServerProcess):
         self.creator_cpus = os.sched_getaffinity(0)
 
     def run(self) -> None:
-        keep_process_title_settable()
+        try:
+            import setproctitle
+        except ImportError:
+            pass
+        else:
+            # setproctitle finds the memory it may overwrite (argv, then the environment block) on
+            # first use; after the environment changes it finds none and vLLM's "VLLM::EngineCore"
+            # title would silently not show. Measured: first use before the change keeps it working.
+            setproctitle.getproctitle()
         if os.sched_getaffinity(0) != self.creator_cpus:  # before vLLM's code starts a thread
             os.sched_setaffinity(0, self.creator_cpus)
         wanted = self.creator_environment
@@ -96,18 +90,17 @@ class WarmEngineCoreContext(multiprocessing.context.ForkServerContext):
     Process = EnvCarryingProcess
 
 
-def prepare_engine_core_start(method: str) -> str | None:
+def prepare_engine_core_start(method: str) -> None:
     """Get ready to start vLLM's EngineCore by ``method`` (``envs.ENGINE_CORE_STARTS``): for
     "forkserver", start it now. Call it first thing in an llm stage process, before anything imports
-    vLLM. Returns the method in force: None (nothing changes) for "spawn", or where the installed vLLM
-    is not the CPU build (a GPU vLLM keeps its own start)."""
+    vLLM. Nothing changes for "spawn", or where the installed vLLM is not the CPU build (a GPU vLLM
+    keeps its own start)."""
     global _method
     if _method is not None or method == "spawn" or not installed_vllm_is_cpu_build():
-        return _method
+        return
     if method == "forkserver":
         start_warm_forkserver()
     _method = method
-    return _method
 
 
 def start_warm_forkserver() -> None:
