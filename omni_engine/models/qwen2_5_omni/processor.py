@@ -52,7 +52,9 @@ def processor_without_video_class() -> type:
     The base class checks each part's type by the class's name in ``transformers``' namespace,
     where ``VideoProcessorMixin`` is only exported when torchvision is available.
     """
-    from transformers.models.qwen2_5_omni.processing_qwen2_5_omni import Qwen2_5OmniProcessor
+    from transformers.models.qwen2_5_omni.processing_qwen2_5_omni import (
+        Qwen2_5OmniProcessor,
+    )
 
     class Qwen2_5OmniProcessorWithoutVideo(Qwen2_5OmniProcessor):
         def check_argument_for_proper_class(self, argument_name: str, argument: Any) -> Any:
@@ -67,11 +69,15 @@ def load_processor(model_dir: str | Path, tokenizer: Any = None, **kwargs: Any) 
     """``Qwen2_5OmniProcessor`` of ``model_dir``: transformers' own where torchvision imports,
     else the same processor with PIL image processing and video refused."""
     from transformers import AutoTokenizer, WhisperFeatureExtractor
-    from transformers.models.qwen2_5_omni.processing_qwen2_5_omni import Qwen2_5OmniProcessor
+    from transformers.models.qwen2_5_omni.processing_qwen2_5_omni import (
+        Qwen2_5OmniProcessor,
+    )
 
     if has_torchvision():
         return Qwen2_5OmniProcessor.from_pretrained(str(model_dir), tokenizer=tokenizer, **kwargs)
-    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
+        Qwen2VLImageProcessorPil,
+    )
 
     model_dir = str(model_dir)
     if tokenizer is None:

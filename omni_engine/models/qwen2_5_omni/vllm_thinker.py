@@ -15,20 +15,24 @@ from __future__ import annotations
 from typing import Any
 
 from omni_engine.models.qwen2_5_omni import torchvision_free
-from omni_engine.models.qwen2_5_omni.processor import VIDEO_UNSUPPORTED, has_torchvision, load_processor
+from omni_engine.models.qwen2_5_omni.processor import (
+    VIDEO_UNSUPPORTED,
+    has_torchvision,
+    load_processor,
+)
 
+# Before vLLM's model files: they import the transformers module the stand-in replaces.
 torchvision_free.install()
 
-from vllm.model_executor.models.qwen2_5_omni_thinker import (  # noqa: E402  (after the stand-in)
+from vllm.exceptions import VLLMValidationError
+from vllm.model_executor.models.qwen2_5_omni_thinker import (
     Qwen2_5OmniThinkerDummyInputsBuilder,
     Qwen2_5OmniThinkerForConditionalGeneration,
     Qwen2_5OmniThinkerMultiModalProcessor,
     Qwen2_5OmniThinkerProcessingInfo,
 )
-from vllm.exceptions import VLLMValidationError  # noqa: E402
-from vllm.multimodal import MULTIMODAL_REGISTRY  # noqa: E402
+from vllm.multimodal import MULTIMODAL_REGISTRY
 
-ARCHITECTURE = "OmniEngineQwen2_5OmniThinker"
 # Construction-time options of the image processor (vLLM passes a model's mm_processor_kwargs).
 _IMAGE_PROCESSOR_KWARGS = frozenset({"min_pixels", "max_pixels", "size", "patch_size", "merge_size",
                                      "temporal_patch_size"})
