@@ -8,6 +8,7 @@ within 1e-4.
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import json
 import subprocess
@@ -18,6 +19,9 @@ import pytest
 import pytest_asyncio
 import torch
 
+from omni_engine.config import parse_pipeline_config, read_pipeline_yaml
+from omni_engine.connectors.shm import SHM_DIR
+from omni_engine.engines.hidden_states import latent_output
 from omni_engine.engines.mm_prompt import audio_items, vllm_prompt
 from omni_engine.errors import StageRequestError
 from omni_engine.inputs import OmniTextPrompt
@@ -25,7 +29,7 @@ from omni_engine.models.prepare import MARKER_FILE, prepare_model
 from omni_engine.models.qwen2_5_omni import checkpoint
 from omni_engine.models.qwen2_5_omni.processor import VIDEO_UNSUPPORTED, load_processor
 from tests.stress.checks import after_shutdown, wait_clean
-from tests.stress.pipeline import REPO, speech_config, start_pipeline
+from tests.stress.pipeline import REPO, start_pipeline
 
 THINKER_CONFIG = REPO / "stage_configs" / "qwen2_5_omni_thinker.yaml"
 LOGPROB_TOLERANCE = 1e-4
@@ -158,23 +162,35 @@ PROMPTS = {
 }
 
 
+def _latent_thinker_config():
+    """The thinker config with its states handed on (engine_output_type: latent), as the talker needs."""
+    data = read_pipeline_yaml(THINKER_CONFIG)
+    data["stage_args"][0]["engine_args"]["engine_output_type"] = "latent"
+    return parse_pipeline_config(data, str(THINKER_CONFIG))
+
+
 @pytest_asyncio.fixture(scope="module", loop_scope="session")
 async def thinker():
-    client = await start_pipeline(speech_config(THINKER_CONFIG))
+    client = await start_pipeline(_latent_thinker_config())
     yield client
     await client.shutdown_async()
     assert not await after_shutdown(client)
 
 
-def _reference_run(reference, kind):
-    """transformers' greedy ids and, per step, the chosen token's logprob and the top-2 gap."""
+def _reference_generate(reference, kind):
     model, processor = reference
     text, data = PROMPTS[kind]
     inputs = processor(text=text, audio=[data["audio"][0]] if "audio" in data else None,
                        images=[data["image"]] if "image" in data else None, return_tensors="pt")
     with torch.no_grad():
         out = model.thinker.generate(**inputs, max_new_tokens=MAX_TOKENS, do_sample=False, output_logits=True,
-                                     return_dict_in_generate=True)
+                                     output_hidden_states=True, return_dict_in_generate=True)
+    return inputs, out
+
+
+def _reference_run(reference, kind):
+    """transformers' greedy ids and, per step, the chosen token's logprob and the top-2 gap."""
+    inputs, out = _reference_generate(reference, kind)
     ids = out.sequences[0, inputs["input_ids"].shape[1]:].tolist()
     logprobs, gaps = [], []
     for token, logits in zip(ids, out.logits):
@@ -185,7 +201,7 @@ def _reference_run(reference, kind):
     return ids, logprobs, gaps
 
 
-async def _stage_run(client, kind, request_id):
+async def _stage_final(client, kind, request_id):
     from vllm import SamplingParams
 
     text, data = PROMPTS[kind]
@@ -194,7 +210,11 @@ async def _stage_run(client, kind, request_id):
     async for output in client.generate(prompt, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, logprobs=0,
                                                                ignore_eos=True), request_id):
         final = output
-    completion = final.outputs[0]
+    return final
+
+
+async def _stage_run(client, kind, request_id):
+    completion = (await _stage_final(client, kind, request_id)).outputs[0]
     return list(completion.token_ids), [step[token].logprob for token, step in
                                         zip(completion.token_ids, completion.logprobs)]
 
@@ -210,6 +230,67 @@ async def test_the_thinker_stage_gives_transformers_greedy_tokens(thinker, refer
             break  # a near tie went the other way: the two continuations differ from here on
         assert abs(got_logprobs[step] - want_logprobs[step]) <= LOGPROB_TOLERANCE, (
             f"step {step}: logprob {got_logprobs[step]} vs transformers' {want_logprobs[step]}")
+
+
+@pytest.mark.parametrize("kind", ["text", "audio"])
+async def test_the_thinker_hands_on_transformers_embeddings_and_last_hidden_states(thinker, reference, kind):
+    """What transformers' generate(return_audio=True) takes from the thinker for the talker:
+    hidden_states[step][0] (input embeddings, audio features merged) and [-1] (last layer, after
+    the norm), for every prompt position and each generated token but the last."""
+    inputs, out = _reference_generate(reference, kind)
+    final = await _stage_final(thinker, kind, f"states-{kind}")
+    assert list(final.outputs[0].token_ids) == out.sequences[0, inputs["input_ids"].shape[1]:].tolist()
+    want_embeds = torch.cat([step[0][0] for step in out.hidden_states])
+    want_hidden = torch.cat([step[-1][0] for step in out.hidden_states])
+    prompt_len = inputs["input_ids"].shape[1]
+    assert want_embeds.shape == (prompt_len + MAX_TOKENS - 1, 64)
+    got = final.multimodal_output
+    assert got["input_embeds"].shape == want_embeds.shape and got["hidden_states"].shape == want_hidden.shape
+    torch.testing.assert_close(got["input_embeds"], want_embeds, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(got["hidden_states"], want_hidden, rtol=1e-4, atol=1e-4)
+
+
+async def test_requests_batched_together_each_get_their_own_states(thinker):
+    """Rows move and slots are reused as requests join and leave the batch: each request's states
+    are still its own (as it gets them alone)."""
+    alone = {kind: await _stage_final(thinker, kind, f"alone-{kind}") for kind in PROMPTS}
+    together = await asyncio.gather(*(_stage_final(thinker, kind, f"together-{kind}-{i}")
+                                      for i in range(2) for kind in PROMPTS))
+    for i, final in enumerate(together):
+        kind = list(PROMPTS)[i % len(PROMPTS)]
+        want = alone[kind].multimodal_output
+        assert list(final.outputs[0].token_ids) == list(alone[kind].outputs[0].token_ids), kind
+        for key in ("input_embeds", "hidden_states"):
+            got = final.multimodal_output[key]
+            assert got.shape == want[key].shape, (kind, key)
+            torch.testing.assert_close(got, want[key], rtol=1e-4, atol=1e-4, msg=f"{kind} {key}")
+
+
+async def test_an_aborted_request_leaves_no_states_behind(thinker):
+    from vllm import SamplingParams
+
+    async def partial():
+        async for _ in thinker.generate(_chat("Tell me a story."), SamplingParams(max_tokens=400, ignore_eos=True),
+                                        "states-aborted"):
+            return
+
+    await partial()
+    assert not await wait_clean(thinker)
+    left = [p.name for p in SHM_DIR.glob("omni_*_states*")]
+    assert not left, f"state files left after an abort: {left}"
+
+
+def test_latent_output_turns_prefix_caching_off_and_refuses_it_on():
+    args = {"model": "m", "engine_output_type": "latent", "logits_processors": ["a.b:C"]}
+    assert latent_output(3, args)
+    assert args == {"model": "m", "enable_prefix_caching": False,
+                    "logits_processors": ["a.b:C", "omni_engine.models.hidden_state_tap:HiddenStateTap"]}
+    with pytest.raises(ValueError, match=r"stage 3: engine_args.enable_prefix_caching must be false"):
+        latent_output(3, {"engine_output_type": "latent", "enable_prefix_caching": True})
+    with pytest.raises(ValueError, match=r"engine_output_type must be 'text' or 'latent', got 'audio'"):
+        latent_output(3, {"engine_output_type": "audio"})
+    plain = {"model": "m"}
+    assert not latent_output(3, plain) and plain == {"model": "m"}
 
 
 async def test_a_video_is_refused_by_name_and_the_stage_serves_on(thinker):

@@ -208,6 +208,11 @@ def set_output_pool(pool: "ShmPool | None", shm_threshold: int = DEFAULT_SHM_THR
     _output_pool, _output_threshold = pool, shm_threshold
 
 
+def output_pool_prefix() -> str | None:
+    """The segment prefix of this stage process's pool (None outside a stage, or without shm)."""
+    return _output_pool.prefix if _output_pool is not None else None
+
+
 def empty_output(nbytes: int, request_id: str) -> np.ndarray:
     """An uninitialised uint8 buffer for an output of ``request_id``.
 

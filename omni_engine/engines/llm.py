@@ -15,10 +15,12 @@ from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 from vllm import SamplingParams
+from vllm.sampling_params import RequestOutputKind
 
 from omni_engine.deadlines import DeadlineStats, effective_deadline
 from omni_engine.engines.base import StageEngine, StageEngineError
 from omni_engine.engines.engine_core_watch import EngineCoreWatch, engine_core_processes
+from omni_engine.engines.hidden_states import StateFiles, TokenCount, latent_output
 from omni_engine.engines.mm_prompt import vllm_prompt
 from omni_engine.logits.mixing_wiring import THETA_KEY
 from omni_engine.logits.slot_table import tag_request
@@ -56,6 +58,10 @@ class LLMStageEngine(StageEngine):
         self.theta_scorer: Any = None
         # Request-keyed processors (omni_engine.logits) find the pipeline's request id in the
         # params; a stage without processors of its own skips the per-request copy that tags them.
+        # engine_output_type: latent (vLLM-Omni's name): final outputs carry each position's input
+        # embedding and last hidden state (engines/hidden_states.py; a model of ours records them).
+        self.output_latent = latent_output(stage_id, self.engine_args)
+        self.state_files: StateFiles | None = None
         self.tags_requests = bool(self.engine_args.get("logits_processors"))
         self.final_output_type = final_output_type
         self.engine: Any = None
@@ -98,6 +104,8 @@ class LLMStageEngine(StageEngine):
             raise ValueError(f"stage {self.stage_id}: invalid engine_args for vLLM: {exc}") from exc
         self.engine = AsyncLLM.from_engine_args(args)
         self.core_watch = EngineCoreWatch(engine_core_processes(self.engine), self._engine_core_died)
+        if self.output_latent:
+            self.state_files = StateFiles(self.stage_id, self.engine.model_config.get_hidden_size())
         if getattr(self.engine.model_config.hf_config, "model_type", None) == "whisper":
             from omni_engine.engines.transcription import SpeechToText
 
@@ -169,6 +177,11 @@ class LLMStageEngine(StageEngine):
             # The pipeline's request id travels in the params: logits processors get the
             # params of each request, never its id (omni_engine.logits keys state by it).
             params = tag_request(params, request_id)
+        if self.state_files is not None:
+            if params.n != 1:
+                raise ValueError(f"stage {self.stage_id}: n must be 1 where engine_output_type is latent, "
+                                 f"got {params.n} (request {request_id!r})")
+            params = self.state_files.tag(params, request_id)
         outputs = None
         due = effective_deadline(deadline)
         priority = self.priority_of(due) if self.priority_scheduling else 0
@@ -179,6 +192,7 @@ class LLMStageEngine(StageEngine):
                 outputs = self.speech_to_text.generate(request_id, audio, params, priority)
         prompt = vllm_prompt(prompt)
         versions: list[str] = []
+        positions = TokenCount(params.output_kind == RequestOutputKind.DELTA)
         started = False  # (its start is reported once, at its first output)
         trace_headers = self.trace_headers.pop(request_id, None) if self.trace_headers else None
         if not self.vllm_traces:
@@ -196,6 +210,11 @@ class LLMStageEngine(StageEngine):
                     output, stage_id=self.stage_id, final_output_type=self.final_output_type
                 )
                 out.stage_versions = {self.stage_id: self._versions_of(output, versions)}
+                if self.state_files is not None:
+                    positions.observe(output)
+                    if output.finished:
+                        out.multimodal_output.update(self.state_files.take(
+                            request_id, positions.total, self.engine.model_config.architecture))
                 yield out
         except EngineDeadError as exc:
             raise StageEngineError(f"vLLM engine died: {exc}") from exc
@@ -204,6 +223,9 @@ class LLMStageEngine(StageEngine):
             if exc.__cause__ is not None:
                 raise exc.__cause__ from None
             raise
+        finally:
+            if self.state_files is not None:  # an aborted or failed request's files (no-op once taken)
+                self.state_files.discard(request_id)
 
     def _versions_of(self, output: Any, seen: list[str]) -> list[str]:
         """The weight versions that made the request's tokens so far: vLLM's spans on the final
