@@ -84,7 +84,7 @@ def _serve_valid(stage: RawStage, rid: str) -> None:
 def test_stage_input_survives_hostile_frames(raw_stage, foreign_segment):
     _serve_valid(raw_stage, "before")  # the pool now holds its slot
     segments = list_segments(raw_stage.shm_prefix)
-    verdicts = stage_barrage(raw_stage, EXAMPLES, (foreign_segment,))
+    verdicts = stage_barrage(raw_stage, EXAMPLES, (foreign_segment,), derandomize=True)
     # The barrage reached the deep paths, not just the frame count check.
     assert verdicts["malformed with request id"] > EXAMPLES // 10 and verdicts["generate with request id"] > 0
     assert raw_stage.process.is_alive()

@@ -13,25 +13,32 @@ import hashlib
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
 import pytest_asyncio
 import torch
 
-from omni_engine.config import parse_pipeline_config, read_pipeline_yaml
+from omni_engine.config import (
+    load_pipeline_config,
+    parse_pipeline_config,
+    read_pipeline_yaml,
+)
 from omni_engine.connectors.shm import SHM_DIR
-from omni_engine.engines.hidden_states import latent_output
+from omni_engine.engines.hidden_states import configure_request_tap
 from omni_engine.engines.mm_prompt import audio_items, vllm_prompt
 from omni_engine.errors import StageRequestError
 from omni_engine.inputs import OmniTextPrompt
+from omni_engine.models.check import ModelError
 from omni_engine.models.prepare import MARKER_FILE, prepare_model
 from omni_engine.models.qwen2_5_omni import checkpoint
 from omni_engine.models.qwen2_5_omni.processor import VIDEO_UNSUPPORTED, load_processor
+from omni_engine.pipeline.stage_specs import prepare_models
 from tests.stress.checks import after_shutdown, wait_clean
 from tests.stress.pipeline import REPO, start_pipeline
 
-THINKER_CONFIG = REPO / "stage_configs" / "qwen2_5_omni_thinker.yaml"
+OMNI_CONFIG = REPO / "stage_configs" / "qwen2_5_omni.yaml"
 LOGPROB_TOLERANCE = 1e-4
 # Below this top-2 gap the two implementations' float32 sums may order the tokens either way.
 TIE_GAP = 1e-3
@@ -162,16 +169,11 @@ PROMPTS = {
 }
 
 
-def _latent_thinker_config():
-    """The thinker config with its states handed on (engine_output_type: latent), as the talker needs."""
-    data = read_pipeline_yaml(THINKER_CONFIG)
-    data["stage_args"][0]["engine_args"]["engine_output_type"] = "latent"
-    return parse_pipeline_config(data, str(THINKER_CONFIG))
-
-
 @pytest_asyncio.fixture(scope="module", loop_scope="session")
 async def thinker():
-    client = await start_pipeline(_latent_thinker_config())
+    """stage_configs/qwen2_5_omni.yaml: the thinker (handing its states on) and the talker. A
+    request ends at the thinker (the text stage) unless it asks for the talker."""
+    client = await start_pipeline(load_pipeline_config(OMNI_CONFIG))
     yield client
     await client.shutdown_async()
     assert not await after_shutdown(client)
@@ -208,7 +210,8 @@ async def _stage_final(client, kind, request_id):
     prompt = OmniTextPrompt(prompt=text, multi_modal_data=dict(data)) if data else text
     final = None
     async for output in client.generate(prompt, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, logprobs=0,
-                                                               ignore_eos=True), request_id):
+                                                               ignore_eos=True), request_id,
+                                        final_stage_id=0):
         final = output
     return final
 
@@ -271,7 +274,7 @@ async def test_an_aborted_request_leaves_no_states_behind(thinker):
 
     async def partial():
         async for _ in thinker.generate(_chat("Tell me a story."), SamplingParams(max_tokens=400, ignore_eos=True),
-                                        "states-aborted"):
+                                        "states-aborted", final_stage_id=0):
             return
 
     await partial()
@@ -280,17 +283,20 @@ async def test_an_aborted_request_leaves_no_states_behind(thinker):
     assert not left, f"state files left after an abort: {left}"
 
 
-def test_latent_output_turns_prefix_caching_off_and_refuses_it_on():
+def test_the_request_tap_turns_prefix_caching_off_and_refuses_it_on():
     args = {"model": "m", "engine_output_type": "latent", "logits_processors": ["a.b:C"]}
-    assert latent_output(3, args)
+    assert configure_request_tap(3, args) == (True, None)
     assert args == {"model": "m", "enable_prefix_caching": False,
-                    "logits_processors": ["a.b:C", "omni_engine.models.hidden_state_tap:HiddenStateTap"]}
+                    "logits_processors": ["a.b:C", "omni_engine.models.request_tap:RequestTap"]}
+    talker = {"request_adapter": "x.y:Z"}
+    assert configure_request_tap(3, talker) == (False, "x.y:Z")
+    assert talker == {"enable_prefix_caching": False, "logits_processors": ["omni_engine.models.request_tap:RequestTap"]}
     with pytest.raises(ValueError, match=r"stage 3: engine_args.enable_prefix_caching must be false"):
-        latent_output(3, {"engine_output_type": "latent", "enable_prefix_caching": True})
+        configure_request_tap(3, {"engine_output_type": "latent", "enable_prefix_caching": True})
     with pytest.raises(ValueError, match=r"engine_output_type must be 'text' or 'latent', got 'audio'"):
-        latent_output(3, {"engine_output_type": "audio"})
+        configure_request_tap(3, {"engine_output_type": "audio"})
     plain = {"model": "m"}
-    assert not latent_output(3, plain) and plain == {"model": "m"}
+    assert configure_request_tap(3, plain) == (False, None) and plain == {"model": "m"}
 
 
 async def test_a_video_is_refused_by_name_and_the_stage_serves_on(thinker):
@@ -298,7 +304,7 @@ async def test_a_video_is_refused_by_name_and_the_stage_serves_on(thinker):
                             multi_modal_data={"video": np.zeros((4, 56, 56, 3), np.uint8)})
     with pytest.raises(StageRequestError) as caught:
         await _stage_run(thinker, "text", "warm-up")  # the stage answers before
-        async for _ in thinker.generate(prompt, None, "thinker-video"):
+        async for _ in thinker.generate(prompt, None, "thinker-video", final_stage_id=0):
             pass
     message = str(caught.value)
     assert "request 'thinker-video'" in message and "(parameter=video)" in message
@@ -306,3 +312,168 @@ async def test_a_video_is_refused_by_name_and_the_stage_serves_on(thinker):
     assert not await wait_clean(thinker), "the refused request left state behind"
     got, _ = await _stage_run(thinker, "text", "after-video")
     assert len(got) == MAX_TOKENS
+
+
+# ---------------------------------------------------------------- the talker stage
+
+TALKER_TOKENS = 30
+
+
+def _reference_codes(reference, kind, voice="Chelsie"):
+    """transformers' talker, greedy, as its ``generate(return_audio=True)`` sets it up (inputs built
+    from the thinker's states exactly so), stepped by this loop with its forward.
+
+    Not its ``generate`` itself: transformers 5.19's talker ``generate`` calls the forward without
+    the attention mask, so the forward's prefill branch never runs and the codec pad and codec bos
+    embeddings are never added to the last two prompt rows, as Qwen's code (and vLLM-Omni) add them
+    and as the forward itself is written to (measured: those two rows then differ by exactly those
+    embeddings). Here the forward gets the mask, as the model's code intends.
+    """
+    from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor
+
+    model = reference[0]
+    inputs, out = _reference_generate(reference, kind)
+    talker, embed = model.talker, model.thinker.get_input_embeddings()
+    ids, length = inputs["input_ids"], inputs["input_ids"].shape[1]
+    embeds = torch.cat([step[0] for step in out.hidden_states], dim=1)
+    hidden = torch.cat([step[-1] for step in out.hidden_states], dim=1)
+    generated = out.sequences[:, length:]
+    bos = torch.tensor([[model.speaker_map[voice]["bos_token"]]])
+    prompt_embeds = embeds[:, :length].clone()
+    if "input_features" in inputs:  # transformers zeroes the merged audio features
+        prompt_embeds[ids == model.config.thinker_config.audio_token_index] = 0
+    reply = hidden[:, length:] + embeds[:, length:]
+    prefill = torch.cat([hidden[:, :length] + prompt_embeds, embed(bos), reply[:, :1]], dim=1)
+    reply = torch.cat([reply[:, 1:], embed(torch.tensor([[talker.text_eos_token]])),
+                       embed(torch.tensor([[talker.text_pad_token]]))], dim=1)
+    history = torch.cat([torch.full_like(ids, talker.codec_mask_token),
+                         torch.tensor([[talker.codec_pad_token, talker.codec_bos_token]])], dim=1)
+    penalty = RepetitionPenaltyLogitsProcessor(1.05)
+    talker.rope_deltas = None
+    codes, cache = [], None
+    with torch.no_grad():
+        step = talker(inputs_embeds=prefill, attention_mask=torch.ones_like(history),
+                      input_text_ids=torch.cat([ids, bos, generated[:, :1]], dim=1), use_cache=True)
+        for _ in range(TALKER_TOKENS):
+            scores = penalty(history, step.logits[:, -1].clone())
+            scores[:, talker.codec_bos_token] = -float("inf")
+            code = int(scores.argmax())
+            codes.append(code)
+            if code in (talker.codec_pad_token, talker.codec_eos_token):
+                codes.pop()
+                break
+            history = torch.cat([history, torch.tensor([[code]])], dim=1)
+            cache = step.past_key_values
+            step = talker(input_ids=torch.tensor([[code]]), attention_mask=torch.ones_like(history),
+                          past_key_values=cache, thinker_reply_part=reply[:, :1], use_cache=True)
+            if reply.shape[1] > 1:
+                reply = reply[:, 1:]
+    return codes
+
+
+def _talker_params(voice=None):
+    from vllm import SamplingParams
+
+    return {0: SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS),
+            1: SamplingParams(temperature=0.0, max_tokens=TALKER_TOKENS, repetition_penalty=1.05,
+                              stop_token_ids=[8292, 8294], detokenize=False,
+                              extra_args={"voice": voice} if voice else None)}
+
+
+async def _talker_codes(client, kind, request_id, voice=None):
+    text, data = PROMPTS[kind]
+    prompt = OmniTextPrompt(prompt=text, multi_modal_data=dict(data)) if data else text
+    final = None
+    async for output in client.generate(prompt, _talker_params(voice), request_id, final_stage_id=1):
+        final = output
+    codes = list(final.outputs[0].token_ids)
+    return codes[:-1] if codes and codes[-1] in (8292, 8294) else codes
+
+
+@pytest.mark.parametrize(("kind", "voice"), [("text", None), ("audio", "Ethan")])
+async def test_the_talker_stage_gives_transformers_codes(thinker, reference, kind, voice):
+    want = _reference_codes(reference, kind, voice or "Chelsie")
+    got = await _talker_codes(thinker, kind, f"talker-{kind}", voice)
+    assert len(want) > 5
+    assert got == want
+
+
+async def test_an_unknown_voice_is_refused_by_name_and_nothing_is_left(thinker):
+    with pytest.raises(StageRequestError, match=r"unknown voice 'Nobody'; this checkpoint's voices: Chelsie, Ethan"):
+        await _talker_codes(thinker, "text", "talker-nobody", voice="Nobody")
+    assert not await wait_clean(thinker)
+    assert not list(SHM_DIR.glob("omni_*_talker*")), "a talker inputs file was left"
+
+
+def test_model_stage_is_resolved_by_the_checkpoint_s_family_or_refused_by_field(omni_dir, tmp_path):
+    config = prepare_models(load_pipeline_config(OMNI_CONFIG))
+    talker = config.stage_args[1].engine_args
+    assert "model_stage" not in talker and talker["request_adapter"].endswith("talker_requests:TalkerRequests")
+    assert json.loads((Path(talker["hf_config_path"]) / "config.json").read_text())["architectures"] == [
+        "OmniEngineQwen2_5OmniTalker"]
+    assert config.stage_args[0].engine_args["hf_overrides"] == {"architectures": ["OmniEngineQwen2_5OmniThinker"]}
+    alone = prepare_models(load_pipeline_config(REPO / "stage_configs" / "qwen2_5_omni_thinker.yaml"))
+    assert alone.stage_args[0].engine_args["hf_overrides"] == {"architectures": ["OmniEngineQwen2_5OmniThinker"]}
+    data = read_pipeline_yaml(OMNI_CONFIG)
+    data["stage_args"][1]["engine_args"]["model_stage"] = "singer"
+    with pytest.raises(ModelError, match=r"stage_args\[1\].engine_args.model_stage: unknown model_stage 'singer'"):
+        prepare_models(parse_pipeline_config(data, "omni.yaml"))
+    mute = tmp_path / "mute"
+    mute.mkdir()
+    for f in omni_dir.iterdir():
+        if f.name != "spk_dict.pt":
+            (mute / f.name).symlink_to(f)
+    data = read_pipeline_yaml(OMNI_CONFIG)
+    for stage in data["stage_args"]:
+        stage["engine_args"]["model"] = str(mute)
+    with pytest.raises(ModelError, match=r"stage_args\[1\].engine_args.model_stage: .*mute: no spk_dict.pt"):
+        prepare_models(parse_pipeline_config(data, "omni.yaml"))
+
+
+# ---------------------------------------------------------------- code2wav and the whole pipeline
+
+def _reference_wav(reference, codes, voice="Chelsie", seed=0):
+    """transformers' token2wav on ``codes`` with the noise of ``torch.manual_seed(seed)``."""
+    model, _ = reference
+    speaker = model.speaker_map[voice]
+    with torch.random.fork_rng(devices=[]), torch.no_grad():
+        torch.manual_seed(seed)
+        wav = model.token2wav(torch.tensor([codes]), conditioning=speaker["cond"].float()[None],
+                              reference_mel=speaker["ref_mel"].float())
+    return wav.reshape(-1).numpy()
+
+
+async def _speech(client, kind, request_id, voice=None):
+    """The pipeline's final outputs for a chat that asks for speech: the thinker's text, the audio."""
+    text, data = PROMPTS[kind]
+    prompt = OmniTextPrompt(prompt=text, multi_modal_data=dict(data)) if data else text
+    finals = {}
+    async for output in client.generate(prompt, _talker_params(voice), request_id, final_stage_id=[0, 2]):
+        if output.finished:
+            finals[output.stage_id] = output
+    return list(finals[0].outputs[0].token_ids), finals[2].multimodal_output
+
+
+@pytest.mark.parametrize(("kind", "voice"), [("audio", None), ("text", "Ethan")])
+async def test_speech_end_to_end_equals_transformers(thinker, reference, kind, voice):
+    """Thinker ids, talker codes and code2wav's waveform, each as transformers makes it."""
+    want_text, _, _ = _reference_run(reference, kind)
+    codes = _reference_codes(reference, kind, voice or "Chelsie")
+    want = _reference_wav(reference, codes, voice or "Chelsie")
+    text, audio = await _speech(thinker, kind, f"speech-{kind}", voice)
+    assert text == want_text
+    assert audio["sample_rate"] == 24000
+    assert audio["audio"].shape == (len(codes) * 2 * 240,) == want.shape
+    assert float(np.abs(audio["audio"]).max()) > 0.05, "silent"
+    np.testing.assert_allclose(audio["audio"], want, atol=1e-4, rtol=0)
+
+
+async def test_concurrent_speech_requests_each_give_what_they_give_alone(thinker):
+    alone = {kind: await _speech(thinker, kind, f"alone-speech-{kind}") for kind in ("text", "audio")}
+    together = await asyncio.gather(*(_speech(thinker, kind, f"together-speech-{kind}-{i}")
+                                      for i in range(2) for kind in ("text", "audio")))
+    for i, (text, audio) in enumerate(together):
+        kind = ("text", "audio")[i % 2]
+        assert text == alone[kind][0], kind
+        np.testing.assert_allclose(audio["audio"], alone[kind][1]["audio"], atol=1e-4, rtol=0, err_msg=kind)
+    assert not await wait_clean(thinker)

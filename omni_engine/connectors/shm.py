@@ -213,6 +213,13 @@ def output_pool_prefix() -> str | None:
     return _output_pool.prefix if _output_pool is not None else None
 
 
+def stage_file_prefix(kind: str) -> str:
+    """A name prefix for files of ``kind`` a stage process keeps in ``SHM_DIR`` besides its pool's
+    segments (its pool's prefix where it has one: the client's clean-up of a dead stage or run
+    finds them too)."""
+    return f"{output_pool_prefix() or new_run_prefix()}_{kind}"
+
+
 def empty_output(nbytes: int, request_id: str) -> np.ndarray:
     """An uninitialised uint8 buffer for an output of ``request_id``.
 

@@ -2,7 +2,7 @@
 
 The stage gives each request a file in ``/dev/shm`` (named with the stage's shared-memory prefix,
 so the client's hygiene checks and its clean-up of dead runs see it) and puts the path in the
-request's params; the worker's ``HiddenStateTap`` writes the rows (``models/hidden_state_tap.py``).
+request's params; the worker's ``RequestTap`` writes the rows (``models/request_tap.py``).
 When the final output arrives, the rows are read into a slot of the stage's output pool (sent on
 as a handle, with no further copy) and the file is removed; an aborted or failed request's file is
 removed too. The output's ``multimodal_output`` then has, for the ``L`` prompt positions and each
@@ -22,9 +22,9 @@ import numpy as np
 import torch
 
 from omni_engine.connectors import shm
-from omni_engine.models.hidden_state_tap import STATE_KINDS, STATES_PATH_KEY, TAP_CLASS
+from omni_engine.models.request_tap import STATE_KINDS, STATES_PATH_KEY, TAP_CLASS
 
-__all__ = ["LATENT", "StateFiles", "TokenCount", "latent_output"]
+__all__ = ["LATENT", "StateFiles", "TokenCount", "configure_request_tap"]
 
 LATENT = "latent"
 # multimodal_output keys, in STATE_KINDS' order
@@ -39,41 +39,47 @@ def _unlink(path: str) -> None:
             pass
 
 
-def latent_output(stage_id: int, engine_args: dict[str, Any]) -> bool:
-    """Pop ``engine_output_type`` from an llm stage's ``engine_args``; for ``latent``, add the tap
-    to its logits processors and turn prefix caching off (a cached prompt position is never
-    forwarded, so it would have no states). True for ``latent``."""
+def configure_request_tap(stage_id: int, engine_args: dict[str, Any]) -> tuple[bool, str | None]:
+    """Pop ``engine_output_type`` and ``request_adapter`` from an llm stage's ``engine_args``.
+
+    With ``engine_output_type: latent`` or a request adapter (whose requests bring tensors of
+    their own), the worker's ``RequestTap`` joins the logits processors and prefix caching is
+    turned off: a cached prompt position is never forwarded (it would have no states), and a
+    request whose embeddings are its own shares nothing with another's equal placeholder ids.
+    Returns ``(latent, adapter)``.
+    """
     kind = engine_args.pop("engine_output_type", "text")
     if kind not in ("text", LATENT):
         raise ValueError(f"stage {stage_id}: engine_args.engine_output_type must be 'text' or '{LATENT}', got {kind!r}")
-    if kind != LATENT:
-        return False
+    adapter = engine_args.pop("request_adapter", None)
+    if kind != LATENT and adapter is None:
+        return False, None
     if engine_args.get("enable_prefix_caching"):
         raise ValueError(f"stage {stage_id}: engine_args.enable_prefix_caching must be false where "
-                         f"engine_output_type is {LATENT} (a cached prompt position is never forwarded, so it "
-                         "would have no states)")
+                         f"engine_output_type is {LATENT} or a request_adapter is set (a cached prompt position "
+                         "is never forwarded, and requests with their own embeddings share no prefix)")
     engine_args["enable_prefix_caching"] = False
     engine_args["logits_processors"] = [*(engine_args.get("logits_processors") or []), TAP_CLASS]
-    return True
+    return kind == LATENT, adapter
 
 
 class TokenCount:
-    """A request's prompt + generated tokens so far, from its outputs (deltas or cumulative)."""
+    """A request's prompt length and generated ids so far, from its outputs (deltas or cumulative)."""
 
     def __init__(self, delta: bool) -> None:
         self.delta = delta
         self.prompt = 0
-        self.generated = 0
+        self.generated: list[int] = []
 
     def observe(self, output: Any) -> None:
         if output.prompt_token_ids:  # a delta stream names them on its first output only
             self.prompt = len(output.prompt_token_ids)
-        new = len(output.outputs[0].token_ids)
+        new = list(output.outputs[0].token_ids)
         self.generated = self.generated + new if self.delta else new
 
     @property
     def total(self) -> int:
-        return self.prompt + self.generated
+        return self.prompt + len(self.generated)
 
 
 class StateFiles:
@@ -82,7 +88,7 @@ class StateFiles:
     def __init__(self, stage_id: int, hidden_size: int) -> None:
         self.stage_id = stage_id
         self.hidden_size = hidden_size
-        self.prefix = f"{shm.output_pool_prefix() or shm.new_run_prefix()}_states"
+        self.prefix = shm.stage_file_prefix("states")
         self._paths: dict[str, str] = {}
         self._counter = itertools.count()
 
@@ -111,7 +117,7 @@ class StateFiles:
         except FileNotFoundError:
             raise RuntimeError(
                 f"stage {self.stage_id}: engine_output_type {LATENT} needs a model that records its states "
-                f"(omni_engine.models.hidden_state_tap.record); {arch} wrote none for request {request_id!r}"
+                f"(omni_engine.models.request_tap.record); {arch} wrote none for request {request_id!r}"
             ) from None
         row_bytes = self.hidden_size * 4
         if size != rows * row_bytes:

@@ -20,7 +20,7 @@ from vllm.sampling_params import RequestOutputKind
 from omni_engine.deadlines import DeadlineStats, effective_deadline
 from omni_engine.engines.base import StageEngine, StageEngineError
 from omni_engine.engines.engine_core_watch import EngineCoreWatch, engine_core_processes
-from omni_engine.engines.hidden_states import StateFiles, TokenCount, latent_output
+from omni_engine.engines.hidden_states import StateFiles, TokenCount, configure_request_tap
 from omni_engine.engines.mm_prompt import vllm_prompt
 from omni_engine.logits.mixing_wiring import THETA_KEY
 from omni_engine.logits.slot_table import tag_request
@@ -60,8 +60,11 @@ class LLMStageEngine(StageEngine):
         # params; a stage without processors of its own skips the per-request copy that tags them.
         # engine_output_type: latent (vLLM-Omni's name): final outputs carry each position's input
         # embedding and last hidden state (engines/hidden_states.py; a model of ours records them).
-        self.output_latent = latent_output(stage_id, self.engine_args)
+        # request_adapter ("module:Class"): turns a stage's requests into vLLM's (e.g. a talker's
+        # thinker states into tensors its model reads through the worker's RequestTap).
+        self.output_latent, self.adapter_class = configure_request_tap(stage_id, self.engine_args)
         self.state_files: StateFiles | None = None
+        self.adapter: Any = None
         self.tags_requests = bool(self.engine_args.get("logits_processors"))
         self.final_output_type = final_output_type
         self.engine: Any = None
@@ -106,6 +109,11 @@ class LLMStageEngine(StageEngine):
         self.core_watch = EngineCoreWatch(engine_core_processes(self.engine), self._engine_core_died)
         if self.output_latent:
             self.state_files = StateFiles(self.stage_id, self.engine.model_config.get_hidden_size())
+        if self.adapter_class is not None:
+            from omni_engine.utils import resolve_dotted
+
+            self.adapter = resolve_dotted(self.adapter_class, "request_adapter")(self.stage_id,
+                                                                                 self.engine.model_config.model)
         if getattr(self.engine.model_config.hf_config, "model_type", None) == "whisper":
             from omni_engine.engines.transcription import SpeechToText
 
@@ -182,6 +190,8 @@ class LLMStageEngine(StageEngine):
                 raise ValueError(f"stage {self.stage_id}: n must be 1 where engine_output_type is latent, "
                                  f"got {params.n} (request {request_id!r})")
             params = self.state_files.tag(params, request_id)
+        if self.adapter is not None:
+            prompt, params = self.adapter.adapt(request_id, prompt, params)
         outputs = None
         due = effective_deadline(deadline)
         priority = self.priority_of(due) if self.priority_scheduling else 0
@@ -210,8 +220,11 @@ class LLMStageEngine(StageEngine):
                     output, stage_id=self.stage_id, final_output_type=self.final_output_type
                 )
                 out.stage_versions = {self.stage_id: self._versions_of(output, versions)}
-                if self.state_files is not None:
+                if self.state_files is not None or self.adapter is not None:
                     positions.observe(output)
+                if self.adapter is not None and output.finished:
+                    out.multimodal_output.update(self.adapter.output_extras(request_id, positions.generated))
+                if self.state_files is not None:
                     if output.finished:
                         out.multimodal_output.update(self.state_files.take(
                             request_id, positions.total, self.engine.model_config.architecture))
@@ -226,6 +239,8 @@ class LLMStageEngine(StageEngine):
         finally:
             if self.state_files is not None:  # an aborted or failed request's files (no-op once taken)
                 self.state_files.discard(request_id)
+            if self.adapter is not None:
+                self.adapter.finish(request_id)
 
     def _versions_of(self, output: Any, seen: list[str]) -> list[str]:
         """The weight versions that made the request's tokens so far: vLLM's spans on the final

@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from omni_engine.models.gan_labels import EYE_COLOURS  # noqa: F401 (re-exported: the model's labels)
+from omni_engine.models.gan_labels import EYE_COLOURS
 
 LATENT_SIZE = 100
 EYE_WEIGHTS = "generator_model_state.pth"

@@ -41,8 +41,8 @@ from omni_engine.models.built_recipe import BuiltCheckpointRecipe
 
 __all__ = [
     "MARKER_FILE",
-    "BuiltCheckpointRecipe",
     "RECIPES",
+    "BuiltCheckpointRecipe",
     "ModelRecipe",
     "WheelFilesRecipe",
     "WhisperCT2Recipe",

@@ -10,6 +10,7 @@ from __future__ import annotations
 # architecture name -> "module:Class"
 OUT_OF_TREE_MODELS = {
     "OmniEngineQwen2_5OmniThinker": "omni_engine.models.qwen2_5_omni.vllm_thinker:OmniEngineQwen2_5OmniThinker",
+    "OmniEngineQwen2_5OmniTalker": "omni_engine.models.qwen2_5_omni.vllm_talker:OmniEngineQwen2_5OmniTalker",
 }
 
 

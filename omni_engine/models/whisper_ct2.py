@@ -23,8 +23,14 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["CT2FormatError", "POSITIONS_PER_S", "convert_ct2_whisper", "read_ct2_model", "whisper_state_dict",
-           "with_window"]
+__all__ = [
+    "POSITIONS_PER_S",
+    "CT2FormatError",
+    "convert_ct2_whisper",
+    "read_ct2_model",
+    "whisper_state_dict",
+    "with_window",
+]
 
 # CTranslate2's DataType ids (include/ctranslate2/types.h); bfloat16 (5) has no numpy dtype.
 _CT2_DTYPES: dict[int, np.dtype] = {

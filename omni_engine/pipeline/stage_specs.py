@@ -37,6 +37,7 @@ def prepare_models(config: PipelineConfig, progress: Progress | None = None) -> 
     a prepared model is found in the cache and returned at once.
     """
     from omni_engine.models.check import check_models, stage_model_error
+    from omni_engine.models.families import resolve_model_stage
     from omni_engine.models.prepare import RECIPES, llm_recipe_names, prepare_model
 
     check_models(config, llm_recipe_names())
@@ -52,6 +53,11 @@ def prepare_models(config: PipelineConfig, progress: Progress | None = None) -> 
                 raise stage_model_error(config, index, "model", f"cannot prepare model {model!r}: {exc}; "
                                         f"`omni-engine prepare-model {model}` shows the whole attempt") from exc
             stage = stage.replace(engine_args={**stage.engine_args, "model": str(path)})
+        if stage.stage_type == "llm" and "model_stage" in stage.engine_args:
+            try:
+                stage = stage.replace(engine_args=resolve_model_stage(stage.engine_args))
+            except ValueError as exc:
+                raise stage_model_error(config, index, "model_stage", str(exc)) from exc
         stages.append(stage)
     return config.replace(stage_args=stages)
 

@@ -32,7 +32,7 @@ SEED = 0
 SPEAKERS = ("Chelsie", "Ethan")
 # The talker's text-side bos token per speaker: rows of the thinker's embedding past the
 # tokenizer's vocabulary, as the published speakers use.
-SPEAKER_BOS_TOKENS = {"Chelsie": 151870, "Ethan": 151871}
+SPEAKER_BOS_TOKENS = {"Chelsie": 151872, "Ethan": 151870}
 REF_MEL_FRAMES = 120
 OUTPUT_CONV_GAIN = 0.05
 

@@ -14,13 +14,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from omni_engine.models.hidden_state_tap import HiddenStateTap, record
 from omni_engine.models.qwen2_5_omni import torchvision_free
 from omni_engine.models.qwen2_5_omni.processor import (
     VIDEO_UNSUPPORTED,
     has_torchvision,
     load_processor,
 )
+from omni_engine.models.request_tap import RequestTap, record
 
 # Before vLLM's model files: they import the transformers module the stand-in replaces.
 torchvision_free.install()
@@ -77,7 +77,7 @@ class ThinkerProcessingInfo(Qwen2_5OmniThinkerProcessingInfo):
 class OmniEngineQwen2_5OmniThinker(Qwen2_5OmniThinkerForConditionalGeneration):
     """vLLM's thinker under our architecture name (so our processing info is the one used), which
     also records each position's input embedding and last hidden state for the requests that ask
-    (what transformers' ``generate`` hands the talker: ``omni_engine.models.hidden_state_tap``).
+    (what transformers' ``generate`` hands the talker: ``omni_engine.models.request_tap``).
 
     The recording runs in this outer forward, which vLLM does not compile (its
     ``support_torch_compile`` is on the inner text model); a full CUDA graph would capture it too
@@ -87,7 +87,7 @@ class OmniEngineQwen2_5OmniThinker(Qwen2_5OmniThinkerForConditionalGeneration):
     def forward(self, input_ids: Any, positions: Any, intermediate_tensors: Any = None,
                 inputs_embeds: Any = None, **kwargs: object) -> Any:
         hidden_states = super().forward(input_ids, positions, intermediate_tensors, inputs_embeds, **kwargs)
-        if HiddenStateTap.current is not None and intermediate_tensors is None:
+        if RequestTap.current is not None and intermediate_tensors is None:
             if inputs_embeds is None:
                 inputs_embeds = self.embed_input_ids(input_ids)
             record(inputs_embeds, hidden_states)

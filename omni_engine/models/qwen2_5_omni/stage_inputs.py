@@ -1,0 +1,73 @@
+"""Edge input processors of the Qwen2.5-Omni family (``custom_process_input_func``), client side.
+
+Qwen2.5-Omni's stages each start when the one before has finished (vLLM-Omni runs them so too):
+``on_output`` sends nothing, ``on_finish`` hands on what the source's final output carries.
+
+- ``thinker2talker`` (vLLM-Omni's name): the thinker's prompt ids and its states
+  (``engine_output_type: latent``), forwarded as they came, so tensors in shared memory travel on
+  as the same handles, uncopied. The talker stage builds its model's inputs from them
+  (``talker_requests``).
+- ``talker2code2wav``: the talker's codes and the voice they were made for.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from omni_engine.pipeline.input_processors import StageInput
+
+if TYPE_CHECKING:
+    from omni_engine.outputs import OmniRequestOutput
+
+
+class FromFinishedSource:
+    """One source stage; its outputs become one input when it has finished (``inputs_from``)."""
+
+    name = "processor"
+
+    def __init__(self, sources: list[int], dst: int, prompt: Any = None) -> None:
+        if len(sources) != 1:
+            raise ValueError(f"{self.name} takes one source stage, got {sources}")
+        self.source, self.dst = sources[0], dst
+
+    def on_output(self, output: OmniRequestOutput, new_text: str) -> list[StageInput]:
+        return []
+
+    def on_finish(self, outputs: dict[int, list[OmniRequestOutput]], text: dict[int, str]) -> list[StageInput]:
+        received = outputs.get(self.source) or []
+        return [self.input_from(received)] if received else []
+
+    def input_from(self, received: list[OmniRequestOutput]) -> StageInput:
+        raise NotImplementedError
+
+
+class ThinkerToTalker(FromFinishedSource):
+    name = "thinker2talker"
+
+    def input_from(self, received: list[OmniRequestOutput]) -> StageInput:
+        states = received[-1].multimodal_output
+        if "hidden_states" not in states:
+            raise ValueError(f"stage {self.source}'s final output has no states for stage {self.dst} (the "
+                             "talker): the thinker stage needs engine_args.engine_output_type: latent")
+        prompt_ids = next((o.prompt_token_ids for o in received if o.prompt_token_ids), None)
+        return StageInput({"thinker_prompt_token_ids": list(prompt_ids or ()),
+                           "input_embeds": states["input_embeds"], "hidden_states": states["hidden_states"]})
+
+
+class TalkerToCode2Wav(FromFinishedSource):
+    name = "talker2code2wav"
+
+    def input_from(self, received: list[OmniRequestOutput]) -> StageInput:
+        final = received[-1].multimodal_output
+        if "codes" not in final:
+            raise ValueError(f"stage {self.source}'s final output has no codes: it is not Qwen2.5-Omni's talker "
+                             "(engine_args.model_stage: talker)")
+        return StageInput({"codes": final["codes"], "voice": final.get("voice")})
+
+
+def thinker2talker(sources: list[int], dst: int, prompt: Any = None) -> ThinkerToTalker:
+    return ThinkerToTalker(sources, dst, prompt)
+
+
+def talker2code2wav(sources: list[int], dst: int, prompt: Any = None) -> TalkerToCode2Wav:
+    return TalkerToCode2Wav(sources, dst, prompt)

@@ -1,0 +1,48 @@
+"""The talker's own ``config.json``, derived from a Qwen2.5-Omni checkpoint's ``talker_config``.
+
+vLLM sizes everything (KV cache, layers, vocabulary, context) from one model config; a Qwen2.5-Omni
+checkpoint's is the whole model's, whose text config is the thinker's. The talker stage therefore
+points vLLM's ``hf_config_path`` at a directory holding the talker's config alone, with our talker
+architecture, while ``model`` stays the checkpoint (its weights, its ``spk_dict.pt``). The
+multimodal rope section is dropped: for text and audio prompts its three channels are equal, which
+is ordinary rope (``vllm_talker`` says why). The directory is derived once per config, in the cache.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Any
+
+from omni_engine import envs
+
+ARCHITECTURE = "OmniEngineQwen2_5OmniTalker"
+VERSION = 1
+
+
+def talker_config(checkpoint_config: dict[str, Any]) -> dict[str, Any]:
+    """The talker's config.json content from the checkpoint's."""
+    config = dict(checkpoint_config["talker_config"])
+    config["architectures"] = [ARCHITECTURE]
+    config["model_type"] = "qwen2_5_omni_talker"
+    rope = dict(config.get("rope_parameters") or {})
+    rope.pop("mrope_section", None)
+    rope.pop("mrope_interleaved", None)
+    config["rope_parameters"] = {"rope_type": "default", **rope} if rope else {"rope_type": "default"}
+    return config
+
+
+def talker_config_dir(checkpoint: str | Path, cache_dir: Path | None = None) -> Path:
+    """A directory with the talker's ``config.json`` (made if missing); pass it as ``hf_config_path``."""
+    source = json.loads((Path(checkpoint) / "config.json").read_text())
+    content = json.dumps(talker_config(source), indent=2, sort_keys=True) + "\n"
+    digest = hashlib.sha256(f"{VERSION}\n{content}".encode()).hexdigest()[:16]
+    target = (cache_dir or envs.cache_dir()) / "derived" / f"qwen2_5_omni_talker-{digest}"
+    config_path = target / "config.json"
+    if not config_path.is_file() or config_path.read_text() != content:
+        target.mkdir(parents=True, exist_ok=True)
+        staging = target / f".config.json.{digest}.tmp"
+        staging.write_text(content)
+        staging.replace(config_path)
+    return target

@@ -1,0 +1,112 @@
+"""The talker stage's side of a request: the thinker's states become the talker model's inputs.
+
+Runs in the talker's stage process (``engine_args.request_adapter``), before vLLM sees the request.
+The thinker's states arrive as the thinker stage sent them (``thinker2talker`` forwards them
+untouched, as shared-memory handles); here they become what transformers' ``generate`` gives its
+talker, written to one safetensors file in ``/dev/shm`` that the worker's ``RequestTap`` reads
+when the request enters the batch:
+
+- ``prompt_rows`` ``[L, D]``: the thinker's last hidden state plus its input embedding at each
+  prompt position, the embedding zeroed at audio / image / video placeholders (transformers
+  zeroes the merged features there);
+- ``reply_rows`` ``[N - 1, D]``: the same sum for each generated token but the last;
+- ``speaker_bos`` ``[1]``: the voice's text bos token (``spk_dict.pt``).
+
+The request vLLM runs is ``[codec mask] * L + [codec pad, codec bos]``: placeholders whose
+embeddings the model replaces, but whose ids vLLM's repetition penalty counts, as transformers'.
+The voice is the talker params' ``extra_args["voice"]`` (default ``Chelsie``, transformers'
+default); an unknown one is refused here, naming the voices there are.
+"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from omni_engine.connectors import shm
+from omni_engine.models.qwen2_5_omni.speakers import load_speakers
+from omni_engine.models.request_tap import INPUTS_PATH_KEY
+
+DEFAULT_VOICE = "Chelsie"
+PROMPT_FIELDS = ("thinker_prompt_token_ids", "input_embeds", "hidden_states")
+
+
+def voice_name(params: Any) -> str:
+    return (getattr(params, "extra_args", None) or {}).get("voice") or DEFAULT_VOICE
+
+
+class TalkerRequests:
+    """Turns ``thinker2talker``'s prompts into the talker model's requests (one file each)."""
+
+    def __init__(self, stage_id: int, model_dir: str) -> None:
+        self.stage_id = stage_id
+        self.model_dir = model_dir
+        self.speakers = load_speakers(model_dir)
+        config = json.loads((Path(model_dir) / "config.json").read_text())
+        talker, thinker = config["talker_config"], config["thinker_config"]
+        self.codec_mask = talker["tts_codec_mask_token_id"]
+        self.codec_pad = talker["tts_codec_pad_token_id"]
+        self.codec_bos = talker["tts_codec_start_token_id"]
+        self.codec_eos = talker["tts_codec_end_token_id"]
+        self.placeholders = torch.tensor([thinker["audio_token_index"], thinker["image_token_index"],
+                                          thinker["video_token_index"]])
+        self.prefix = shm.stage_file_prefix("talker")
+        self._paths: dict[str, str] = {}
+        self._voices: dict[str, str] = {}
+        self._counter = itertools.count()
+
+    def voice_of(self, params: Any, request_id: str) -> dict[str, Any]:
+        voice = voice_name(params)
+        if voice not in self.speakers:
+            raise ValueError(f"stage {self.stage_id}: request {request_id!r}: unknown voice {voice!r}; "
+                             f"this checkpoint's voices: {', '.join(sorted(self.speakers))}")
+        return self.speakers[voice]
+
+    def adapt(self, request_id: str, prompt: Any, params: Any) -> tuple[dict[str, Any], Any]:
+        """vLLM's prompt and params for the request; its inputs file is written."""
+        from safetensors.torch import save_file
+
+        missing = [f for f in PROMPT_FIELDS if not isinstance(prompt, dict) or f not in prompt]
+        if missing:
+            raise ValueError(f"stage {self.stage_id}: request {request_id!r}: a talker prompt needs "
+                             f"{', '.join(missing)} (the thinker's states: its stage needs "
+                             "engine_output_type: latent, and the edge custom_process_input_func thinker2talker)")
+        speaker = self.voice_of(params, request_id)
+        ids = torch.as_tensor(list(prompt["thinker_prompt_token_ids"]))
+        embeds, hidden = torch.as_tensor(prompt["input_embeds"]), torch.as_tensor(prompt["hidden_states"])
+        length = ids.shape[0]
+        if embeds.shape != hidden.shape or embeds.shape[0] < length + 1:
+            raise ValueError(f"stage {self.stage_id}: request {request_id!r}: thinker states of shapes "
+                             f"{tuple(embeds.shape)} and {tuple(hidden.shape)} for a {length}-token prompt")
+        kept = (~torch.isin(ids, self.placeholders)).to(embeds.dtype).unsqueeze(1)
+        path = str(shm.SHM_DIR / f"{self.prefix}{next(self._counter)}")
+        save_file({"prompt_rows": (hidden[:length] + embeds[:length] * kept).contiguous(),
+                   "reply_rows": (hidden[length:] + embeds[length:]).contiguous(),
+                   "speaker_bos": torch.tensor([int(speaker["bos_token"])])}, path)
+        self._paths[request_id] = path
+        self._voices[request_id] = voice_name(params)
+        params = copy.copy(params)
+        params.extra_args = {**(params.extra_args or {}), INPUTS_PATH_KEY: path}
+        return {"prompt_token_ids": [self.codec_mask] * length + [self.codec_pad, self.codec_bos]}, params
+
+    def output_extras(self, request_id: str, generated: list[int]) -> dict[str, Any]:
+        """What the final output carries for code2wav: all the codes (the stop code cut), whatever
+        the stream's output kind, and the voice they were made for."""
+        codes = generated[:-1] if generated and generated[-1] in (self.codec_pad, self.codec_eos) else generated
+        return {"codes": np.asarray(codes, dtype=np.int64), "voice": self._voices.get(request_id, DEFAULT_VOICE)}
+
+    def finish(self, request_id: str) -> None:
+        self._voices.pop(request_id, None)
+        path = self._paths.pop(request_id, None)
+        if path is not None:
+            try:
+                os.unlink(path)
+            except FileNotFoundError:
+                pass

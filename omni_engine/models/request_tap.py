@@ -1,0 +1,133 @@
+"""Per-request tensors into and out of vLLM's forward pass (runs in vLLM's worker, imports vLLM).
+
+vLLM hands a model a flat batch of tokens and no request identity, has no CPU path that exports
+hidden states, and no way to give one request's forward tensors of its own. Two of its plugin
+points together give all three:
+
+- ``RequestTap``, a logits processor that changes no logits: vLLM tells it, before every forward,
+  which request holds which row of the batch (its batch updates, applied by request in a
+  ``SlotTable``). A request that wants its states carries a file path in its params
+  (``STATES_PATH_KEY``); one that brings tensors of its own carries the path of a safetensors file
+  (``INPUTS_PATH_KEY``), read when the request enters the batch.
+- ``batch_segments()``, for a model of ours inside its forward: the forward context's attention
+  metadata says where each row's tokens start in the flat batch (``query_start_loc``) and at which
+  position (``seq_lens`` minus this step's tokens). ``record(inputs_embeds, hidden_states)`` writes
+  each request's rows to its files at their positions; a model reads ``RequestIO.inputs``.
+
+States: ``<path>.embeds`` (each position's input embedding) and ``<path>.hidden`` (its last hidden
+state), rows of float32, written with ``pwrite`` at the position's offset, so a request recomputed
+after preemption writes the same rows again and a chunked prompt lands in order. The files live in
+``/dev/shm`` and the stage process reads them when the request's final output arrives: the forward
+that wrote the last row ran before that output was sampled, so no other signal is needed
+(``omni_engine.engines.hidden_states``).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator, Sequence
+from typing import Any, ClassVar
+
+import torch
+
+from omni_engine.logits.request_keyed import RequestKeyedLogitsProcessor
+from omni_engine.logits.slot_table import LiveRequest
+
+# Keys of a request's SamplingParams.extra_args: where its states go, where its own inputs are.
+STATES_PATH_KEY = "omni_states_path"
+INPUTS_PATH_KEY = "omni_inputs_path"
+TAP_CLASS = "omni_engine.models.request_tap:RequestTap"
+STATE_KINDS = ("embeds", "hidden")
+
+
+class StateFile:
+    """The files one request's rows are written to (opened on its first rows)."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self.fds: tuple[int, ...] = ()
+
+    def write(self, position: int, *rows: torch.Tensor) -> None:
+        """``rows`` of each kind (``STATE_KINDS``' order) for the positions from ``position`` on."""
+        if not self.fds:
+            self.fds = tuple(os.open(f"{self.path}.{kind}", os.O_WRONLY | os.O_CREAT, 0o600) for kind in STATE_KINDS)
+        for fd, part in zip(self.fds, rows):
+            data = part.detach().to(torch.float32).contiguous().cpu().numpy()
+            os.pwrite(fd, data.tobytes(), position * data.shape[1] * 4)
+
+    def close(self) -> None:
+        for fd in self.fds:
+            os.close(fd)
+        self.fds = ()
+
+
+class RequestIO:
+    """What the tap holds for one request: where its states go, and the tensors it brought."""
+
+    def __init__(self, params: Any) -> None:
+        extra = getattr(params, "extra_args", None) or {}
+        self.params = params
+        states = extra.get(STATES_PATH_KEY)
+        self.states = StateFile(states) if isinstance(states, str) else None
+        self.inputs: dict[str, torch.Tensor] = {}
+        if isinstance(path := extra.get(INPUTS_PATH_KEY), str):
+            from safetensors.torch import load_file
+
+            self.inputs = load_file(path)
+
+    def close(self) -> None:
+        if self.states is not None:
+            self.states.close()
+
+
+class RequestTap(RequestKeyedLogitsProcessor):
+    """Row -> request for the requests that carry tensors in or want states out; logits untouched."""
+
+    argmax_invariant = True
+    # The worker's tap (one engine per worker process); the model's forward finds it here.
+    current: ClassVar[RequestTap | None] = None
+
+    def __init__(self, vllm_config: Any, *runner_args: Any) -> None:
+        super().__init__(vllm_config, *runner_args)
+        RequestTap.current = self
+
+    def new_state(self, request: LiveRequest) -> RequestIO | None:
+        extra = getattr(request.params, "extra_args", None) or {}
+        return RequestIO(request.params) if STATES_PATH_KEY in extra or INPUTS_PATH_KEY in extra else None
+
+    def apply_rows(self, logits: torch.Tensor, rows: Sequence[int], requests: Sequence[LiveRequest]) -> torch.Tensor:
+        return logits
+
+    def release(self, request: LiveRequest) -> None:
+        request.state.close()
+
+
+def batch_segments() -> Iterator[tuple[RequestIO, int, int, int]]:
+    """``(io, begin, end, first position)`` of each tapped request in this forward's flat batch."""
+    tap = RequestTap.current
+    if tap is None or not len(tap.table):
+        return
+    from vllm.forward_context import get_forward_context, is_forward_context_available
+
+    if not is_forward_context_available():
+        return
+    metadata = get_forward_context().attn_metadata
+    if isinstance(metadata, list):  # micro-batches: not used with one device on CPU
+        metadata = metadata[0]
+    if isinstance(metadata, dict):
+        metadata = next(iter(metadata.values()), None)
+    if metadata is None:  # a dummy run (profiling, warm-up): no requests
+        return
+    starts = metadata.query_start_loc.tolist()
+    seq_lens = metadata.seq_lens.tolist()
+    for row, request in tap.table.items():
+        if row + 1 < len(starts) and starts[row + 1] > starts[row]:
+            begin, end = starts[row], starts[row + 1]
+            yield request.state, begin, end, seq_lens[row] - (end - begin)
+
+
+def record(inputs_embeds: torch.Tensor, hidden_states: torch.Tensor) -> None:
+    """Write this forward's rows of every request that asked for its states."""
+    for io, begin, end, position in batch_segments():
+        if io.states is not None:
+            io.states.write(position, inputs_embeds[begin:end], hidden_states[begin:end])
