@@ -56,8 +56,6 @@ class LLMStageEngine(StageEngine):
         # A theta stage of two-model mixing serves its teachers' score batches (logits/theta.py).
         self.theta_settings: dict[str, Any] | None = self.engine_args.pop(THETA_KEY, None)
         self.theta_scorer: Any = None
-        # Request-keyed processors (omni_engine.logits) find the pipeline's request id in the
-        # params; a stage without processors of its own skips the per-request copy that tags them.
         # engine_output_type: latent (vLLM-Omni's name): final outputs carry each position's input
         # embedding and last hidden state (engines/hidden_states.py; a model of ours records them).
         # request_adapter ("module:Class"): turns a stage's requests into vLLM's (e.g. a talker's
@@ -65,6 +63,8 @@ class LLMStageEngine(StageEngine):
         self.output_latent, self.adapter_class = configure_request_tap(stage_id, self.engine_args)
         self.state_files: StateFiles | None = None
         self.adapter: Any = None
+        # Request-keyed processors (omni_engine.logits) find the pipeline's request id in the
+        # params; a stage without processors of its own skips the per-request copy that tags them.
         self.tags_requests = bool(self.engine_args.get("logits_processors"))
         self.final_output_type = final_output_type
         self.engine: Any = None
@@ -185,13 +185,7 @@ class LLMStageEngine(StageEngine):
             # The pipeline's request id travels in the params: logits processors get the
             # params of each request, never its id (omni_engine.logits keys state by it).
             params = tag_request(params, request_id)
-        if self.state_files is not None:
-            if params.n != 1:
-                raise ValueError(f"stage {self.stage_id}: n must be 1 where engine_output_type is latent, "
-                                 f"got {params.n} (request {request_id!r})")
-            params = self.state_files.tag(params, request_id)
-        if self.adapter is not None:
-            prompt, params = self.adapter.adapt(request_id, prompt, params)
+        prompt, params = self._tap_request(request_id, prompt, params)
         outputs = None
         due = effective_deadline(deadline)
         priority = self.priority_of(due) if self.priority_scheduling else 0
@@ -221,13 +215,7 @@ class LLMStageEngine(StageEngine):
                 )
                 out.stage_versions = {self.stage_id: self._versions_of(output, versions)}
                 if self.state_files is not None or self.adapter is not None:
-                    positions.observe(output)
-                if self.adapter is not None and output.finished:
-                    out.multimodal_output.update(self.adapter.output_extras(request_id, positions.generated))
-                if self.state_files is not None:
-                    if output.finished:
-                        out.multimodal_output.update(self.state_files.take(
-                            request_id, positions.total, self.engine.model_config.architecture))
+                    self._tapped_output(request_id, output, out, positions)
                 yield out
         except EngineDeadError as exc:
             raise StageEngineError(f"vLLM engine died: {exc}") from exc
@@ -241,6 +229,33 @@ class LLMStageEngine(StageEngine):
                 self.state_files.discard(request_id)
             if self.adapter is not None:
                 self.adapter.finish(request_id)
+
+    def _tap_request(self, request_id: str, prompt: Any, params: SamplingParams) -> tuple[Any, SamplingParams]:
+        """The request with its state files named and its adapter's prompt (as they are without)."""
+        if self.state_files is not None:
+            if params.n != 1:
+                raise ValueError(f"stage {self.stage_id}: n must be 1 where engine_output_type is latent, "
+                                 f"got {params.n} (request {request_id!r})")
+            params = self.state_files.tag(params, request_id)
+        if self.adapter is not None:
+            try:
+                prompt, params = self.adapter.adapt(request_id, prompt, params)
+            except Exception:
+                if self.state_files is not None:
+                    self.state_files.discard(request_id)
+                raise
+        return prompt, params
+
+    def _tapped_output(self, request_id: str, output: Any, out: OmniRequestOutput, positions: TokenCount) -> None:
+        """A final output gets the request's states and its adapter's extras."""
+        positions.observe(output)
+        if not output.finished:
+            return
+        if self.adapter is not None:
+            out.multimodal_output.update(self.adapter.output_extras(request_id, positions.generated))
+        if self.state_files is not None:
+            out.multimodal_output.update(self.state_files.take(request_id, positions.total,
+                                                               self.engine.model_config.architecture))
 
     def _versions_of(self, output: Any, seen: list[str]) -> list[str]:
         """The weight versions that made the request's tokens so far: vLLM's spans on the final

@@ -24,6 +24,7 @@ that wrote the last row ran before that output was sampled, so no other signal i
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Iterator, Sequence
 from typing import Any, ClassVar
@@ -33,6 +34,8 @@ import torch
 from omni_engine.logits.request_keyed import RequestKeyedLogitsProcessor
 from omni_engine.logits.slot_table import LiveRequest
 
+logger = logging.getLogger(__name__)
+
 # Keys of a request's SamplingParams.extra_args: where its states go, where its own inputs are.
 STATES_PATH_KEY = "omni_states_path"
 INPUTS_PATH_KEY = "omni_inputs_path"
@@ -41,19 +44,31 @@ STATE_KINDS = ("embeds", "hidden")
 
 
 class StateFile:
-    """The files one request's rows are written to (opened on its first rows)."""
+    """The files one request's rows are written to (opened on its first rows).
+
+    A write that fails (``/dev/shm`` full) is logged and ends this request's writes only: the
+    stage then finds its rows short and fails that request, naming it; vLLM's engine goes on.
+    """
 
     def __init__(self, path: str) -> None:
         self.path = path
         self.fds: tuple[int, ...] = ()
+        self.failed = False
 
     def write(self, position: int, *rows: torch.Tensor) -> None:
         """``rows`` of each kind (``STATE_KINDS``' order) for the positions from ``position`` on."""
-        if not self.fds:
-            self.fds = tuple(os.open(f"{self.path}.{kind}", os.O_WRONLY | os.O_CREAT, 0o600) for kind in STATE_KINDS)
-        for fd, part in zip(self.fds, rows):
-            data = part.detach().to(torch.float32).contiguous().cpu().numpy()
-            os.pwrite(fd, data.tobytes(), position * data.shape[1] * 4)
+        if self.failed:
+            return
+        try:
+            if not self.fds:
+                self.fds = tuple(os.open(f"{self.path}.{kind}", os.O_WRONLY | os.O_CREAT, 0o600)
+                                 for kind in STATE_KINDS)
+            for fd, part in zip(self.fds, rows):
+                data = part.detach().to(torch.float32).contiguous().cpu().numpy()
+                os.pwrite(fd, data.tobytes(), position * data.shape[1] * 4)
+        except OSError as exc:
+            self.failed = True
+            logger.error("states of %s not written: %s", self.path, exc)
 
     def close(self) -> None:
         for fd in self.fds:
@@ -73,7 +88,12 @@ class RequestIO:
         if isinstance(path := extra.get(INPUTS_PATH_KEY), str):
             from safetensors.torch import load_file
 
-            self.inputs = load_file(path)
+            try:
+                self.inputs = load_file(path)
+            except Exception as exc:  # noqa: BLE001  (safetensors raises its own error types)
+                # Removed by an abort that raced the request's admission (its output goes nowhere),
+                # or damaged: the model leaves a request without inputs alone; the engine goes on.
+                logger.warning("inputs %s not read: %s", path, exc)
 
     def close(self) -> None:
         if self.states is not None:
