@@ -428,6 +428,14 @@ def test_model_stage_is_resolved_by_the_checkpoint_s_family_or_refused_by_field(
         stage["engine_args"]["model"] = str(mute)
     with pytest.raises(ModelError, match=r"stage_args\[1\].engine_args.model_stage: .*mute: no spk_dict.pt"):
         prepare_models(parse_pipeline_config(data, "omni.yaml"))
+    # A config whose placeholder ids are not the tokenizer's: refused before anything starts.
+    (mute / "config.json").unlink()
+    config_json = json.loads((omni_dir / "config.json").read_text())
+    config_json["thinker_config"]["audio_token_index"] = 151650
+    (mute / "config.json").write_text(json.dumps(config_json))
+    with pytest.raises(ModelError, match=r"stage_args\[0\].engine_args.model_stage: .*thinker_config.audio_token_index "
+                                         r"is 151650 but the tokenizer has <\|AUDIO\|> at 151646"):
+        prepare_models(parse_pipeline_config(data, "omni.yaml"))
 
 
 # ---------------------------------------------------------------- code2wav and the whole pipeline
@@ -466,6 +474,29 @@ async def test_speech_end_to_end_equals_transformers(thinker, reference, kind, v
     assert audio["audio"].shape == (len(codes) * 2 * 240,) == want.shape
     assert float(np.abs(audio["audio"]).max()) > 0.05, "silent"
     np.testing.assert_allclose(audio["audio"], want, atol=1e-4, rtol=0)
+
+
+async def test_a_request_aborted_while_the_talker_speaks_frees_every_stage(thinker):
+    from vllm import SamplingParams
+
+    params = _talker_params()
+    params[1] = SamplingParams(temperature=0.9, max_tokens=3000, ignore_eos=True, detokenize=False)
+    text, data = PROMPTS["text"]
+    in_talker, inputs_files = {}, []
+    async with asyncio.timeout(60):
+        async for output in thinker.generate(text, params, "speech-aborted", final_stage_id=[0, 2]):
+            if output.stage_id == 0 and output.finished:
+                await asyncio.sleep(0.5)
+                talker = thinker.stage_contexts[1].client
+                in_talker = await talker.call_each_replica_async("num_unfinished_requests", call_timeout=10)
+                inputs_files = list(SHM_DIR.glob("omni_*_s1_talker*"))
+                break  # closing the stream aborts the request where it is: in the talker
+    assert sum(in_talker.values()) == 1, f"the talker was not speaking it: {in_talker}"
+    # While it spoke, its inputs file bore the talker stage's segment prefix (a dead stage's are removed by it).
+    assert len(inputs_files) == 1, inputs_files
+    assert not await wait_clean(thinker), "state left after an abort in the talker"
+    left = [p.name for p in SHM_DIR.glob("omni_*_states*")] + [p.name for p in SHM_DIR.glob("omni_*_talker*")]
+    assert not left, f"files left after an abort in the talker: {left}"
 
 
 async def test_concurrent_speech_requests_each_give_what_they_give_alone(thinker):

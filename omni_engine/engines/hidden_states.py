@@ -88,9 +88,15 @@ class StateFiles:
     def __init__(self, stage_id: int, hidden_size: int) -> None:
         self.stage_id = stage_id
         self.hidden_size = hidden_size
-        self.prefix = shm.stage_file_prefix("states")
+        self._prefix: str | None = None  # known at the first request: the stage's pool is set after start
         self._paths: dict[str, str] = {}
         self._counter = itertools.count()
+
+    @property
+    def prefix(self) -> str:
+        if self._prefix is None:
+            self._prefix = shm.stage_file_prefix("states")
+        return self._prefix
 
     def tag(self, params: Any, request_id: str) -> Any:
         """``params`` (already the stage's own copy) asking for the request's states."""

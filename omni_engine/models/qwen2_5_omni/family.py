@@ -10,6 +10,8 @@ What a config sets itself is kept. Imports no vLLM.
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import Any
 
 from omni_engine.models.qwen2_5_omni.speakers import load_speakers
@@ -22,6 +24,7 @@ MODEL_STAGES = ("thinker", "talker")
 
 def stage_engine_args(model_stage: str, args: dict[str, Any], model_dir: str) -> dict[str, Any]:
     if model_stage == "thinker":
+        check_token_ids(model_dir)
         args.setdefault("hf_overrides", {"architectures": [THINKER]})
     elif model_stage == "talker":
         load_speakers(model_dir)  # refused now, by name, rather than in vLLM's worker
@@ -33,3 +36,23 @@ def stage_engine_args(model_stage: str, args: dict[str, Any], model_dir: str) ->
         raise ValueError(f"unknown model_stage {model_stage!r} for Qwen2.5-Omni; "
                          f"expected one of {list(MODEL_STAGES)}")
     return args
+
+
+# The thinker config's placeholder ids and the tokenizer tokens that must sit at them.
+PLACEHOLDERS = {"audio_token_index": "<|AUDIO|>", "image_token_index": "<|IMAGE|>", "video_token_index": "<|VIDEO|>"}
+
+
+def check_token_ids(model_dir: str) -> None:
+    """The thinker's placeholder ids are the tokenizer's: a mismatch would expand a multimodal part
+    at the wrong token (or at none) deep in vLLM's processor; refused here, naming both ids."""
+    root = Path(model_dir)
+    try:
+        thinker = json.loads((root / "config.json").read_text())["thinker_config"]
+        added = json.loads((root / "tokenizer.json").read_text()).get("added_tokens", [])
+    except (OSError, ValueError, KeyError):
+        return  # not a local checkpoint with these files: vLLM reports what is missing
+    ids = {token["content"]: token["id"] for token in added}
+    for key, token in PLACEHOLDERS.items():
+        if key in thinker and token in ids and ids[token] != thinker[key]:
+            raise ValueError(f"{model_dir}: thinker_config.{key} is {thinker[key]} but the tokenizer has {token} "
+                             f"at {ids[token]}; the checkpoint's config and tokenizer do not belong together")

@@ -57,10 +57,16 @@ class TalkerRequests:
         self.codec_eos = talker["tts_codec_end_token_id"]
         self.placeholders = torch.tensor([thinker["audio_token_index"], thinker["image_token_index"],
                                           thinker["video_token_index"]])
-        self.prefix = shm.stage_file_prefix("talker")
+        self._prefix: str | None = None  # known at the first request: the stage's pool is set after start
         self._paths: dict[str, str] = {}
         self._voices: dict[str, str] = {}
         self._counter = itertools.count()
+
+    @property
+    def prefix(self) -> str:
+        if self._prefix is None:
+            self._prefix = shm.stage_file_prefix("talker")
+        return self._prefix
 
     def voice_of(self, params: Any, request_id: str) -> dict[str, Any]:
         voice = voice_name(params)
