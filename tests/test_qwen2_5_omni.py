@@ -481,7 +481,7 @@ async def test_a_request_aborted_while_the_talker_speaks_frees_every_stage(think
 
     params = _talker_params()
     params[1] = SamplingParams(temperature=0.9, max_tokens=3000, ignore_eos=True, detokenize=False)
-    text, data = PROMPTS["text"]
+    text = PROMPTS["text"][0]
     in_talker, inputs_files = {}, []
     async with asyncio.timeout(60):
         async for output in thinker.generate(text, params, "speech-aborted", final_stage_id=[0, 2]):
