@@ -230,7 +230,9 @@ async def test_subscribe_pushes_within_its_credit(server, http):
         assert first.instance_id == "sub0"
         # Two sent ahead at most: one taken, one more in flight, three still queued.
         await _until(lambda: http.get("/status").json()["pending_groups"] == 3)
-        time_left = time.monotonic() + 0.5
+        # (Short: the groups sent ahead wait unacknowledged meanwhile, and the server's ack timeout is
+        # 1 s; a 0.5 s window once took a slow machine past it.)
+        time_left = time.monotonic() + 0.2
         while time.monotonic() < time_left:
             assert http.get("/status").json()["pending_groups"] >= 2
         rest = [await stream.__anext__() for _ in range(4)]

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -56,6 +57,12 @@ class EngineCoreWatch:
             return
         self.close()
         process.join(timeout=1.0)  # the sentinel fired: it has ended, reap it for its exit code
+        # vLLM's own monitor thread reaps the same process object: when its waitpid wins, ours
+        # finds no child and the exit code appears only once that thread has stored it (seen in CI:
+        # "ended" instead of "was killed by SIGKILL"). Wait for it, briefly; this is the death path.
+        deadline = time.monotonic() + 1.0
+        while process.exitcode is None and time.monotonic() < deadline:
+            time.sleep(0.01)
         message = f"vLLM's EngineCore (pid {process.pid}) {describe_exit(process.exitcode)}"
         logger.error("%s", message)
         self._on_death(message)
