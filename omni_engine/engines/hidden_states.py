@@ -138,7 +138,3 @@ class StateFiles:
         path = self._paths.pop(request_id, None)
         if path is not None:
             _unlink(path)
-
-    def discard_all(self) -> None:
-        for request_id in list(self._paths):
-            self.discard(request_id)

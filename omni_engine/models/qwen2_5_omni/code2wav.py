@@ -25,7 +25,7 @@ from omni_engine.engines.generation_model import (
     GenerationRequest,
     ThreadedGenerationModel,
 )
-from omni_engine.models.qwen2_5_omni.speakers import load_speakers
+from omni_engine.models.qwen2_5_omni.speakers import load_speakers, pick_voice
 
 SAMPLE_RATE = 24000
 PREFIX = "token2wav."
@@ -46,9 +46,10 @@ class Code2Wav(ThreadedGenerationModel):
         self.settings = {"num_steps": num_steps, "guidance_scale": guidance_scale,
                          "sway_coefficient": sway_coefficient}
         self.speakers = load_speakers(model)
-        if default_voice not in self.speakers:
-            raise ValueError(f"engine_args.default_voice: unknown voice {default_voice!r}; this checkpoint's "
-                             f"voices: {', '.join(sorted(self.speakers))}")
+        try:
+            pick_voice(self.speakers, default_voice)
+        except ValueError as exc:
+            raise ValueError(f"engine_args.default_voice: {exc}") from None
         self.token2wav = load_token2wav(model)
         self.num_codes = self.token2wav.config.dit_config.num_embeds
 
@@ -65,11 +66,10 @@ class Code2Wav(ThreadedGenerationModel):
         if int(codes.max()) >= self.num_codes or int(codes.min()) < 0:
             raise ValueError(f"request {request.request_id!r}: codes must be in [0, {self.num_codes}), "
                              f"got {int(codes.min())}..{int(codes.max())}")
-        voice = prompt.get("voice") or self.default_voice
-        if voice not in self.speakers:
-            raise ValueError(f"request {request.request_id!r}: unknown voice {voice!r}; this checkpoint's voices: "
-                             f"{', '.join(sorted(self.speakers))}")
-        speaker = self.speakers[voice]
+        try:
+            speaker = pick_voice(self.speakers, prompt.get("voice") or self.default_voice)
+        except ValueError as exc:
+            raise ValueError(f"request {request.request_id!r}: {exc}") from None
         seed = params.get("seed", self.seed) if isinstance(params, dict) else self.seed
         with torch.random.fork_rng(devices=[]), torch.no_grad():
             if seed is not None:

@@ -28,9 +28,9 @@ def load_speakers(model_dir: str | Path) -> dict[str, dict[str, Any]]:
     return speakers
 
 
-def speaker(model_dir: str | Path, name: str) -> dict[str, Any]:
-    """One speaker; an unknown name lists the checkpoint's."""
-    speakers = load_speakers(str(model_dir))
+def pick_voice(speakers: dict[str, dict[str, Any]], name: str) -> dict[str, Any]:
+    """One speaker of ``load_speakers``' result; an unknown name lists the checkpoint's (the caller
+    says where the name came from)."""
     if name not in speakers:
         raise ValueError(f"unknown voice {name!r}; this checkpoint's voices: {', '.join(sorted(speakers))}")
     return speakers[name]

@@ -31,7 +31,7 @@ import numpy as np
 import torch
 
 from omni_engine.connectors import shm
-from omni_engine.models.qwen2_5_omni.speakers import load_speakers
+from omni_engine.models.qwen2_5_omni.speakers import load_speakers, pick_voice
 from omni_engine.models.request_tap import INPUTS_PATH_KEY
 
 DEFAULT_VOICE = "Chelsie"
@@ -69,11 +69,10 @@ class TalkerRequests:
         return self._prefix
 
     def voice_of(self, params: Any, request_id: str) -> dict[str, Any]:
-        voice = voice_name(params)
-        if voice not in self.speakers:
-            raise ValueError(f"stage {self.stage_id}: request {request_id!r}: unknown voice {voice!r}; "
-                             f"this checkpoint's voices: {', '.join(sorted(self.speakers))}")
-        return self.speakers[voice]
+        try:
+            return pick_voice(self.speakers, voice_name(params))
+        except ValueError as exc:
+            raise ValueError(f"stage {self.stage_id}: request {request_id!r}: {exc}") from None
 
     def adapt(self, request_id: str, prompt: Any, params: Any) -> tuple[dict[str, Any], Any]:
         """vLLM's prompt and params for the request; its inputs file is written."""
