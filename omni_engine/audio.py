@@ -47,6 +47,15 @@ def pcm16(audio: np.ndarray) -> np.ndarray:
     return (np.clip(np.asarray(audio, dtype=np.float32), -1.0, 1.0) * 32767.0).astype("<i2")
 
 
+def wav_float_bytes(audio: np.ndarray, sample_rate: int) -> bytes:
+    """Mono float32 as a 32-bit IEEE-float WAV file: lossless (the stdlib ``wave`` writes PCM only)."""
+    data = np.ascontiguousarray(audio, dtype="<f4").tobytes()
+    rate = int(sample_rate)
+    fmt = struct.pack("<HHIIHH", 3, 1, rate, rate * 4, 4, 32)  # WAVE_FORMAT_IEEE_FLOAT, mono
+    return (b"RIFF" + struct.pack("<I", 4 + 8 + len(fmt) + 8 + len(data)) + b"WAVE" + b"fmt " +
+            struct.pack("<I", len(fmt)) + fmt + b"data" + struct.pack("<I", len(data)) + data)
+
+
 def wav_bytes(audio: np.ndarray, sample_rate: int) -> bytes:
     """Mono float32 in [-1, 1] as a 16-bit PCM WAV file."""
     buf = io.BytesIO()

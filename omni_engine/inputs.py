@@ -7,6 +7,12 @@ from typing import Any
 import msgspec
 
 
+# A rendered multimodal input (vLLM's ``MultiModalInput``: the API process ran the model's processor)
+# carries its ``mm_kwargs`` over the wire under this key: vLLM's own msgpack of them, whose tensor
+# buffers travel as wire tensors (``entrypoints.mm_wire`` writes it, ``engines.mm_prompt`` reads it).
+WIRE_MM_KWARGS = "vllm_msgpack"
+
+
 class OmniTextPrompt(msgspec.Struct, kw_only=True, omit_defaults=True):
     """A text prompt with optional multimodal data.
 

@@ -110,6 +110,19 @@ def group_members(pgid: int) -> list[int]:
     return members
 
 
+async def wait_healthy(client, timeout: float = 90.0) -> None:
+    """Until every stage of ``client`` answers its health check (a restarted one is back)."""
+    from omni_engine.errors import StageDeadError
+
+    async with asyncio.timeout(timeout):
+        while True:
+            try:
+                await client.check_health()
+                return
+            except StageDeadError:
+                await asyncio.sleep(0.2)
+
+
 async def wait_group_gone(pgid: int, timeout: float = 5.0) -> list[int]:
     """Members of ``pgid`` still alive after ``timeout`` (SIGKILL delivery is asynchronous)."""
     loop = asyncio.get_running_loop()

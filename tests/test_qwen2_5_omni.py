@@ -11,6 +11,8 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
+import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -33,8 +35,20 @@ from omni_engine.inputs import OmniTextPrompt
 from omni_engine.models.check import ModelError
 from omni_engine.models.prepare import MARKER_FILE, prepare_model
 from omni_engine.models.qwen2_5_omni import checkpoint
-from omni_engine.models.qwen2_5_omni.processor import VIDEO_UNSUPPORTED, load_processor
+from omni_engine.models.qwen2_5_omni.processor import VIDEO_UNSUPPORTED
 from omni_engine.pipeline.stage_specs import prepare_models
+from tests.helpers import wait_group_gone, wait_healthy
+from tests.qwen_omni_reference import (
+    MAX_TOKENS,
+    PROMPTS,
+    TALKER_TOKENS,
+    chat,
+    load_reference,
+    reference_codes,
+    reference_generate,
+    reference_run,
+    reference_wav,
+)
 from tests.stress.checks import after_shutdown, wait_clean
 from tests.stress.pipeline import REPO, start_pipeline
 
@@ -42,7 +56,6 @@ OMNI_CONFIG = REPO / "stage_configs" / "qwen2_5_omni.yaml"
 LOGPROB_TOLERANCE = 1e-4
 # Below this top-2 gap the two implementations' float32 sums may order the tokens either way.
 TIE_GAP = 1e-3
-MAX_TOKENS = 12
 
 
 @pytest.fixture(scope="module")
@@ -52,10 +65,7 @@ def omni_dir():
 
 @pytest.fixture(scope="module")
 def reference(omni_dir):
-    from transformers import Qwen2_5OmniForConditionalGeneration
-
-    model = Qwen2_5OmniForConditionalGeneration.from_pretrained(str(omni_dir), dtype=torch.float32).eval()
-    return model, load_processor(omni_dir)
+    return load_reference(omni_dir)
 
 
 def _digests(directory):
@@ -143,32 +153,6 @@ def test_audio_pairs_become_the_tuples_vllm_takes_after_the_wire():
 
 # ---------------------------------------------------------------- the thinker stage
 
-SYSTEM = "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n<|im_start|>user\n"
-
-
-def _chat(user: str) -> str:
-    return f"{SYSTEM}{user}<|im_end|>\n<|im_start|>assistant\n"
-
-
-def _tone(seconds: float = 2.0, rate: int = 16000) -> np.ndarray:
-    t = np.arange(int(seconds * rate)) / rate
-    return (0.3 * np.sin(2 * np.pi * 440 * t) * np.sin(2 * np.pi * 3 * t)).astype(np.float32)
-
-
-def _image():
-    from PIL import Image
-
-    return Image.fromarray((np.random.default_rng(0).random((56, 84, 3)) * 255).astype(np.uint8))
-
-
-PROMPTS = {
-    "text": (_chat("What is the capital of France?"), {}),
-    # (samples, rate): vLLM's form for audio with its rate, which the wire carries as a list
-    "audio": (_chat("<|audio_bos|><|AUDIO|><|audio_eos|>What did you hear?"), {"audio": (_tone(), 16000)}),
-    "image": (_chat("<|vision_bos|><|IMAGE|><|vision_eos|>Describe it."), {"image": _image()}),
-}
-
-
 @pytest_asyncio.fixture(scope="module", loop_scope="session")
 async def thinker():
     """stage_configs/qwen2_5_omni.yaml: the thinker (handing its states on) and the talker. A
@@ -177,30 +161,6 @@ async def thinker():
     yield client
     await client.shutdown_async()
     assert not await after_shutdown(client)
-
-
-def _reference_generate(reference, kind):
-    model, processor = reference
-    text, data = PROMPTS[kind]
-    inputs = processor(text=text, audio=[data["audio"][0]] if "audio" in data else None,
-                       images=[data["image"]] if "image" in data else None, return_tensors="pt")
-    with torch.no_grad():
-        out = model.thinker.generate(**inputs, max_new_tokens=MAX_TOKENS, do_sample=False, output_logits=True,
-                                     output_hidden_states=True, return_dict_in_generate=True)
-    return inputs, out
-
-
-def _reference_run(reference, kind):
-    """transformers' greedy ids and, per step, the chosen token's logprob and the top-2 gap."""
-    inputs, out = _reference_generate(reference, kind)
-    ids = out.sequences[0, inputs["input_ids"].shape[1]:].tolist()
-    logprobs, gaps = [], []
-    for token, logits in zip(ids, out.logits):
-        lp = torch.log_softmax(logits[0].double(), dim=-1)
-        top2 = torch.topk(lp, 2).values
-        logprobs.append(float(lp[token]))
-        gaps.append(float(top2[0] - top2[1]))
-    return ids, logprobs, gaps
 
 
 async def _stage_final(client, kind, request_id):
@@ -224,7 +184,7 @@ async def _stage_run(client, kind, request_id):
 
 @pytest.mark.parametrize("kind", ["text", "audio", "image"])
 async def test_the_thinker_stage_gives_transformers_greedy_tokens(thinker, reference, kind):
-    want, want_logprobs, gaps = _reference_run(reference, kind)
+    want, want_logprobs, gaps = reference_run(reference, kind)
     got, got_logprobs = await _stage_run(thinker, kind, f"thinker-{kind}")
     assert len(got) == MAX_TOKENS
     for step, (a, b, gap) in enumerate(zip(got, want, gaps)):
@@ -240,7 +200,7 @@ async def test_the_thinker_hands_on_transformers_embeddings_and_last_hidden_stat
     """What transformers' generate(return_audio=True) takes from the thinker for the talker:
     hidden_states[step][0] (input embeddings, audio features merged) and [-1] (last layer, after
     the norm), for every prompt position and each generated token but the last."""
-    inputs, out = _reference_generate(reference, kind)
+    inputs, out = reference_generate(reference, kind)
     final = await _stage_final(thinker, kind, f"states-{kind}")
     assert list(final.outputs[0].token_ids) == out.sequences[0, inputs["input_ids"].shape[1]:].tolist()
     want_embeds = torch.cat([step[0][0] for step in out.hidden_states])
@@ -273,7 +233,7 @@ async def test_an_aborted_request_leaves_no_states_behind(thinker):
     from vllm import SamplingParams
 
     async def partial():
-        async for _ in thinker.generate(_chat("Tell me a story."), SamplingParams(max_tokens=400, ignore_eos=True),
+        async for _ in thinker.generate(chat("Tell me a story."), SamplingParams(max_tokens=400, ignore_eos=True),
                                         "states-aborted", final_stage_id=0):
             return
 
@@ -300,7 +260,7 @@ def test_the_request_tap_turns_prefix_caching_off_and_refuses_it_on():
 
 
 async def test_a_video_is_refused_by_name_and_the_stage_serves_on(thinker):
-    prompt = OmniTextPrompt(prompt=_chat("<|vision_bos|><|VIDEO|><|vision_eos|>Describe it."),
+    prompt = OmniTextPrompt(prompt=chat("<|vision_bos|><|VIDEO|><|vision_eos|>Describe it."),
                             multi_modal_data={"video": np.zeros((4, 56, 56, 3), np.uint8)})
     with pytest.raises(StageRequestError) as caught:
         await _stage_run(thinker, "text", "warm-up")  # the stage answers before
@@ -315,61 +275,6 @@ async def test_a_video_is_refused_by_name_and_the_stage_serves_on(thinker):
 
 
 # ---------------------------------------------------------------- the talker stage
-
-TALKER_TOKENS = 30
-
-
-def _reference_codes(reference, kind, voice="Chelsie"):
-    """transformers' talker, greedy, as its ``generate(return_audio=True)`` sets it up (inputs built
-    from the thinker's states exactly so), stepped by this loop with its forward.
-
-    Not its ``generate`` itself: transformers 5.19's talker ``generate`` calls the forward without
-    the attention mask, so the forward's prefill branch never runs and the codec pad and codec bos
-    embeddings are never added to the last two prompt rows, as Qwen's code (and vLLM-Omni) add them
-    and as the forward itself is written to (measured: those two rows then differ by exactly those
-    embeddings). Here the forward gets the mask, as the model's code intends.
-    """
-    from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor
-
-    model = reference[0]
-    inputs, out = _reference_generate(reference, kind)
-    talker, embed = model.talker, model.thinker.get_input_embeddings()
-    ids, length = inputs["input_ids"], inputs["input_ids"].shape[1]
-    embeds = torch.cat([step[0] for step in out.hidden_states], dim=1)
-    hidden = torch.cat([step[-1] for step in out.hidden_states], dim=1)
-    generated = out.sequences[:, length:]
-    bos = torch.tensor([[model.speaker_map[voice]["bos_token"]]])
-    prompt_embeds = embeds[:, :length].clone()
-    if "input_features" in inputs:  # transformers zeroes the merged audio features
-        prompt_embeds[ids == model.config.thinker_config.audio_token_index] = 0
-    reply = hidden[:, length:] + embeds[:, length:]
-    prefill = torch.cat([hidden[:, :length] + prompt_embeds, embed(bos), reply[:, :1]], dim=1)
-    reply = torch.cat([reply[:, 1:], embed(torch.tensor([[talker.text_eos_token]])),
-                       embed(torch.tensor([[talker.text_pad_token]]))], dim=1)
-    history = torch.cat([torch.full_like(ids, talker.codec_mask_token),
-                         torch.tensor([[talker.codec_pad_token, talker.codec_bos_token]])], dim=1)
-    penalty = RepetitionPenaltyLogitsProcessor(1.05)
-    talker.rope_deltas = None
-    codes, cache = [], None
-    with torch.no_grad():
-        step = talker(inputs_embeds=prefill, attention_mask=torch.ones_like(history),
-                      input_text_ids=torch.cat([ids, bos, generated[:, :1]], dim=1), use_cache=True)
-        for _ in range(TALKER_TOKENS):
-            scores = penalty(history, step.logits[:, -1].clone())
-            scores[:, talker.codec_bos_token] = -float("inf")
-            code = int(scores.argmax())
-            codes.append(code)
-            if code in (talker.codec_pad_token, talker.codec_eos_token):
-                codes.pop()
-                break
-            history = torch.cat([history, torch.tensor([[code]])], dim=1)
-            cache = step.past_key_values
-            step = talker(input_ids=torch.tensor([[code]]), attention_mask=torch.ones_like(history),
-                          past_key_values=cache, thinker_reply_part=reply[:, :1], use_cache=True)
-            if reply.shape[1] > 1:
-                reply = reply[:, 1:]
-    return codes
-
 
 def _talker_params(voice=None):
     from vllm import SamplingParams
@@ -392,7 +297,7 @@ async def _talker_codes(client, kind, request_id, voice=None):
 
 @pytest.mark.parametrize(("kind", "voice"), [("text", None), ("audio", "Ethan")])
 async def test_the_talker_stage_gives_transformers_codes(thinker, reference, kind, voice):
-    want = _reference_codes(reference, kind, voice or "Chelsie")
+    want = reference_codes(reference, kind, voice or "Chelsie")
     got = await _talker_codes(thinker, kind, f"talker-{kind}", voice)
     assert len(want) > 5
     assert got == want
@@ -440,17 +345,6 @@ def test_model_stage_is_resolved_by_the_checkpoint_s_family_or_refused_by_field(
 
 # ---------------------------------------------------------------- code2wav and the whole pipeline
 
-def _reference_wav(reference, codes, voice="Chelsie", seed=0):
-    """transformers' token2wav on ``codes`` with the noise of ``torch.manual_seed(seed)``."""
-    model, _ = reference
-    speaker = model.speaker_map[voice]
-    with torch.random.fork_rng(devices=[]), torch.no_grad():
-        torch.manual_seed(seed)
-        wav = model.token2wav(torch.tensor([codes]), conditioning=speaker["cond"].float()[None],
-                              reference_mel=speaker["ref_mel"].float())
-    return wav.reshape(-1).numpy()
-
-
 async def _speech(client, kind, request_id, voice=None):
     """The pipeline's final outputs for a chat that asks for speech: the thinker's text, the audio."""
     text, data = PROMPTS[kind]
@@ -465,9 +359,9 @@ async def _speech(client, kind, request_id, voice=None):
 @pytest.mark.parametrize(("kind", "voice"), [("audio", None), ("text", "Ethan")])
 async def test_speech_end_to_end_equals_transformers(thinker, reference, kind, voice):
     """Thinker ids, talker codes and code2wav's waveform, each as transformers makes it."""
-    want_text, _, _ = _reference_run(reference, kind)
-    codes = _reference_codes(reference, kind, voice or "Chelsie")
-    want = _reference_wav(reference, codes, voice or "Chelsie")
+    want_text, _, _ = reference_run(reference, kind)
+    codes = reference_codes(reference, kind, voice or "Chelsie")
+    want = reference_wav(reference, codes, voice or "Chelsie")
     text, audio = await _speech(thinker, kind, f"speech-{kind}", voice)
     assert text == want_text
     assert audio["sample_rate"] == 24000
@@ -507,4 +401,20 @@ async def test_concurrent_speech_requests_each_give_what_they_give_alone(thinker
         kind = ("text", "audio")[i % 2]
         assert text == alone[kind][0], kind
         np.testing.assert_allclose(audio["audio"], alone[kind][1]["audio"], atol=1e-4, rtol=0, err_msg=kind)
+    assert not await wait_clean(thinker)
+
+
+async def test_a_killed_talker_is_restarted_and_speaks_as_before(thinker):
+    """The family's config restarts a stage that dies (``restart: on-failure``): the talker, killed
+    while idle, comes back in a new process and gives the same speech for the same request."""
+    before = await _speech(thinker, "text", "before-kill")
+    talker = thinker.stage_contexts[1].client
+    pid = talker.process.pid
+    os.kill(pid, signal.SIGKILL)
+    assert not await wait_group_gone(pid)
+    await wait_healthy(thinker, timeout=120)
+    assert talker.process.pid != pid and thinker.supervisor.restarts[1] == 1
+    after = await _speech(thinker, "text", "after-kill")
+    assert after[0] == before[0]
+    np.testing.assert_array_equal(after[1]["audio"], before[1]["audio"])
     assert not await wait_clean(thinker)

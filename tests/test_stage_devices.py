@@ -156,7 +156,7 @@ async def test_a_warm_spare_taken_for_a_replica_on_other_cores_moves_all_its_thr
     taken (``tests/core_probe.py`` starts one at import); taken for replica 1, all of it runs on core 1."""
     import signal
 
-    from tests.test_stage_restart import wait_healthy
+    from tests.helpers import wait_healthy
 
     config = parse_pipeline_config({"stage_args": [{
         "stage_id": 0, "stage_type": "generation", "final_output": True, "final_output_type": "tensor",

@@ -15,7 +15,7 @@ from omni_engine.config import parse_pipeline_config
 from omni_engine.entrypoints.multi_stage_engine_client import MultiStageEngineClient
 from omni_engine.errors import StageDeadError
 from omni_engine.legacy import start_legacy_pipeline
-from tests.helpers import TTS_FACTORY, speak, wait_group_gone
+from tests.helpers import TTS_FACTORY, speak, wait_group_gone, wait_healthy
 
 pytestmark = [pytest.mark.asyncio(loop_scope="session"), pytest.mark.tts]
 
@@ -28,16 +28,6 @@ def speech_only_config(max_restarts: int):
         "runtime": {"restart": "on-failure", "max_restarts": max_restarts},
         "final_output": True, "final_output_type": "audio",
     }]}, "<restart test>")
-
-
-async def wait_healthy(client, timeout: float = 90.0) -> None:
-    async with asyncio.timeout(timeout):
-        while True:
-            try:
-                await client.check_health()
-                return
-            except StageDeadError:
-                await asyncio.sleep(0.2)
 
 
 def _exported(client, name: str) -> float:

@@ -37,6 +37,9 @@ class BenchSettings:
     ignore_eos: bool = False
     timeout_s: float = 600.0
     speech_format: str = "wav"  # openai-speech: "wav" or raw "pcm" (its rate in X-Sample-Rate)
+    # Merged into every chat request's body (vllm bench serve's --extra-body), e.g. a pipeline's
+    # sampling_params_list.
+    extra_body: dict[str, Any] | None = None
 
     def url(self, default_endpoint: str) -> str:
         """The benchmarked API's URL (``--endpoint`` overrides its path)."""
@@ -141,7 +144,7 @@ def _chat_body(settings: BenchSettings, request: BenchRequest) -> dict[str, Any]
             "stream_options": {"include_usage": True}}
     if settings.ignore_eos:
         body["ignore_eos"] = True
-    return body
+    return {**body, **(settings.extra_body or {})}
 
 
 async def _stream_chat(client: httpx.AsyncClient, settings: BenchSettings, request: BenchRequest,

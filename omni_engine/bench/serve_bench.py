@@ -17,9 +17,21 @@ from typing import Any
 
 import httpx
 
-from omni_engine.bench.backends import BACKENDS, SPEECH_IN, BenchSettings, RequestResult, prepare_audio
-from omni_engine.bench.datasets import BenchRequest, DatasetError, custom_requests, random_requests
+from omni_engine.bench.backends import (
+    BACKENDS,
+    SPEECH_IN,
+    BenchSettings,
+    RequestResult,
+    prepare_audio,
+)
+from omni_engine.bench.datasets import (
+    BenchRequest,
+    DatasetError,
+    custom_requests,
+    random_requests,
+)
 from omni_engine.bench.results import PER_REQUEST_KEYS, per_request, summarize
+from omni_engine.entrypoints.cli.common import json_object
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -44,6 +56,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "pcm is what OpenAI's clients stream to a player)")
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--ignore-eos", action="store_true")
+    parser.add_argument("--extra-body", type=json_object, default=None, metavar="JSON",
+                        help="chat backends: a JSON object merged into every request's body, e.g. "
+                             "'{\"sampling_params_list\": [null, {\"max_tokens\": 200}]}'")
     parser.add_argument("--metric-percentiles", default="99", help="comma-separated, e.g. 50,90,99")
     parser.add_argument("--save-result", action="store_true")
     parser.add_argument("--result-dir", type=Path, default=Path("."))
@@ -75,7 +90,8 @@ async def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
     percentiles = [float(p) for p in args.metric_percentiles.split(",") if p.strip()]
     backend = BACKENDS[args.backend]
     settings = BenchSettings(args.base_url, args.model or "", args.endpoint, args.api_key, args.voice,
-                             args.temperature, args.ignore_eos, speech_format=args.speech_format)
+                             args.temperature, args.ignore_eos, speech_format=args.speech_format,
+                             extra_body=args.extra_body)
     limits = httpx.Limits(max_connections=args.max_concurrency or len(requests) or 1)
     async with httpx.AsyncClient(limits=limits, timeout=settings.timeout_s) as client:
         if not settings.model:

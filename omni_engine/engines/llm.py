@@ -283,7 +283,9 @@ class LLMStageEngine(StageEngine):
             "model": model_config.model,
             "served_model_name": model_config.served_model_name,
             "max_model_len": model_config.max_model_len,
+            "prompt_modalities": prompt_modalities(model_config),
             **(self.speech_to_text.info() if self.speech_to_text is not None else {}),
+            **(self.adapter.info() if hasattr(self.adapter, "info") else {}),
         }
 
     def deadline_stats(self) -> dict[str, Any]:
@@ -327,6 +329,20 @@ class LLMStageEngine(StageEngine):
         if name in LLMStageEngine.UTILITY_METHODS and self.__dict__.get("engine") is not None:
             return getattr(self.__dict__["engine"], name)
         raise AttributeError(name)
+
+
+def prompt_modalities(model_config: Any) -> list[str]:
+    """The kinds of media the model's prompts take through vLLM's multimodal processor (a server
+    hands a chat's audio parts to a model that hears, rather than to a speech-to-text stage)."""
+    if not model_config.is_multimodal_model or model_config.multimodal_config is None:
+        return []
+    from vllm.multimodal import MULTIMODAL_REGISTRY
+
+    try:
+        supported = MULTIMODAL_REGISTRY.get_processing_info(model_config).supported_mm_limits
+    except ValueError:  # no processor of its own (a drafter): text only
+        return []
+    return [m for m in supported if model_config.multimodal_config.get_limit_per_prompt(m) > 0]
 
 
 def scheduled_at(output: Any) -> float | None:

@@ -19,6 +19,7 @@ from typing import Any
 
 from omni_engine import envs
 from omni_engine.config import PipelineConfig, parse_pipeline_config, read_pipeline_yaml
+from omni_engine.config.for_model import pipeline_data_for_model
 from omni_engine.entrypoints.multi_stage_engine_client import (
     MultiStageEngineClient,
     Progress,
@@ -35,9 +36,11 @@ _LEGACY_WARNING = ("VLLM_OMNI_USE_NEW_ARCHITECTURE=0 selects the legacy multipro
 class AsyncOmni:
     """A multi-stage pipeline: ``generate`` streams every final stage's outputs.
 
-    ``AsyncOmni(model=...)`` alone is a one-stage vLLM pipeline of that model;
-    with ``stage_configs_path`` the YAML config says the stages, and ``model``
-    (if given) is the model of its ``llm`` stages. Other keyword arguments are
+    ``AsyncOmni(model=...)`` alone runs the pipeline of that model's family (a
+    Qwen2.5-Omni checkpoint: thinker -> talker -> code2wav), found by its
+    ``architectures``, or else one vLLM stage of it; with ``stage_configs_path``
+    the YAML config says the stages, and ``model`` (if given) is the model of
+    its ``llm`` stages. Other keyword arguments are
     vLLM engine arguments for the ``llm`` stages (``max_model_len=...``).
     Stages start on ``await start()``, ``async with``, or the first request.
     """
@@ -146,13 +149,14 @@ class AsyncOmni:
 
 def pipeline_config_for(model: str | None, stage_configs_path: str | Path | None,
                         engine_args: dict[str, Any]) -> PipelineConfig:
-    """The validated pipeline ``AsyncOmni(model, stage_configs_path, **engine_args)`` runs."""
+    """The validated pipeline ``AsyncOmni(model, stage_configs_path, **engine_args)`` runs: the YAML
+    at ``stage_configs_path``, else the one ``model`` names (its family's by architecture, or one vLLM
+    stage: ``omni_engine.config.for_model``); ``engine_args`` (and ``model``) go to every llm stage."""
     if stage_configs_path is None:
         if model is None:
-            raise ValueError("AsyncOmni needs model= (a one-stage vLLM pipeline) or stage_configs_path=")
-        source = f"<AsyncOmni(model={model!r})>"
-        data: Any = {"stage_args": [{"stage_id": 0, "stage_type": "llm", "final_output": True,
-                                     "final_output_type": "text"}]}
+            raise ValueError("AsyncOmni needs model= (a checkpoint: its family's pipeline, or one vLLM "
+                             "stage) or stage_configs_path=")
+        source, data = pipeline_data_for_model(model)
     else:
         source = str(stage_configs_path)
         data = copy.deepcopy(read_pipeline_yaml(stage_configs_path))

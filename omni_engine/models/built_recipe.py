@@ -32,6 +32,8 @@ class BuiltCheckpointRecipe:
     builder: str
     inputs: tuple[tuple[str, str, str], ...]  # (keyword, requirement, member)
     version: int = 1
+    # What its config.json names (known before it is built: a model family is found by it).
+    architectures: tuple[str, ...] = ()
 
     @property
     def requirement(self) -> str:
@@ -39,6 +41,7 @@ class BuiltCheckpointRecipe:
 
     def marker(self) -> dict[str, Any]:
         data = asdict(self)
+        del data["architectures"]  # says what the builder writes; no input of it
         data["inputs"] = [list(item) for item in self.inputs]
         return data
 

@@ -1,9 +1,14 @@
-"""Model families by checkpoint ``model_type``: what a stage's ``model_stage`` makes of its engine args.
+"""Model families: the pipeline a checkpoint's architecture runs as, and what its stages' ``model_stage`` means.
 
-vLLM-Omni's stage configs name the part of a model a stage runs (``engine_args.model_stage``:
-``thinker``, ``talker``, ...); the family of the checkpoint says what that means for vLLM (which
-architecture, which config, which request adapter). Each family answers in a module of its own,
-so adding a family adds an entry here and touches no pipeline code. Imports no vLLM.
+- By ``architectures`` (config.json): the family's stage config, which ``AsyncOmni(model=DIR)``,
+  ``omni-engine serve DIR`` and ``omni-engine generate --model DIR`` run (as ``vllm serve --omni``
+  picks one), shipped in the family's package.
+- By ``model_type``: vLLM-Omni's stage configs name the part of a model a stage runs
+  (``engine_args.model_stage``: ``thinker``, ``talker``, ...); the family of the checkpoint says what
+  that means for vLLM (which architecture, which config, which request adapter).
+
+Each family answers in a module of its own, so adding a family adds entries here and touches no
+pipeline code. Imports no vLLM.
 """
 
 from __future__ import annotations
@@ -14,6 +19,13 @@ from typing import Any
 
 from omni_engine.utils import resolve_dotted
 
+# checkpoint architecture -> its family's stage config ("package:file", package data).
+# The published Qwen2.5-Omni checkpoints name the model's first class name; transformers' is the second.
+FAMILY_CONFIGS = {
+    "Qwen2_5OmniModel": "omni_engine.models.qwen2_5_omni:qwen2_5_omni.yaml",
+    "Qwen2_5OmniForConditionalGeneration": "omni_engine.models.qwen2_5_omni:qwen2_5_omni.yaml",
+}
+
 # checkpoint model_type -> "module:function(model_stage, engine_args, model_dir) -> engine_args"
 # (ValueError naming what is wrong with model_stage)
 FAMILIES = {
@@ -23,10 +35,31 @@ FAMILIES = {
 
 def checkpoint_model_type(model_dir: str | Path) -> str | None:
     """``model_type`` of a checkpoint directory's config.json (None: not a directory with one)."""
+    return (checkpoint_config(model_dir) or {}).get("model_type")
+
+
+def checkpoint_config(model_dir: str | Path) -> dict[str, Any] | None:
+    """A checkpoint directory's config.json (None: not a directory with a readable one)."""
     try:
-        return json.loads((Path(model_dir) / "config.json").read_text()).get("model_type")
+        config = json.loads((Path(model_dir) / "config.json").read_text())
     except (OSError, ValueError):
         return None
+    return config if isinstance(config, dict) else None
+
+
+def family_config_file(architectures: list[str] | tuple[str, ...]) -> Path | None:
+    """The stage config of the family that serves one of ``architectures`` (None: no family does)."""
+    from importlib.resources import files
+
+    for arch in architectures:
+        if arch in FAMILY_CONFIGS:
+            package, _, name = FAMILY_CONFIGS[arch].partition(":")
+            return Path(str(files(package) / name))
+    return None
+
+
+def family_architectures() -> list[str]:
+    return sorted(FAMILY_CONFIGS)
 
 
 def resolve_model_stage(engine_args: dict[str, Any]) -> dict[str, Any]:

@@ -13,35 +13,26 @@ from pathlib import Path
 
 import numpy as np
 
-from omni_engine.entrypoints.cli.common import say, set_stage_env_defaults
+from omni_engine.entrypoints.cli.common import json_object, say, set_stage_env_defaults
 
 NAME = "generate"
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     parser = subparsers.add_parser(NAME, help="run one prompt through a pipeline (text, WAV, ...)")
-    parser.add_argument("--config", required=True, type=Path, help="pipeline stage config (YAML)")
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--config", type=Path, help="pipeline stage config (YAML)")
+    source.add_argument("--model", help="a model (checkpoint directory or prepare-model recipe) instead: its "
+                                        "family's pipeline, found by its architectures, or one vLLM stage")
     parser.add_argument("--prompt", required=True, help="the user's message")
     parser.add_argument("--output-dir", type=Path, default=Path("out"))
     parser.add_argument("--raw", action="store_true", help="send the prompt as is, without the chat template")
     parser.add_argument("--max-tokens", type=int, default=None, help="override the text stage's max_tokens")
-    parser.add_argument("--extra-args", type=_json_object, default=None, metavar="JSON",
+    parser.add_argument("--extra-args", type=json_object, default=None, metavar="JSON",
                         help="the request's extra_args (vllm_xargs) for logits processors, as a JSON object; "
                              "e.g. a mixing pipeline's '{\"theta_prompt\": \"...\"}'")
     parser.set_defaults(handler=run)
     return parser
-
-
-def _json_object(text: str) -> dict:
-    import json
-
-    try:
-        value = json.loads(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(f"not valid JSON: {exc}") from None
-    if not isinstance(value, dict):
-        raise argparse.ArgumentTypeError(f"expected a JSON object, got {type(value).__name__}")
-    return value
 
 
 def run(args: argparse.Namespace) -> int:
@@ -49,12 +40,14 @@ def run(args: argparse.Namespace) -> int:
     import uvloop
 
     from omni_engine.config import ConfigError, load_pipeline_config
+    from omni_engine.config.for_model import pipeline_config_for_model
     from omni_engine.pipeline.stage_specs import prepare_models
 
     try:
         # Models are checked (and recipes prepared) before anything heavy is imported:
         # the chat template below is read from the checked model.
-        config = prepare_models(load_pipeline_config(args.config), say)
+        config = prepare_models(load_pipeline_config(args.config) if args.config is not None
+                                else pipeline_config_for_model(args.model), say)
     except ConfigError as exc:
         say(str(exc))
         return 2
@@ -89,7 +82,7 @@ async def _generate(args: argparse.Namespace, config) -> int:
     # SIGTERM/SIGINT: unwind through `async with` so every stage is shut down.
     cancel_on_signals()
     started = time.monotonic()
-    say(f"starting {len(config.stage_args)} stage(s) from {args.config}")
+    say(f"starting {len(config.stage_args)} stage(s) from {args.config or args.model}")
     async with await MultiStageEngineClient.from_config(config, progress=say) as client:
         say(f"pipeline ready in {time.monotonic() - started:.1f} s ({config.runtime.execution_mode})")
         params = _entry_params(config, args.max_tokens, args.extra_args)

@@ -38,7 +38,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
 
 
 def main(argv: Sequence[str]) -> int:
-    """``omni-engine serve PIPELINE_CONFIG [vllm serve flags] [omni-engine flags]``."""
+    """``omni-engine serve PIPELINE_CONFIG|MODEL [vllm serve flags] [omni-engine flags]``."""
     from omni_engine.config import ConfigError
     from omni_engine.entrypoints.cli.serve_args import ServeArgsError, parse_serve_args
     from omni_engine.pipeline.early_launch import discard_launched
@@ -48,7 +48,7 @@ def main(argv: Sequence[str]) -> int:
         # The config and its models first: vLLM's parser imports vLLM (seconds), and a
         # wrong model must not wait for that. Then the stages start, so that their own
         # imports run while this process imports vLLM.
-        config = _load_checked(Path(argv[0])) if argv and Path(argv[0]).is_file() else None
+        config = _load_checked(argv[0]) if argv and not argv[0].startswith("-") else None
         if config is not None and not _asks_for_help(argv):
             early = _early_flags(argv)
             config = _with_served_names(config, early.served_model_name).with_traces_endpoint(
@@ -62,7 +62,7 @@ def main(argv: Sequence[str]) -> int:
     except BaseException:
         discard_launched(launched)
         raise
-    if config is None or Path(argv[0]) != args.pipeline_config:
+    if config is None or argv[0] != args.model_tag:
         discard_launched(launched)
         return run(args, None)
     return run(args, config, launched)
@@ -111,13 +111,16 @@ def _launch_early(config: PipelineConfig) -> dict[int, Any]:
     return launched
 
 
-def _load_checked(path: Path) -> PipelineConfig:
-    """The pipeline config at ``path``, validated, with its models checked and prepared.
+def _load_checked(target: str | Path) -> PipelineConfig:
+    """What ``target`` serves, validated, with its models checked and prepared: the pipeline config
+    file it names, or the pipeline of the model it names (its family's, by architecture, or one
+    vLLM stage: ``omni_engine.config.for_model``).
 
     The text stage keeps the name its YAML gives its model (a recipe name such as
     ``smollm2``, not the prepared directory) as the name the API serves by default.
     """
-    from omni_engine.config import ConfigError, load_pipeline_config
+    from omni_engine.config import ConfigError
+    from omni_engine.config.for_model import load_config_or_model
     from omni_engine.entrypoints.openai.engine_config import (
         default_served_model_name,
         text_stage_of,
@@ -125,11 +128,11 @@ def _load_checked(path: Path) -> PipelineConfig:
     )
     from omni_engine.pipeline.stage_specs import prepare_models
 
-    config = load_pipeline_config(path)
+    config = load_config_or_model(target)
     try:
         text_stage = text_stage_of(config)
     except ValueError as exc:
-        raise ConfigError([f"{path}: {exc}"], str(path)) from None
+        raise ConfigError([f"{target}: {exc}"], str(target)) from None
     if "served_model_name" not in text_stage.engine_args:
         config = with_served_model_name(config, [default_served_model_name(text_stage)])
     return prepare_models(config, say)
@@ -205,7 +208,9 @@ async def _serve(args: argparse.Namespace, config, launched: dict[int, Any]) -> 
     try:
         say(f"starting {len(config.stage_args)} stage(s) from {args.pipeline_config}; "
              f"text stage {text_stage.stage_id} served as {served_names[0]!r}")
-        from omni_engine.entrypoints.multi_stage_engine_client import MultiStageEngineClient
+        from omni_engine.entrypoints.multi_stage_engine_client import (
+            MultiStageEngineClient,
+        )
 
         client = await MultiStageEngineClient.from_config(config, progress=say, text_stage=True, launched=launched)
         try:

@@ -69,8 +69,10 @@ def build_serve_parser() -> Any:
     )
     make_arg_parser(parser)
     config = _action(parser, "model_tag")
-    config.metavar = "PIPELINE_CONFIG"
-    config.help = "pipeline stage config (YAML) to serve (required)"
+    config.metavar = "PIPELINE_CONFIG|MODEL"
+    config.help = ("pipeline stage config (YAML) to serve, or a model: a checkpoint directory or "
+                   "prepare-model recipe, served as its family's pipeline (by its architectures) or as "
+                   "one vLLM stage (required)")
     parser.set_defaults(host=DEFAULT_HOST)
     _action(parser, "host").help = f"Host name (default: {DEFAULT_HOST}; `vllm serve` listens on all)."
 
@@ -90,8 +92,8 @@ def parse_serve_args(argv: Sequence[str]) -> argparse.Namespace:
     parser = build_serve_parser()
     args = parser.parse_args(list(argv))
     if not args.model_tag:
-        raise ServeArgsError("omni-engine serve: the pipeline config is required: "
-                             "omni-engine serve PIPELINE_CONFIG.yaml [vllm serve flags]")
+        raise ServeArgsError("omni-engine serve: the pipeline config or model is required: "
+                             "omni-engine serve PIPELINE_CONFIG.yaml|MODEL_DIR [vllm serve flags]")
     # vLLM's own --config (a YAML of serve flags) keeps its dest; ours is pipeline_config.
     args.pipeline_config = Path(args.model_tag)
     engine_dests = {a.dest for a in AsyncEngineArgs.add_cli_args(FlexibleArgumentParser())._actions}

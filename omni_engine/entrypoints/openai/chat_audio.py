@@ -3,8 +3,10 @@
 The whole pipeline runs; the answer comes back as text and as ``message.audio`` (``id``, base64
 ``data``, ``expires_at``, ``transcript``), as OpenAI returns it. Streaming sends
 ``delta.content``/``delta.audio.transcript`` as the text is generated and ``delta.audio.data`` as
-each sentence is spoken. A message's ``input_audio`` parts are transcribed first
-(``speech_input``). Every other chat request goes to vLLM's own handler unchanged: this route
+each sentence is spoken. A message's ``input_audio`` parts are transcribed first, or heard by a
+text stage that hears (``speech_input``). ``audio.voice`` reaches every stage that speaks (a
+talker too); ``sampling_params_list`` (vLLM-Omni's request field: one object or null per stage, in
+stage order) sets any stage's sampling params, field by field, e.g. a greedy talker. Every other chat request goes to vLLM's own handler unchanged: this route
 shadows vLLM's of the same path.
 """
 
@@ -38,8 +40,9 @@ from omni_engine.entrypoints.openai.served_pipeline import (
     speech_dict,
     speech_params,
     stage_params,
+    with_stage_overrides,
 )
-from omni_engine.entrypoints.openai.speech_input import has_input_audio, transcribe_chat_audio
+from omni_engine.entrypoints.openai.speech_input import has_input_audio, prepare_chat_audio
 from omni_engine.params import SpeechParams
 
 router = APIRouter()
@@ -65,7 +68,7 @@ def _extra(request: ChatCompletionRequest, name: str) -> Any:
 async def create_chat_completion(request: ChatCompletionRequest, raw_request: Request):
     if has_input_audio(request.messages):
         try:
-            await transcribe_chat_audio(engine_client(raw_request), request.messages)
+            await prepare_chat_audio(engine_client(raw_request), request.messages)
         except RequestRefused as refused:
             return refused.response
         except (VLLMValidationError, ValueError) as exc:
@@ -85,7 +88,12 @@ async def _audio_chat(request: ChatCompletionRequest, raw_request: Request, moda
         return refused.response
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     model_name = request.model or (served_names(client) or ["model"])[0]
-    params = stage_params(client, sid, speech_dict(speech), sampling_params)
+    try:
+        params = with_stage_overrides(client, stage_params(client, sid, speech_dict(speech), sampling_params,
+                                                           voice=speech.voice),
+                                      _extra(request, "sampling_params_list"))
+    except RequestRefused as refused:
+        return refused.response
     stream = client.generate(engine_input, params, request_id, modalities=modalities)
     if request.stream:
         return StreamingResponse(_stream_chunks(request, stream, request_id, model_name, fmt, prompt_len),
@@ -113,7 +121,7 @@ def _chat_audio_options(client: Any, request: ChatCompletionRequest) -> tuple[in
     if (request.n or 1) != 1 or request.use_beam_search:
         raise RequestRefused(error_response("audio output supports n=1 without beam search", param="n"))
     try:
-        speech = speech_params(client, sid, audio_opts.get("voice", "en"), audio_opts.get("speed", 1.0))
+        speech = speech_params(client, sid, audio_opts.get("voice"), audio_opts.get("speed", 1.0))
     except ValueError as exc:
         raise RequestRefused(error_response(str(exc), param="audio.voice")) from None
     return sid, fmt, speech

@@ -62,6 +62,11 @@ def with_served_model_name(config: PipelineConfig, names: list[str]) -> Pipeline
     return config.replace(stage_args=stages)
 
 
+# An llm stage's engine_args that its stage engine takes itself (omni_engine.engines.hidden_states),
+# which vLLM's AsyncEngineArgs does not know: the server's frontend builds its config without them.
+STAGE_ENGINE_KEYS = ("engine_output_type", "request_adapter")
+
+
 def build_text_stage_config(stage: StageConfig,
                             served_model_name: str | list[str] | None = None) -> TextStageConfig:
     """Build the text stage's ``VllmConfig``, renderer and input processor (no engine).
@@ -76,6 +81,11 @@ def build_text_stage_config(stage: StageConfig,
     from vllm.v1.engine.input_processor import InputProcessor
 
     engine_args = stage.engine_args_for_engine()
+    for key in STAGE_ENGINE_KEYS:
+        engine_args.pop(key, None)
+    # A cached item would reach the stage without its data (vLLM's frontend cache assumes its own
+    # engine holds it); the stage's vLLM caches what it is sent (entrypoints.mm_wire).
+    engine_args["mm_processor_cache_gb"] = 0
     name = served_model_name or engine_args.get("served_model_name") or default_served_model_name(stage)
     engine_args["served_model_name"] = name
     try:

@@ -7,8 +7,10 @@ siblings. What is here is what more than one of them needs:
 * the ``MultiStageEngineClient`` behind a request (``engine_client``), the model names it serves
   (``served_names``) and the OpenAI 404 for any other (``check_model``);
 * the stage a route enters at or ends at (``audio_stage_id``, ``speech_to_text_stage``);
-* the per-stage params a request builds (``stage_params``, ``speech_params``, ``speech_dict``) and
-  a chat request rendered by vLLM's own chat serving (``chat_engine_input``);
+* the per-stage params a request builds (``stage_params``, with the voice for the stages that speak
+  (``voice_stages``), ``with_stage_overrides`` for a request's ``sampling_params_list``,
+  ``speech_params``, ``speech_dict``) and a chat request rendered by vLLM's own chat serving
+  (``chat_engine_input``);
 * speech through the speech stage alone (``speak``);
 * the OpenAI-shaped error (``error_response``) and ``RequestRefused``, which carries one out of a
   helper to the route that answers it.
@@ -18,6 +20,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import msgspec
 import numpy as np
 from fastapi.responses import JSONResponse, Response
 from starlette.requests import HTTPConnection
@@ -27,7 +30,7 @@ from vllm.entrypoints.serve.utils.api_utils import get_max_tokens
 from vllm.exceptions import VLLMValidationError
 from vllm.sampling_params import RequestOutputKind, SamplingParams
 
-from omni_engine.params import SpeechParams
+from omni_engine.params import SpeechParams, to_sampling_params
 
 # A speech stage that reports no sample rate is assumed to speak at this one (eSpeak's, Piper's).
 DEFAULT_SAMPLE_RATE = 22050
@@ -88,14 +91,67 @@ def speech_to_text_stage(client: Any) -> int | None:
     return None
 
 
+def text_stage_hears(client: Any) -> bool:
+    """Whether the text stage's model takes audio in its prompts (Qwen-Omni's thinker)."""
+    sid = client.text_stage_id
+    return sid is not None and "audio" in client.stage_info(sid).get("prompt_modalities", ())
+
+
 # ------------------------------------------------ the params a request builds
-def stage_params(client: Any, sid: int, params: Any, others: Any = None) -> dict[int, Any]:
-    """Params by stage id: ``params`` for ``sid``, ``others`` for the text stage."""
+def stage_params(client: Any, sid: int, params: Any, others: Any = None, voice: str | None = None) -> dict[int, Any]:
+    """Params by stage id: ``params`` for ``sid``, ``others`` for the text stage, and ``voice`` in
+    the ``extra_args`` of every llm stage that speaks (its READY info lists ``voices``: a talker,
+    whose codes depend on the voice), over that stage's defaults."""
     out = {sid: params}
     text_sid = client.text_stage_id
     if others is not None and text_sid is not None:
         out[text_sid] = others
+    for vsid in voice_stages(client) if voice is not None else ():
+        if vsid not in out and client.stage_info(vsid).get("engine") == "vllm":
+            defaults = client.stage_default_params(vsid)
+            out[vsid] = {**defaults, "extra_args": {**(defaults.get("extra_args") or {}), "voice": voice}}
     return out
+
+
+def with_stage_overrides(client: Any, params: dict[int, Any], overrides: Any) -> dict[int, Any]:
+    """``params`` with a request's ``sampling_params_list`` (vLLM-Omni's field: one entry per stage in
+    stage order, null to keep a stage's) merged in, field by field, over what the request set for
+    that stage or else the stage's defaults; ``RequestRefused`` names the entry at fault."""
+    if overrides is None:
+        return params
+    order = client.stage_ids()
+    if not isinstance(overrides, list) or len(overrides) > len(order):
+        raise RequestRefused(error_response(f"sampling_params_list must be a list of at most {len(order)} "
+                                            "objects or nulls, one per stage in stage order",
+                                            param="sampling_params_list"))
+    out = dict(params)
+    for index, (sid, entry) in enumerate(zip(order, overrides)):
+        if entry is None:
+            continue
+        where = f"sampling_params_list[{index}]"
+        if not isinstance(entry, dict):
+            raise RequestRefused(error_response(f"{where} (stage {sid}) must be an object or null, got "
+                                                f"{type(entry).__name__}", param=where))
+        base = out.get(sid)
+        if isinstance(base, SamplingParams):
+            base = msgspec.structs.asdict(base)
+        merged = {**(base if isinstance(base, dict) else client.stage_default_params(sid)), **entry}
+        if isinstance(entry.get("extra_args"), dict) and isinstance((base or {}).get("extra_args"), dict):
+            merged["extra_args"] = {**base["extra_args"], **entry["extra_args"]}
+        if client.stage_info(sid).get("engine") == "vllm":
+            try:
+                merged = to_sampling_params(merged)
+            except (TypeError, ValueError) as exc:
+                raise RequestRefused(error_response(f"{where} (stage {sid}): {exc}", param=where)) from None
+            if sid == client.text_stage_id:
+                merged.output_kind = RequestOutputKind.DELTA  # the route streams the text stage's deltas
+        out[sid] = merged
+    return out
+
+
+def voice_stages(client: Any) -> list[int]:
+    """The stages that speak in voices (their READY info lists ``voices``)."""
+    return [sid for sid in client.stage_ids() if client.stage_info(sid).get("voices")]
 
 
 def voice_accepted(info: dict[str, Any], voice: str) -> bool:
@@ -108,13 +164,20 @@ def voice_accepted(info: dict[str, Any], voice: str) -> bool:
 
 def speech_params(client: Any, sid: int, voice: Any, speed: Any) -> SpeechParams:
     """Checked speech params: ``ValueError`` naming a bad speed, or a voice the speech stage does not
-    accept (its OpenAI names, its engine's codes, ``code+variant``), pointing at the list."""
-    params = SpeechParams(voice=voice, speed=speed)
-    params.validate()
+    accept (its OpenAI names, its engine's codes, ``code+variant``; a model's speakers, in any case),
+    pointing at the list. ``voice`` None: the stage's default voice."""
     info = client.stage_info(sid)
+    params = SpeechParams(voice=info.get("default_voice", "en") if voice is None else voice, speed=speed)
+    params.validate()
     if "voice_map" in info and not voice_accepted(info, params.voice):
         raise ValueError(f"unknown voice {params.voice!r}; GET /v1/audio/voices lists the accepted voices "
                          f"(OpenAI's: {', '.join(sorted(info['voice_map']))})")
+    if "voice_map" not in info and info.get("voices"):
+        named = {v.lower(): v for v in info["voices"]}.get(params.voice.lower())
+        if named is None:
+            raise ValueError(f"unknown voice {params.voice!r}; GET /v1/audio/voices lists the accepted voices "
+                             f"(this model's: {', '.join(info['voices'])})")
+        params = SpeechParams(voice=named, speed=params.speed, pitch=params.pitch)
     return params
 
 

@@ -62,8 +62,13 @@ async def list_voices(raw_request: Request) -> Response:
     mapped = [{"id": name, "object": "voice", "kind": "openai", "engine_voice": voice}
               for name, voice in sorted(info.get("voice_map", {}).items())]
     engine = [{"id": code, "object": "voice", "kind": "engine"} for code in info.get("voices", ())]
-    return JSONResponse({"object": "list", "data": mapped + engine, "variants": list(info.get("variants", ())),
-                         "note": "an engine voice may take a variant: '<voice>+<variant>', e.g. 'en-us+f2'"})
+    listing: dict[str, Any] = {"object": "list", "data": mapped + engine}
+    if "default_voice" in info:
+        listing["default"] = info["default_voice"]
+    if info.get("variants"):
+        listing["variants"] = list(info["variants"])
+        listing["note"] = "an engine voice may take a variant: '<voice>+<variant>', e.g. 'en-us+f2'"
+    return JSONResponse(listing)
 
 
 # ------------------------------------------------------------------ speech

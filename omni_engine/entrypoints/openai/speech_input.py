@@ -6,7 +6,12 @@ and runs *alone*: the request enters and ends there. Audio crosses to it as 16 k
 a wire tensor (shared memory above the threshold).
 
 A chat message's ``input_audio`` parts are transcribed first and replaced by their text; the chat
-request then runs as any other. Transcribing ahead costs no latency an edge between the stages
+request then runs as any other. Where the text stage's model hears itself (Qwen-Omni's thinker: its
+READY info's ``prompt_modalities`` has ``audio``), the parts go to it instead, through vLLM's chat
+rendering and multimodal processor: decoded here (any container FFmpeg reads; one that does not
+decode is refused by its place in the request) and handed on as 16 kHz float32 WAV. Not as they
+came: vLLM 0.32's PyAV decoder hands on integer samples unscaled where it does not resample, which
+it never does for a chat part (a 16-bit WAV reaches the model 32768 times too loud). Transcribing ahead costs no latency an edge between the stages
 would save (the LLM needs the whole user turn before it answers) and keeps the conversation's
 earlier turns and the LLM's chat template where vLLM's chat serving puts them.
 """
@@ -23,8 +28,13 @@ from typing import Any
 from vllm.sampling_params import RequestOutputKind, SamplingParams
 
 from omni_engine.audio import WHISPER_SAMPLE_RATE as SAMPLE_RATE
-from omni_engine.audio import AudioDecodeError, decode_audio
-from omni_engine.entrypoints.openai.served_pipeline import RequestRefused, error_response, speech_to_text_stage
+from omni_engine.audio import AudioDecodeError, decode_audio, wav_float_bytes
+from omni_engine.entrypoints.openai.served_pipeline import (
+    RequestRefused,
+    error_response,
+    speech_to_text_stage,
+    text_stage_hears,
+)
 
 # Whisper's decoder takes 448 positions; half of them is its usual budget for one window's text.
 MAX_TOKENS_PER_WINDOW = 224
@@ -82,16 +92,33 @@ def has_input_audio(messages: Any) -> bool:
                for part in (message.get("content") if isinstance(message.get("content"), list) else ()))
 
 
-async def transcribe_chat_audio(client: Any, messages: list[Any]) -> None:
-    """Replace every ``input_audio`` part of ``messages`` by a text part with its transcription
-    (all parts transcribed at once: the stage batches them). ``RequestRefused`` is the 400/404."""
-    sid = speech_to_text_stage_or_refuse(client)
+async def prepare_chat_audio(client: Any, messages: list[Any]) -> None:
+    """``messages``' ``input_audio`` parts made ready for the text stage: heard by it (as WAV) where its
+    model hears, else transcribed. ``RequestRefused`` is the 400/404."""
+    if text_stage_hears(client):
+        for part, audio in await _audio_parts(messages):
+            wav = await asyncio.to_thread(wav_float_bytes, audio, SAMPLE_RATE)
+            part["input_audio"] = {"data": base64.b64encode(wav).decode("ascii"), "format": "wav"}
+    else:
+        await transcribe_chat_audio(client, messages)
+
+
+async def _audio_parts(messages: list[Any]) -> list[tuple[dict[str, Any], Any]]:
+    """Every ``input_audio`` part of ``messages`` with its decoded samples (16 kHz mono)."""
     parts: list[tuple[dict[str, Any], Any]] = []
     for m, message in enumerate(messages):
         content = message.get("content") if isinstance(message, dict) else None
         for p, part in enumerate(content if isinstance(content, list) else ()):
             if isinstance(part, dict) and part.get("type") == "input_audio":
                 parts.append((part, await _input_audio(part, f"messages[{m}].content[{p}].input_audio")))
+    return parts
+
+
+async def transcribe_chat_audio(client: Any, messages: list[Any]) -> None:
+    """Replace every ``input_audio`` part of ``messages`` by a text part with its transcription
+    (all parts transcribed at once: the stage batches them). ``RequestRefused`` is the 400/404."""
+    sid = speech_to_text_stage_or_refuse(client)
+    parts = await _audio_parts(messages)
     texts = await asyncio.gather(*(transcript_text(client, sid, audio) for _, audio in parts))
     for (part, _), (text, _details) in zip(parts, texts):
         part.clear()

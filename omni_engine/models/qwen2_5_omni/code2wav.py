@@ -79,7 +79,8 @@ class Code2Wav(ThreadedGenerationModel):
         return {"audio": wav.reshape(-1).float().numpy(), "sample_rate": SAMPLE_RATE}
 
     def info(self) -> dict[str, Any]:
-        return {"model": self.model_dir, "sample_rate": SAMPLE_RATE, "voices": sorted(self.speakers), **self.settings}
+        return {"model": self.model_dir, "sample_rate": SAMPLE_RATE, "voices": sorted(self.speakers),
+                "default_voice": self.default_voice, **self.settings}
 
 
 def load_token2wav(model_dir: str) -> Any:

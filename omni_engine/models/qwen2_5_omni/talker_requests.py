@@ -68,6 +68,11 @@ class TalkerRequests:
             self._prefix = shm.stage_file_prefix("talker")
         return self._prefix
 
+    def info(self) -> dict[str, Any]:
+        """For the stage's READY info: the voices it speaks (a server routes a request's voice here,
+        in ``extra_args["voice"]``)."""
+        return {"voices": sorted(self.speakers), "default_voice": DEFAULT_VOICE}
+
     def voice_of(self, params: Any, request_id: str) -> dict[str, Any]:
         try:
             return pick_voice(self.speakers, voice_name(params))

@@ -1,0 +1,170 @@
+"""``omni-engine serve`` of a Qwen2.5-Omni checkpoint directory, called as OpenAI clients call it.
+
+The server finds the family's pipeline (thinker -> talker -> code2wav) by the checkpoint's
+architecture. Chat with ``modalities: ["text", "audio"]`` must answer with transformers' text and
+the waveform transformers' talker and token2wav make for it (a greedy talker, through the
+``sampling_params_list`` request field), with the voice asked for; ``input_audio`` and ``image_url``
+parts reach the thinker, which hears and sees them. Bad input is refused by field, and the server
+serves on.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+
+import httpx
+import numpy as np
+import pytest
+
+from omni_engine.audio import decode_audio, encode_audio
+from omni_engine.models.prepare import prepare_model
+from tests.qwen_omni_reference import (
+    MAX_TOKENS,
+    TALKER_TOKENS,
+    chat,
+    image,
+    load_reference,
+    reference_codes,
+    reference_run,
+    reference_wav,
+    tone,
+)
+from tests.serve_helpers import running_server
+
+SERVED = "qwen-omni-tiny"
+# A greedy talker with the config's other defaults (its stop codes, repetition penalty)
+GREEDY_TALKER = [None, {"temperature": 0.0, "max_tokens": TALKER_TOKENS}]
+PCM16_STEP = 1 / 32768
+QUESTION = "What is the capital of France?"
+
+
+@pytest.fixture(scope="module")
+def omni_dir():
+    return prepare_model("qwen2.5-omni-tiny")
+
+
+@pytest.fixture(scope="module")
+def reference(omni_dir):
+    return load_reference(omni_dir)
+
+
+@pytest.fixture(scope="module")
+def server(omni_dir, tmp_path_factory):
+    with running_server(str(omni_dir), SERVED, tmp_path_factory.mktemp("qwen_serve")) as srv:
+        yield srv
+
+
+def _post(server, body, timeout=120):
+    return httpx.post(f"{server['url']}/v1/chat/completions", json={"model": SERVED, **body}, timeout=timeout)
+
+
+def _heard_tone():
+    """The tone sent as 16-bit WAV, and the samples it decodes to (what the thinker hears)."""
+    wav = encode_audio(tone(), 16000, "wav")
+    return wav, decode_audio(wav, 16000)
+
+
+def _png(picture):
+    buffer = io.BytesIO()
+    picture.save(buffer, format="PNG")
+    return base64.b64encode(buffer.getvalue()).decode("ascii")
+
+
+def _messages(kind):
+    """The chat for a prompt kind, and the prompt transformers is given for it (the same text the
+    checkpoint's chat template renders)."""
+    if kind == "text":
+        return [{"role": "user", "content": QUESTION}], (chat(QUESTION), {})
+    if kind == "audio":
+        wav, heard = _heard_tone()
+        part = {"type": "input_audio", "input_audio": {"data": base64.b64encode(wav).decode("ascii"), "format": "wav"}}
+        return ([{"role": "user", "content": [part, {"type": "text", "text": "What did you hear?"}]}],
+                (chat("<|audio_bos|><|AUDIO|><|audio_eos|>What did you hear?"), {"audio": (heard, 16000)}))
+    picture = image()
+    part = {"type": "image_url", "image_url": {"url": f"data:image/png;base64,{_png(picture)}"}}
+    return ([{"role": "user", "content": [part, {"type": "text", "text": "Describe it."}]}],
+            (chat("<|vision_bos|><|IMAGE|><|vision_eos|>Describe it."), {"image": picture}))
+
+
+def _pcm16(data: bytes) -> np.ndarray:
+    return np.frombuffer(data, dtype="<i2").astype(np.float32) / 32768
+
+
+def _audio_chat(server, messages, voice=None, stream=False):
+    """The text and the waveform (float32, 24 kHz) of a chat with audio, streamed or whole."""
+    audio = {"format": "pcm16", **({"voice": voice} if voice else {})}
+    body = {"messages": messages, "modalities": ["text", "audio"], "audio": audio, "temperature": 0.0,
+            "max_tokens": MAX_TOKENS, "sampling_params_list": GREEDY_TALKER, "stream": stream}
+    if not stream:
+        response = _post(server, body)
+        assert response.status_code == 200, response.text
+        message = response.json()["choices"][0]["message"]
+        assert message["audio"]["transcript"] == message["content"]
+        return message["content"], _pcm16(base64.b64decode(message["audio"]["data"]))
+    text, chunks = "", []
+    with httpx.stream("POST", f"{server['url']}/v1/chat/completions", json={"model": SERVED, **body},
+                      timeout=120) as response:
+        assert response.status_code == 200
+        import json
+
+        for line in response.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            event = json.loads(line[6:])
+            assert "error" not in event, event
+            delta = event["choices"][0]["delta"] if event["choices"] else {}
+            text += delta.get("content") or ""
+            if "data" in (delta.get("audio") or {}):
+                chunks.append(_pcm16(base64.b64decode(delta["audio"]["data"])))
+    return text, np.concatenate(chunks) if chunks else np.zeros(0, np.float32)
+
+
+@pytest.mark.parametrize(("kind", "voice", "stream"), [("text", "Ethan", False), ("audio", None, True)])
+def test_a_chat_with_audio_answers_transformers_text_and_speech(server, reference, kind, voice, stream):
+    """Through the server: the thinker's greedy text, then the audio of the talker's greedy codes in
+    the voice asked for (default Chelsie), as transformers makes both (pcm16: within a step of it)."""
+    messages, prompt = _messages(kind)
+    want_ids, _, _ = reference_run(reference, prompt)
+    want_text = reference[1].tokenizer.decode(want_ids, skip_special_tokens=True)
+    codes = reference_codes(reference, prompt, voice or "Chelsie")
+    want = reference_wav(reference, codes, voice or "Chelsie")
+    text, audio = _audio_chat(server, messages, voice=voice and voice.lower(), stream=stream)
+    assert text == want_text
+    assert audio.shape == want.shape == (len(codes) * 2 * 240,)
+    np.testing.assert_allclose(audio, np.clip(want, -1, 1), atol=1e-4 + PCM16_STEP, rtol=0)
+
+
+def test_an_image_reaches_the_thinker(server, reference):
+    messages, prompt = _messages("image")
+    want_ids, _, _ = reference_run(reference, prompt)
+    response = _post(server, {"messages": messages, "temperature": 0.0, "max_tokens": MAX_TOKENS})
+    assert response.status_code == 200, response.text
+    assert response.json()["choices"][0]["message"]["content"] == reference[1].tokenizer.decode(
+        want_ids, skip_special_tokens=True)
+
+
+def test_the_voices_are_the_checkpoint_s_speakers(server):
+    listing = httpx.get(f"{server['url']}/v1/audio/voices", timeout=30).json()
+    assert [v["id"] for v in listing["data"]] == ["Chelsie", "Ethan"]
+    assert listing["default"] == "Chelsie"
+
+
+@pytest.mark.parametrize(("body", "param", "says"), [
+    ({"audio": {"voice": "alloy", "format": "wav"}}, "audio.voice", "this model's: Chelsie, Ethan"),
+    ({"sampling_params_list": [None, {"temprature": 0}]}, "sampling_params_list[1]", "temprature"),
+    ({"sampling_params_list": [None, None, None, {}]}, "sampling_params_list", "at most 3"),
+    ({"messages": [{"role": "user", "content": [
+        {"type": "input_audio", "input_audio": {"data": base64.b64encode(b"not audio at all").decode(),
+                                                "format": "wav"}}]}]},
+     "messages[0].content[0].input_audio", "messages[0].content[0].input_audio"),
+])
+def test_bad_input_is_refused_by_field_and_the_server_serves_on(server, body, param, says):
+    request = {"messages": [{"role": "user", "content": "Hi"}], "modalities": ["text", "audio"],
+               "audio": {"format": "wav"}, "max_tokens": 2, **body}
+    response = _post(server, request)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == param and says in error["message"], error
+    again = _post(server, {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2})
+    assert again.status_code == 200, again.text
