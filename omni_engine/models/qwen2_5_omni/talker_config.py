@@ -18,7 +18,7 @@ from typing import Any
 from omni_engine import envs
 
 ARCHITECTURE = "OmniEngineQwen2_5OmniTalker"
-VERSION = 1
+VERSION = 2
 
 
 def talker_config(checkpoint_config: dict[str, Any]) -> dict[str, Any]:
@@ -26,6 +26,8 @@ def talker_config(checkpoint_config: dict[str, Any]) -> dict[str, Any]:
     config = dict(checkpoint_config["talker_config"])
     config["architectures"] = [ARCHITECTURE]
     config["model_type"] = "qwen2_5_omni_talker"
+    # Read by vLLM's Llama decoder, which the talker runs on (vllm_talker): Qwen2 biases q, k and v only.
+    config["qkv_bias"] = True
     rope = dict(config.get("rope_parameters") or {})
     rope.pop("mrope_section", None)
     rope.pop("mrope_interleaved", None)

@@ -39,6 +39,10 @@ KV_HEADS = 1
 HEAD_DIM = 32
 LAYERS = 2
 ROPE: dict[str, Any] = {"rope_type": "default", "rope_theta": 1000000.0, "mrope_section": [4, 6, 6]}
+# The talker's heads are wider than hidden / heads, as the published talker's (896 wide, 12 heads of
+# 128): a decoder that takes its head size from the width would not load it.
+TALKER_HEAD_DIM = 48
+TALKER_ROPE: dict[str, Any] = {**ROPE, "mrope_section": [6, 9, 9]}
 
 
 def tiny_config_kwargs() -> dict[str, Any]:
@@ -58,7 +62,7 @@ def tiny_config_kwargs() -> dict[str, Any]:
                    bos_token_id=IM_START_TOKEN_ID, eos_token_id=IM_END_TOKEN_ID, pad_token_id=PAD_TOKEN_ID)
     talker = dict(vocab_size=TALKER_VOCAB_SIZE, embedding_size=HIDDEN, hidden_size=HIDDEN,
                   intermediate_size=2 * HIDDEN, num_hidden_layers=LAYERS, num_attention_heads=HEADS,
-                  num_key_value_heads=KV_HEADS, head_dim=HEAD_DIM, rope_parameters=dict(ROPE))
+                  num_key_value_heads=KV_HEADS, head_dim=TALKER_HEAD_DIM, rope_parameters=dict(TALKER_ROPE))
     dit = dict(hidden_size=HIDDEN, num_hidden_layers=LAYERS, num_attention_heads=HEADS, head_dim=HEAD_DIM, ff_mult=2,
                emb_dim=32, look_ahead_layers=[1], look_backward_layers=[0], num_embeds=TALKER_VOCAB_SIZE + 1,
                mel_dim=80, enc_emb_dim=32, enc_dim=32, enc_channels=[32, 32, 32, 32, 96],

@@ -1,7 +1,10 @@
 """Qwen2.5-Omni's talker as a vLLM model of ours: codec tokens from the thinker's states.
 
-The decoder is vLLM's ``Qwen2Model`` (the talker is Qwen2's architecture), fed embeddings the way
-transformers' ``Qwen2_5OmniForConditionalGeneration.generate`` builds them:
+The decoder is vLLM's ``LlamaModel``: the talker is Qwen2's architecture (Llama's with biases on q, k
+and v: its derived config says ``qkv_bias``), but its heads are wider than hidden / heads (the
+published talker: 896 wide, 12 heads of 128), which vLLM's ``Qwen2Model`` cannot express (it takes
+the head size from the width) and Llama's decoder reads from ``head_dim``. It is fed embeddings the
+way transformers' ``Qwen2_5OmniForConditionalGeneration.generate`` builds them:
 
 - the prompt is ``L + 2`` positions: the thinker's prompt rows (its last hidden state plus its
   input embedding, zero at multimodal placeholders); then the speaker's text bos embedding plus
@@ -36,7 +39,7 @@ from vllm.model_executor.layers.vocab_parallel_embedding import (
     ParallelLMHead,
     VocabParallelEmbedding,
 )
-from vllm.model_executor.models.qwen2 import Qwen2Model
+from vllm.model_executor.models.llama import LlamaModel
 from vllm.model_executor.models.utils import (
     AutoWeightsLoader,
     WeightsMapper,
@@ -52,14 +55,14 @@ THINKER_EMBEDDING = "thinker.model.embed_tokens.weight"
 class OmniEngineQwen2_5OmniTalker(nn.Module):
     """The talker: Qwen2 decoder over projected thinker states + codec embeddings -> codec ids."""
 
-    # (Qwen2Model's own loader stacks q/k/v and gate/up.)
+    # (LlamaModel's own loader stacks q/k/v and gate/up.)
     hf_to_vllm_mapper = WeightsMapper(orig_to_new_prefix={"talker.": "", "thinker.": None, "token2wav.": None})
 
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = "") -> None:
         super().__init__()
         config = vllm_config.model_config.hf_config
         self.config = config
-        self.model = Qwen2Model(vllm_config=vllm_config, prefix=maybe_prefix(prefix, "model"))
+        self.model = LlamaModel(vllm_config=vllm_config, prefix=maybe_prefix(prefix, "model"))
         # The codec embedding lives in the thinker's width (embedding_size), not the decoder's.
         self.model.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.embedding_size,
                                                          prefix=maybe_prefix(prefix, "model.embed_tokens"))
