@@ -7,7 +7,7 @@
 ``omni-engine bench serve --backend openai-chat-audio`` (streamed chat with ``modalities: [text,
 audio]``) at each concurrency, then transformers' ``Qwen2_5OmniForConditionalGeneration.generate(
 return_audio=True)`` on the same prompts, one after another (as a script would run it), in this
-process once the server is gone. Both do the same work per request: the thinker writes exactly
+process before the server starts (three warm-up runs first). Both do the same work per request: the thinker writes exactly
 ``--thinker-tokens`` tokens and the talker exactly ``--talker-codes`` codes (min = max tokens,
 greedy), so code2wav renders the same length of speech. Figures: requests/s, TTFT, time to first
 audio (TTFA; transformers: its whole time, as it returns the waveform at the end), RTF. The
@@ -64,8 +64,9 @@ def bench(base_url: str, concurrency: int, prompts: int, dataset: Path, thinker_
     return asyncio.run(run_benchmark(args))
 
 
-def transformers_runs(model_dir: Path, prompts: list[str], thinker_tokens: int, talker_codes: int) -> list[float]:
-    """Seconds of ``generate(return_audio=True)`` per prompt, one after another (after one warm-up)."""
+def transformers_runs(model_dir: Path, prompts: list[str], thinker_tokens: int, talker_codes: int,
+                      warmups: int = 3) -> list[float]:
+    """Seconds of ``generate(return_audio=True)`` per prompt, one after another (after ``warmups``)."""
     import torch
     from transformers import Qwen2_5OmniForConditionalGeneration
 
@@ -74,7 +75,7 @@ def transformers_runs(model_dir: Path, prompts: list[str], thinker_tokens: int, 
     model = Qwen2_5OmniForConditionalGeneration.from_pretrained(str(model_dir), dtype=torch.float32).eval()
     processor = load_processor(model_dir)
     times = []
-    for i, question in enumerate([prompts[0], *prompts]):
+    for i, question in enumerate([*prompts[:warmups], *prompts]):
         text = processor.apply_chat_template([{"role": "user", "content": question}], add_generation_prompt=True,
                                              tokenize=False)
         inputs = processor(text=text, return_tensors="pt")
@@ -84,7 +85,7 @@ def transformers_runs(model_dir: Path, prompts: list[str], thinker_tokens: int, 
                                     thinker_max_new_tokens=thinker_tokens, thinker_min_new_tokens=thinker_tokens,
                                     talker_do_sample=False, talker_max_new_tokens=talker_codes,
                                     talker_min_new_tokens=talker_codes)
-        if i > 0:  # the first is the warm-up
+        if i >= warmups:
             times.append(time.perf_counter() - start)
         progress(f"transformers {i}: {time.perf_counter() - start:.2f} s, {wav.numel() / SAMPLE_RATE:.2f} s of audio")
     return times
@@ -105,6 +106,8 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="bench_qwen_omni_"))
     dataset = work / "questions.jsonl"
     dataset.write_text("".join(json.dumps({"prompt": q}) + "\n" for q in QUESTIONS))
+    # transformers first: after the server, its exiting processes still share the two cores
+    times = transformers_runs(model_dir, QUESTIONS, args.thinker_tokens, args.talker_codes)
     log = RESULTS / "bench_qwen_omni_server.log"
     log.parent.mkdir(parents=True, exist_ok=True)
     port = free_port()
@@ -122,7 +125,6 @@ def main() -> None:
             progress(f"served, concurrency {n}: {served[n]}")
     finally:
         stop_process_groups([proc])
-    times = transformers_runs(model_dir, QUESTIONS, args.thinker_tokens, args.talker_codes)
     audio_s = args.talker_codes * SAMPLES_PER_CODE / SAMPLE_RATE
     reference = {"requests": len(times), "request_throughput": len(times) / sum(times),
                  "median_e2el_ms": 1000 * statistics.median(times), "median_rtf": statistics.median(times) / audio_s}

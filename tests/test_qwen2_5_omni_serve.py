@@ -49,9 +49,38 @@ def reference(omni_dir):
     return load_reference(omni_dir)
 
 
+# vLLM-Omni's deploy YAML, its fields: the talker greedy by default here (so a chat without
+# sampling_params_list gets transformers' codes), vLLM knobs on code2wav (which runs no vLLM engine),
+# a platform block for this machine and one for another.
+DEPLOY = f"""
+async_chunk: false
+stages:
+  - stage_id: 1
+    max_num_seqs: 4
+    enforce_eager: true
+    default_sampling_params: {{temperature: 0.0, max_tokens: {TALKER_TOKENS}, seed: 42}}
+  - stage_id: 2
+    max_num_seqs: 2
+    enforce_eager: true
+    gpu_memory_utilization: 0.15
+    default_sampling_params: {{temperature: 0.0, top_p: 1.0, seed: 0}}
+platforms:
+  cpu:
+    stages:
+      - {{stage_id: 0, max_num_seqs: 4, mm_processor_cache_gb: 0}}
+  npu:
+    stages:
+      - {{stage_id: 0, enforce_eager: false, devices: "7"}}
+"""
+
+
 @pytest.fixture(scope="module")
 def server(omni_dir, tmp_path_factory):
-    with running_server(str(omni_dir), SERVED, tmp_path_factory.mktemp("qwen_serve")) as srv:
+    """``serve DIR --deploy-config`` (the family's pipeline, by the checkpoint's architecture)."""
+    work = tmp_path_factory.mktemp("qwen_serve")
+    deploy = work / "deploy.yaml"
+    deploy.write_text(DEPLOY)
+    with running_server(str(omni_dir), SERVED, work, extra_args=("--deploy-config", str(deploy))) as srv:
         yield srv
 
 
@@ -91,11 +120,12 @@ def _pcm16(data: bytes) -> np.ndarray:
     return np.frombuffer(data, dtype="<i2").astype(np.float32) / 32768
 
 
-def _audio_chat(server, messages, voice=None, stream=False):
+def _audio_chat(server, messages, voice=None, stream=False, per_stage=GREEDY_TALKER):
     """The text and the waveform (float32, 24 kHz) of a chat with audio, streamed or whole."""
     audio = {"format": "pcm16", **({"voice": voice} if voice else {})}
     body = {"messages": messages, "modalities": ["text", "audio"], "audio": audio, "temperature": 0.0,
-            "max_tokens": MAX_TOKENS, "sampling_params_list": GREEDY_TALKER, "stream": stream}
+            "max_tokens": MAX_TOKENS, "stream": stream,
+            **({"sampling_params_list": per_stage} if per_stage is not None else {})}
     if not stream:
         response = _post(server, body)
         assert response.status_code == 200, response.text
@@ -133,6 +163,20 @@ def test_a_chat_with_audio_answers_transformers_text_and_speech(server, referenc
     assert text == want_text
     assert audio.shape == want.shape == (len(codes) * 2 * 240,)
     np.testing.assert_allclose(audio, np.clip(want, -1, 1), atol=1e-4 + PCM16_STEP, rtol=0)
+
+
+def test_the_deploy_config_is_honoured_and_what_it_cannot_act_on_is_said(server, reference):
+    """Its greedy talker is the default: a chat without sampling_params_list gets transformers' codes
+    (the family's own default samples at temperature 0.9); code2wav's vLLM knobs are named."""
+    messages, prompt = _messages("text")
+    codes = reference_codes(reference, prompt, "Chelsie")
+    want = reference_wav(reference, codes, "Chelsie")
+    _, audio = _audio_chat(server, messages, per_stage=None)
+    np.testing.assert_allclose(audio, np.clip(want, -1, 1), atol=1e-4 + PCM16_STEP, rtol=0)
+    notes = [line for line in server["log"].read_text().splitlines() if "deploy config: " in line]
+    for field in ("stages[1].enforce_eager", "stages[1].gpu_memory_utilization", "temperature, top_p"):
+        assert any(field in line and "stage 2" in line for line in notes), (field, notes)
+    assert len(notes) == 3, notes  # the llm stages' fields were all taken
 
 
 def test_an_image_reaches_the_thinker(server, reference):

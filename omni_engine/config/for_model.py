@@ -19,7 +19,11 @@ import copy
 from pathlib import Path
 from typing import Any
 
-from omni_engine.config.loader import load_pipeline_config, parse_pipeline_config, read_pipeline_yaml
+from omni_engine.config.loader import (
+    load_pipeline_config,
+    parse_pipeline_config,
+    read_pipeline_yaml,
+)
 from omni_engine.config.model import ConfigError, PipelineConfig
 
 # A checkpoint with one of these in its config.json has parts beyond a text model.
@@ -63,27 +67,45 @@ def pipeline_data_for_model(model: str) -> tuple[str, dict[str, Any]]:
     families = ", ".join(family_architectures())
     named = f"{model}: architecture {', '.join(architectures) or '?'}"
     if config is not None and any(part in config for part in SPEECH_PARTS):
-        raise ConfigError([f"{named} has speech parts ({', '.join(p for p in SPEECH_PARTS if p in config)}) "
-                           f"that no model family serves (families: {families}); a stage config with one llm "
-                           "stage of it serves its text"], model, "model")
+        parts = ", ".join(p for p in SPEECH_PARTS if p in config)
+        raise ConfigError([f"{named} has speech parts ({parts}) that no model family serves (families: "
+                           f"{families}); a stage config with one llm stage of it serves its text"], model, "model")
     if architectures and not vllm_knows(architectures):
-        raise ConfigError([f"{named} is served neither by a model family (families: {families}) nor by vLLM "
-                           "as a text model"], model, "model")
+        raise ConfigError([f"{named} is served neither by a model family (families: {families}) nor by vLLM as a "
+                           "text model"], model, "model")
     return f"<one vLLM stage of {model}>", {"stage_args": [{"stage_id": 0, "stage_type": "llm", "final_output": True,
                                                             "final_output_type": "text",
                                                             "engine_args": {"model": model}}]}
 
 
-def pipeline_config_for_model(model: str) -> PipelineConfig:
-    """``pipeline_data_for_model``'s config, validated."""
+def pipeline_config_for_model(model: str, deploy_config: str | Path | None = None,
+                              notes: list[str] | None = None) -> PipelineConfig:
+    """``pipeline_data_for_model``'s config, with vLLM-Omni's deploy YAML over it if given (its notes on
+    fields with nothing to act on appended to ``notes``), validated."""
     source, data = pipeline_data_for_model(model)
-    return parse_pipeline_config(data, source)
+    return _parsed(data, source, deploy_config, notes)
 
 
-def load_config_or_model(target: str | Path) -> PipelineConfig:
+def load_config_or_model(target: str | Path, deploy_config: str | Path | None = None,
+                         notes: list[str] | None = None) -> PipelineConfig:
     """The pipeline config file ``target`` names (a ``.yaml``/``.yml`` path, or any file), else the
-    pipeline of the model it names: what ``omni-engine serve TARGET`` serves."""
+    pipeline of the model it names: what ``omni-engine serve TARGET [--deploy-config FILE]`` serves."""
     path = Path(target)
-    if path.is_file() or path.suffix in (".yaml", ".yml"):
+    if not (path.is_file() or path.suffix in (".yaml", ".yml")):
+        return pipeline_config_for_model(str(target), deploy_config, notes)
+    if deploy_config is None:
         return load_pipeline_config(path)
-    return pipeline_config_for_model(str(target))
+    config = _parsed(read_pipeline_yaml(path), str(path), deploy_config, notes)
+    config.source_path = str(path)
+    return config
+
+
+def _parsed(data: Any, source: str, deploy_config: str | Path | None, notes: list[str] | None) -> PipelineConfig:
+    if deploy_config is not None and isinstance(data, dict):
+        from omni_engine.config.deploy import apply_deploy_config
+
+        data, said = apply_deploy_config(data, deploy_config)
+        source = f"{source} with {deploy_config}"
+        if notes is not None:
+            notes.extend(said)
+    return parse_pipeline_config(data, source)

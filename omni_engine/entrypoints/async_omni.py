@@ -19,6 +19,7 @@ from typing import Any
 
 from omni_engine import envs
 from omni_engine.config import PipelineConfig, parse_pipeline_config, read_pipeline_yaml
+from omni_engine.config.deploy import apply_deploy_config
 from omni_engine.config.for_model import pipeline_data_for_model
 from omni_engine.entrypoints.multi_stage_engine_client import (
     MultiStageEngineClient,
@@ -40,7 +41,8 @@ class AsyncOmni:
     Qwen2.5-Omni checkpoint: thinker -> talker -> code2wav), found by its
     ``architectures``, or else one vLLM stage of it; with ``stage_configs_path``
     the YAML config says the stages, and ``model`` (if given) is the model of
-    its ``llm`` stages. Other keyword arguments are
+    its ``llm`` stages; ``deploy_config``: vLLM-Omni's deploy YAML over the
+    pipeline (``omni_engine.config.deploy``). Other keyword arguments are
     vLLM engine arguments for the ``llm`` stages (``max_model_len=...``).
     Stages start on ``await start()``, ``async with``, or the first request.
     """
@@ -52,9 +54,10 @@ class AsyncOmni:
         *,
         use_new_architecture: bool | None = None,
         progress: Progress | None = None,
+        deploy_config: str | Path | None = None,
         **engine_args: Any,
     ) -> None:
-        self.config = pipeline_config_for(model, stage_configs_path, engine_args)
+        self.config = pipeline_config_for(model, stage_configs_path, engine_args, deploy_config)
         self.use_new_architecture = envs.use_new_architecture() if use_new_architecture is None \
             else use_new_architecture
         if not self.use_new_architecture:
@@ -148,10 +151,11 @@ class AsyncOmni:
 
 
 def pipeline_config_for(model: str | None, stage_configs_path: str | Path | None,
-                        engine_args: dict[str, Any]) -> PipelineConfig:
+                        engine_args: dict[str, Any], deploy_config: str | Path | None = None) -> PipelineConfig:
     """The validated pipeline ``AsyncOmni(model, stage_configs_path, **engine_args)`` runs: the YAML
     at ``stage_configs_path``, else the one ``model`` names (its family's by architecture, or one vLLM
-    stage: ``omni_engine.config.for_model``); ``engine_args`` (and ``model``) go to every llm stage."""
+    stage: ``omni_engine.config.for_model``); ``engine_args`` (and ``model``) go to every llm stage,
+    then vLLM-Omni's deploy YAML ``deploy_config`` (``omni_engine.config.deploy``) over all of it."""
     if stage_configs_path is None:
         if model is None:
             raise ValueError("AsyncOmni needs model= (a checkpoint: its family's pipeline, or one vLLM "
@@ -165,6 +169,11 @@ def pipeline_config_for(model: str | None, stage_configs_path: str | Path | None
         for stage in data["stage_args"]:
             if isinstance(stage, dict) and stage.get("stage_type", "llm") == "llm":
                 stage["engine_args"] = {**(stage.get("engine_args") or {}), **overrides}
+    if deploy_config is not None and isinstance(data, dict):
+        data, notes = apply_deploy_config(data, deploy_config)
+        for note in notes:
+            logger.info("%s", note)
+        source = f"{source} with {deploy_config}"
     config = parse_pipeline_config(data, source)
     if stage_configs_path is not None:
         config.source_path = str(stage_configs_path)

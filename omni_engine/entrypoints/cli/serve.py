@@ -48,9 +48,9 @@ def main(argv: Sequence[str]) -> int:
         # The config and its models first: vLLM's parser imports vLLM (seconds), and a
         # wrong model must not wait for that. Then the stages start, so that their own
         # imports run while this process imports vLLM.
-        config = _load_checked(argv[0]) if argv and not argv[0].startswith("-") else None
+        early = _early_flags(argv)
+        config = _load_checked(argv[0], early.deploy_config) if argv and not argv[0].startswith("-") else None
         if config is not None and not _asks_for_help(argv):
-            early = _early_flags(argv)
             config = _with_served_names(config, early.served_model_name).with_traces_endpoint(
                 early.otlp_traces_endpoint)
             launched = _launch_early(config)
@@ -80,6 +80,7 @@ def _early_flags(argv: Sequence[str]) -> argparse.Namespace:
     early = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
     early.add_argument("--served-model-name", "--served_model_name", nargs="+")
     early.add_argument("--otlp-traces-endpoint", "--otlp_traces_endpoint")
+    early.add_argument("--deploy-config", "--deploy_config")
     known, _rest = early.parse_known_args(list(argv[1:]))
     return known
 
@@ -111,7 +112,7 @@ def _launch_early(config: PipelineConfig) -> dict[int, Any]:
     return launched
 
 
-def _load_checked(target: str | Path) -> PipelineConfig:
+def _load_checked(target: str | Path, deploy_config: str | None = None) -> PipelineConfig:
     """What ``target`` serves, validated, with its models checked and prepared: the pipeline config
     file it names, or the pipeline of the model it names (its family's, by architecture, or one
     vLLM stage: ``omni_engine.config.for_model``).
@@ -128,7 +129,10 @@ def _load_checked(target: str | Path) -> PipelineConfig:
     )
     from omni_engine.pipeline.stage_specs import prepare_models
 
-    config = load_config_or_model(target)
+    notes: list[str] = []
+    config = load_config_or_model(target, deploy_config, notes)
+    for note in notes:
+        say(f"deploy config: {note}")
     try:
         text_stage = text_stage_of(config)
     except ValueError as exc:
@@ -151,7 +155,7 @@ def run(args: argparse.Namespace, config: PipelineConfig | None = None,
 
     if config is None:
         try:
-            config = _load_checked(args.pipeline_config)
+            config = _load_checked(args.model_tag, args.deploy_config)
         except ConfigError as exc:
             say(str(exc))
             return 2

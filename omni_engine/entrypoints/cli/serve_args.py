@@ -77,6 +77,10 @@ def build_serve_parser() -> Any:
     _action(parser, "host").help = f"Host name (default: {DEFAULT_HOST}; `vllm serve` listens on all)."
 
     ours = parser.add_argument_group("omni-engine", "Options of the pipeline server itself.")
+    ours.add_argument("--deploy-config", default=None, metavar="FILE",
+                      help="vLLM-Omni's deploy YAML (stages: max_num_seqs, devices, gpu_memory_utilization, "
+                           "default_sampling_params, ...; platforms:) over the pipeline: every field honoured or "
+                           "refused by name (omni_engine.config.deploy)")
     ours.add_argument("--engine-metrics-timeout", type=float, default=DEFAULT_ENGINE_METRICS_TIMEOUT_S,
                       help="Seconds a /metrics scrape waits for the LLM stages' vllm:* metrics before it "
                            "shows the last ones they sent (default: %(default)s).")
