@@ -49,6 +49,22 @@ def smollm2_path() -> Path:
     return prepare_model("smollm2", progress=lambda msg: print(f"[prepare-model] {msg}"))
 
 
+@pytest.fixture(scope="module")
+def omni_dir() -> Path:
+    """The tiny seeded Qwen2.5-Omni checkpoint (``prepare-model qwen2.5-omni-tiny``)."""
+    from omni_engine.models.prepare import prepare_model
+
+    return prepare_model("qwen2.5-omni-tiny")
+
+
+@pytest.fixture(scope="module")
+def reference(omni_dir):
+    """transformers' Qwen2.5-Omni on it, the reference of the family's tests (one per module: ~90 MB)."""
+    from tests.qwen_omni_reference import load_reference
+
+    return load_reference(omni_dir)
+
+
 @pytest.fixture(scope="session")
 def chat_prompt(smollm2_path):
     """Render a one-turn chat with the model's own template (as vLLM's server would)."""

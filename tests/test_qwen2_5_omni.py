@@ -43,7 +43,6 @@ from tests.qwen_omni_reference import (
     PROMPTS,
     TALKER_TOKENS,
     chat,
-    load_reference,
     reference_codes,
     reference_generate,
     reference_run,
@@ -56,16 +55,6 @@ OMNI_CONFIG = REPO / "stage_configs" / "qwen2_5_omni.yaml"
 LOGPROB_TOLERANCE = 1e-4
 # Below this top-2 gap the two implementations' float32 sums may order the tokens either way.
 TIE_GAP = 1e-3
-
-
-@pytest.fixture(scope="module")
-def omni_dir():
-    return prepare_model("qwen2.5-omni-tiny")
-
-
-@pytest.fixture(scope="module")
-def reference(omni_dir):
-    return load_reference(omni_dir)
 
 
 def _digests(directory):

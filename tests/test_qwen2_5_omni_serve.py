@@ -18,13 +18,11 @@ import numpy as np
 import pytest
 
 from omni_engine.audio import decode_audio, encode_audio
-from omni_engine.models.prepare import prepare_model
 from tests.qwen_omni_reference import (
     MAX_TOKENS,
     TALKER_TOKENS,
     chat,
     image,
-    load_reference,
     reference_codes,
     reference_run,
     reference_wav,
@@ -37,16 +35,6 @@ SERVED = "qwen-omni-tiny"
 GREEDY_TALKER = [None, {"temperature": 0.0, "max_tokens": TALKER_TOKENS}]
 PCM16_STEP = 1 / 32768
 QUESTION = "What is the capital of France?"
-
-
-@pytest.fixture(scope="module")
-def omni_dir():
-    return prepare_model("qwen2.5-omni-tiny")
-
-
-@pytest.fixture(scope="module")
-def reference(omni_dir):
-    return load_reference(omni_dir)
 
 
 # vLLM-Omni's deploy YAML, its fields: the talker greedy by default here (so a chat without
