@@ -200,3 +200,12 @@ def test_bad_input_is_refused_by_field_and_the_server_serves_on(server, body, pa
     assert error["param"] == param and says in error["message"], error
     again = _post(server, {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2})
     assert again.status_code == 200, again.text
+
+
+def test_text_to_speech_is_refused_by_name_where_the_speech_stage_speaks_codes(server):
+    """/v1/audio/speech reads text aloud with the speech stage alone; code2wav speaks talker codes."""
+    response = httpx.post(f"{server['url']}/v1/audio/speech", json={"model": SERVED, "input": "Hello there."},
+                          timeout=30)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == "input" and "speaks its talker's codes" in error["message"], error

@@ -20,10 +20,6 @@ from vllm.exceptions import VLLMValidationError
 from omni_engine.inputs import WIRE_MM_KWARGS
 
 
-def is_rendered_multimodal(prompt: Any) -> bool:
-    return isinstance(prompt, dict) and prompt.get("type") == "multimodal" and "mm_kwargs" in prompt
-
-
 def wire_multimodal_input(prompt: dict[str, Any], request_id: str) -> dict[str, Any]:
     """``prompt`` (a rendered ``MultiModalInput``) with its vLLM objects in wire form."""
     from vllm.v1.serial_utils import MsgpackEncoder

@@ -22,7 +22,7 @@ from vllm.sampling_params import SamplingParams
 from vllm.v1.engine import EngineCoreRequest
 
 from omni_engine.config import EdgeConfig, PipelineConfig, WeightsConfig, load_pipeline_config
-from omni_engine.entrypoints.mm_wire import is_rendered_multimodal, wire_multimodal_input
+from omni_engine.entrypoints.mm_wire import wire_multimodal_input
 from omni_engine.entrypoints.openai.engine_config import TextStageConfig, start_with_text_stage, text_stage_of
 from omni_engine.entrypoints.openai.weight_versions import RESPONSE_VERSIONS
 from omni_engine.errors import StageDeadError, StageRequestError
@@ -204,7 +204,7 @@ class MultiStageEngineClient(EngineClient):
             self.validate_request(prompt, sampling_params, request_id)
             if final_stage_id is None and entry_stage_id is None:
                 final_stage_id = self.final_stages_for(modalities)
-        if is_rendered_multimodal(prompt):
+        if isinstance(prompt, dict) and prompt.get("type") == "multimodal":  # (no call on a text request's path)
             prompt = wire_multimodal_input(prompt, request_id)
         if not self._resumed.is_set():
             await self._resumed.wait()

@@ -83,6 +83,16 @@ def audio_stage_id(client: Any) -> int | None:
     return client.stage_for_output("audio")
 
 
+def text_speech_refusal(client: Any, sid: int) -> str | None:
+    """Why text cannot be spoken by the speech stage ``sid`` alone (None: it can): a stage whose READY
+    info says it speaks from ``input_kind: codes`` (Qwen-Omni's code2wav) speaks its talker's codes."""
+    entry = client.text_entry_stage(sid)
+    if client.stage_info(entry).get("input_kind", "text") == "text":
+        return None
+    return (f"this pipeline's speech stage (stage {sid}) speaks its talker's codes, not text: the model answers "
+            "in speech through /v1/chat/completions with modalities [\"text\", \"audio\"]")
+
+
 def speech_to_text_stage(client: Any) -> int | None:
     """The pipeline's speech-to-text stage (READY info ``input_modalities`` has ``audio``)."""
     for sid in client.stage_ids():

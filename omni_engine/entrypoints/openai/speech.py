@@ -43,6 +43,7 @@ from omni_engine.entrypoints.openai.served_pipeline import (
     speak,
     speech_dict,
     speech_params,
+    text_speech_refusal,
 )
 from omni_engine.pipeline.input_processors import split_for_speech
 from omni_engine.pipeline.playback_clock import PlaybackClock
@@ -94,6 +95,8 @@ async def create_speech(request: SpeechRequest, raw_request: Request) -> Respons
         return error_response("this pipeline has no audio stage", 404, err_type="NotFoundError")
     if (bad := check_model(client, request.model)) is not None:
         return bad
+    if (refusal := text_speech_refusal(client, sid)) is not None:
+        return error_response(refusal, param="input")
     if request.response_format not in SPEECH_FORMATS:
         return error_response(f"response_format {request.response_format!r} is not supported; "
                               f"use one of {list(SPEECH_FORMATS)}", param="response_format")

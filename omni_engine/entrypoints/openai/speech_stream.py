@@ -20,6 +20,7 @@ from omni_engine.entrypoints.openai.served_pipeline import (
     speak,
     speech_dict,
     speech_params,
+    text_speech_refusal,
 )
 from omni_engine.realtime.speech_stream import SpeechStreamSession
 
@@ -41,5 +42,7 @@ async def speech_stream(websocket: WebSocket) -> None:
 
     refused = None if sid is not None else refusal_event("no_audio_stage", None,
                                                          "this pipeline has no audio stage to speak with")
+    if refused is None and (why := text_speech_refusal(client, sid)) is not None:
+        refused = refusal_event("no_text_speech_stage", None, why)
     await serve_session(websocket, lambda send: SpeechStreamSession(speak_sentence, send, check_voice=check_voice),
                         refused)

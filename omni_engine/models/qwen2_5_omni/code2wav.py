@@ -79,8 +79,9 @@ class Code2Wav(ThreadedGenerationModel):
         return {"audio": wav.reshape(-1).float().numpy(), "sample_rate": SAMPLE_RATE}
 
     def info(self) -> dict[str, Any]:
+        # input_kind: it speaks the talker's codes; a server does not send it text to read
         return {"model": self.model_dir, "sample_rate": SAMPLE_RATE, "voices": sorted(self.speakers),
-                "default_voice": self.default_voice, **self.settings}
+                "default_voice": self.default_voice, "input_kind": "codes", **self.settings}
 
 
 def load_token2wav(model_dir: str) -> Any:
