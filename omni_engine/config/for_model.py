@@ -83,7 +83,7 @@ def pipeline_config_for_model(model: str, deploy_config: str | Path | None = Non
     """``pipeline_data_for_model``'s config, with vLLM-Omni's deploy YAML over it if given (its notes on
     fields with nothing to act on appended to ``notes``), validated."""
     source, data = pipeline_data_for_model(model)
-    return _parsed(data, source, deploy_config, notes)
+    return parse_with_deploy(data, source, deploy_config, notes)
 
 
 def load_config_or_model(target: str | Path, deploy_config: str | Path | None = None,
@@ -95,12 +95,15 @@ def load_config_or_model(target: str | Path, deploy_config: str | Path | None = 
         return pipeline_config_for_model(str(target), deploy_config, notes)
     if deploy_config is None:
         return load_pipeline_config(path)
-    config = _parsed(read_pipeline_yaml(path), str(path), deploy_config, notes)
+    config = parse_with_deploy(read_pipeline_yaml(path), str(path), deploy_config, notes)
     config.source_path = str(path)
     return config
 
 
-def _parsed(data: Any, source: str, deploy_config: str | Path | None, notes: list[str] | None) -> PipelineConfig:
+def parse_with_deploy(data: Any, source: str, deploy_config: str | Path | None = None,
+                      notes: list[str] | None = None) -> PipelineConfig:
+    """``data`` (a stage config's YAML mapping) validated, with vLLM-Omni's deploy YAML over it if given
+    (its notes on fields with nothing to act on appended to ``notes``)."""
     if deploy_config is not None and isinstance(data, dict):
         from omni_engine.config.deploy import apply_deploy_config
 

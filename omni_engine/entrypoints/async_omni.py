@@ -18,9 +18,8 @@ from pathlib import Path
 from typing import Any
 
 from omni_engine import envs
-from omni_engine.config import PipelineConfig, parse_pipeline_config, read_pipeline_yaml
-from omni_engine.config.deploy import apply_deploy_config
-from omni_engine.config.for_model import pipeline_data_for_model
+from omni_engine.config import PipelineConfig, read_pipeline_yaml
+from omni_engine.config.for_model import parse_with_deploy, pipeline_data_for_model
 from omni_engine.entrypoints.multi_stage_engine_client import (
     MultiStageEngineClient,
     Progress,
@@ -169,12 +168,10 @@ def pipeline_config_for(model: str | None, stage_configs_path: str | Path | None
         for stage in data["stage_args"]:
             if isinstance(stage, dict) and stage.get("stage_type", "llm") == "llm":
                 stage["engine_args"] = {**(stage.get("engine_args") or {}), **overrides}
-    if deploy_config is not None and isinstance(data, dict):
-        data, notes = apply_deploy_config(data, deploy_config)
-        for note in notes:
-            logger.info("%s", note)
-        source = f"{source} with {deploy_config}"
-    config = parse_pipeline_config(data, source)
+    notes: list[str] = []
+    config = parse_with_deploy(data, source, deploy_config, notes)
+    for note in notes:
+        logger.info("%s", note)
     if stage_configs_path is not None:
         config.source_path = str(stage_configs_path)
     return config
