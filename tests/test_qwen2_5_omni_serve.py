@@ -39,9 +39,9 @@ QUESTION = "What is the capital of France?"
 
 # vLLM-Omni's deploy YAML, its fields: the talker greedy by default here (so a chat without
 # sampling_params_list gets transformers' codes), vLLM knobs on code2wav (which runs no vLLM engine),
-# a platform block for this machine and one for another.
+# a platform block for this machine and one for another; code2wav streams its pieces (async_chunk).
 DEPLOY = f"""
-async_chunk: false
+async_chunk: true
 stages:
   - stage_id: 1
     max_num_seqs: 4

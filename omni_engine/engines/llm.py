@@ -59,7 +59,8 @@ class LLMStageEngine(StageEngine):
         # engine_output_type: latent (vLLM-Omni's name): final outputs carry each position's input
         # embedding and last hidden state (engines/hidden_states.py; a model of ours records them).
         # request_adapter ("module:Class"): turns a stage's requests into vLLM's (e.g. a talker's
-        # thinker states into tensors its model reads through the worker's RequestTap).
+        # thinker states into tensors its model reads through the worker's RequestTap); its
+        # output_extras go on final outputs, its partial_extras (if it has them) on the others.
         self.output_latent, self.adapter_class = configure_request_tap(stage_id, self.engine_args)
         self.state_files: StateFiles | None = None
         self.adapter: Any = None
@@ -247,9 +248,12 @@ class LLMStageEngine(StageEngine):
         return prompt, params
 
     def _tapped_output(self, request_id: str, output: Any, out: OmniRequestOutput, positions: TokenCount) -> None:
-        """A final output gets the request's states and its adapter's extras."""
+        """A final output gets the request's states and its adapter's extras; a partial one its adapter's
+        partial extras, where it has them."""
         positions.observe(output)
         if not output.finished:
+            if self.adapter is not None and hasattr(self.adapter, "partial_extras"):
+                out.multimodal_output.update(self.adapter.partial_extras(request_id, positions.generated))
             return
         if self.adapter is not None:
             out.multimodal_output.update(self.adapter.output_extras(request_id, positions.generated))

@@ -1,45 +1,71 @@
 """Qwen2.5-Omni's code2wav (token2wav: DiT flow matching, then BigVGAN) as a generation stage.
 
 transformers' ``Qwen2_5OmniToken2WavModel`` with the checkpoint's ``token2wav.*`` weights, in
-float32 as transformers runs it, one request at a time in the stage's worker thread (the DiT's
-noise is drawn per request, so a batch would not reproduce what each request gives alone, which
-transformers keeps too). A request's prompt is ``{"codes": int64 [n], "voice": name}`` (the talker's
-codes, from ``talker2code2wav``); its audio is float32 at 24 kHz.
+float32 as transformers runs it. A request's prompt is ``{"codes": int64 [n], "voice": name}`` (the
+talker's codes, from ``talker2code2wav``), or a streamed piece of a request's speech
+(``code2wav_chunks``): a window of its codes from ``offset`` and the codes ``emit: [start, end)``
+whose audio it gives. Its audio is float32 at 24 kHz.
 
-The DiT starts from Gaussian noise: with ``seed`` (the factory's, or a request's
-``params["seed"]``) the same codes give the same samples, as ``torch.manual_seed(seed)`` before
-transformers' token2wav gives them (the noise is drawn from torch's global generator; the stage's
-thread is the only user of it in its process). ``num_steps``, ``guidance_scale`` and
-``sway_coefficient`` are the ODE solver's steps (each costs four DiT passes), the classifier-free
-guidance weight (0 halves the cost) and the time-grid sway, transformers' defaults 10, 0.5, -1.
+The DiT starts from Gaussian noise: with ``seed`` (the factory's, or a request's ``params["seed"]``)
+frame ``t`` of a request starts from row ``t`` of ``torch.randn`` drawn from a generator seeded so,
+which is what ``torch.manual_seed(seed)`` before transformers' token2wav gives the whole request; a
+window's frames start from the same rows, so pieces agree with the whole where their context
+allows. Without a seed every window draws its own.
+
+A batch's windows of equal length and speaker-reference length go through the DiT together (one
+ODE for all: the DiT's per-evaluation overhead is shared); each is vocoded alone (BigVGAN is no
+faster batched on a CPU). ``num_steps``, ``guidance_scale`` and ``sway_coefficient`` are the ODE
+solver's steps (each costs four DiT passes), the classifier-free guidance weight (0 halves the
+cost) and the time-grid sway, transformers' defaults 10, 0.5, -1.
 """
 
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+import torch
 
 from omni_engine.engines.generation_model import (
     GenerationRequest,
     ThreadedGenerationModel,
 )
+from omni_engine.models.qwen2_5_omni.code2wav_dit import (
+    memoize_speaker_encoder,
+    sample_mel,
+)
 from omni_engine.models.qwen2_5_omni.speakers import load_speakers, pick_voice
 
 SAMPLE_RATE = 24000
 PREFIX = "token2wav."
+# Mel frames of context BigVGAN gets each side of a piece's own (Qwen's streaming ``future_size``).
+VOCODER_CONTEXT = 20
 _ARGS = {"model", "threads", "seed", "num_steps", "guidance_scale", "sway_coefficient", "default_voice"}
+
+
+@dataclass(slots=True)
+class Window:
+    """One request's codes to render, as ``_render_batch`` groups them."""
+
+    index: int  # in the batch
+    request_id: str
+    codes: torch.Tensor  # [n] int64
+    offset: int  # the first code's position in the request
+    emit: tuple[int, int]  # the codes (positions in the request) whose audio is given
+    speaker: dict[str, Any]
+    seed: int | None
 
 
 class Code2Wav(ThreadedGenerationModel):
     output_type = "audio"
+    renders_alone = False  # windows of equal length share one DiT pass
 
     def __init__(self, *, model: str, threads: int = 1, seed: int | None = 0, num_steps: int = 10,
                  guidance_scale: float = 0.5, sway_coefficient: float = -1.0, default_voice: str = "Chelsie") -> None:
         super().__init__("code2wav")
-        import torch
-
         torch.set_num_threads(threads)
         self.model_dir = model
         self.seed, self.default_voice = seed, default_voice
@@ -51,37 +77,97 @@ class Code2Wav(ThreadedGenerationModel):
         except ValueError as exc:
             raise ValueError(f"engine_args.default_voice: {exc}") from None
         self.token2wav = load_token2wav(model)
+        self.dit, self.vocoder = self.token2wav.code2wav_dit_model, self.token2wav.code2wav_bigvgan_model
+        memoize_speaker_encoder(self.dit)
         self.num_codes = self.token2wav.config.dit_config.num_embeds
+        self.repeats = self.dit.repeats
+        self.codes_per_block = self.dit.block_size // self.repeats
+        self.hop = math.prod(self.vocoder.config.upsample_rates)  # samples per mel frame
 
-    def _render(self, request: GenerationRequest) -> dict[str, Any]:
-        import torch
+    def _render_batch(self, requests: list[GenerationRequest]) -> list[dict[str, Any] | Exception]:
+        results: list[dict[str, Any] | Exception] = [RuntimeError("not rendered")] * len(requests)
+        groups: dict[tuple[int, tuple[int, ...]], list[Window]] = {}
+        for i, request in enumerate(requests):
+            try:
+                window = self.window_of(i, request)
+            except Exception as exc:  # noqa: BLE001 - the protocol fails this request alone
+                results[i] = exc
+                continue
+            if window.codes.numel() == 0:
+                results[i] = {"audio": np.zeros(0, np.float32), "sample_rate": SAMPLE_RATE}
+                continue
+            key = (window.codes.numel(), tuple(window.speaker["ref_mel"].shape))
+            groups.setdefault(key, []).append(window)
+        for windows in groups.values():
+            try:
+                for window, audio in zip(windows, self.render(windows)):
+                    results[window.index] = {"audio": audio, "sample_rate": SAMPLE_RATE}
+            except Exception as exc:  # noqa: BLE001 - the group fails, not the batch
+                for window in windows:
+                    results[window.index] = exc
+        return results
 
-        prompt, params = request.prompt, request.params or {}
+    def window_of(self, index: int, request: GenerationRequest) -> Window:
+        """The request's window, checked; every error names the request and the field."""
+        prompt, params, rid = request.prompt, request.params or {}, request.request_id
+        if request.aborted:
+            raise RuntimeError("aborted")
         if not isinstance(prompt, dict) or "codes" not in prompt:
-            raise ValueError(f"request {request.request_id!r}: code2wav takes {{'codes': int64 [n], 'voice': name}}, "
+            raise ValueError(f"request {rid!r}: code2wav takes {{'codes': int64 [n], 'voice': name}}, "
                              f"got {type(prompt).__name__}")
-        codes = torch.as_tensor(np.asarray(prompt["codes"]), dtype=torch.long).view(1, -1)
-        if codes.numel() == 0:
-            return {"audio": np.zeros(0, np.float32), "sample_rate": SAMPLE_RATE}
-        if int(codes.max()) >= self.num_codes or int(codes.min()) < 0:
-            raise ValueError(f"request {request.request_id!r}: codes must be in [0, {self.num_codes}), "
+        codes = torch.as_tensor(np.asarray(prompt["codes"]), dtype=torch.long).reshape(-1)
+        if codes.numel() and (int(codes.max()) >= self.num_codes or int(codes.min()) < 0):
+            raise ValueError(f"request {rid!r}: codes must be in [0, {self.num_codes}), "
                              f"got {int(codes.min())}..{int(codes.max())}")
+        offset = int(prompt.get("offset", 0))
+        start, end = (int(v) for v in prompt.get("emit", (offset, offset + codes.numel())))
+        if offset % self.codes_per_block or not offset <= start <= end <= offset + codes.numel():
+            raise ValueError(f"request {rid!r}: offset {offset} and emit [{start}, {end}) do not fit "
+                             f"{codes.numel()} codes (offset must be a multiple of the DiT block, "
+                             f"{self.codes_per_block} codes, and emit within the window)")
         try:
             speaker = pick_voice(self.speakers, prompt.get("voice") or self.default_voice)
         except ValueError as exc:
-            raise ValueError(f"request {request.request_id!r}: {exc}") from None
+            raise ValueError(f"request {rid!r}: {exc}") from None
         seed = params.get("seed", self.seed) if isinstance(params, dict) else self.seed
-        with torch.random.fork_rng(devices=[]), torch.no_grad():
-            if seed is not None:
-                torch.manual_seed(int(seed))
-            wav = self.token2wav(codes, conditioning=speaker["cond"].float()[None],
-                                 reference_mel=speaker["ref_mel"].float(), **self.settings)
-        return {"audio": wav.reshape(-1).float().numpy(), "sample_rate": SAMPLE_RATE}
+        return Window(index, rid, codes, offset, (start, end), speaker, None if seed is None else int(seed))
+
+    def window_noise(self, window: Window) -> torch.Tensor:
+        """The starting noise of the window's frames: rows ``[offset, end)`` of the request's (see above)."""
+        mel_dim, first = self.dit.mel_dim, window.offset * self.repeats
+        last = first + window.codes.numel() * self.repeats
+        if window.seed is None:
+            return torch.randn(1, last - first, mel_dim)
+        generator = torch.Generator().manual_seed(window.seed)
+        return torch.randn(1, last, mel_dim, generator=generator)[:, first:]
+
+    @torch.no_grad()
+    def render(self, windows: list[Window]) -> list[np.ndarray]:
+        """The DiT for the windows together, then each one's audio for its ``emit`` codes."""
+        mels = sample_mel(
+            self.dit,
+            torch.stack([w.speaker["cond"].float() for w in windows]),
+            torch.cat([w.speaker["ref_mel"].float() for w in windows]),
+            torch.stack([w.codes for w in windows]),
+            torch.cat([self.window_noise(w) for w in windows]),
+            **self.settings,
+        )
+        return [self.vocode(mel[None], window) for mel, window in zip(mels, windows)]
+
+    def vocode(self, mel: torch.Tensor, window: Window) -> np.ndarray:
+        """BigVGAN on the window's mel around its ``emit`` frames (20 frames of context each side,
+        Qwen's streaming overlap, where the window has them), the emitted frames' samples kept."""
+        frames = mel.shape[-1]
+        first, last = ((p - window.offset) * self.repeats for p in window.emit)
+        lo, hi = max(first - VOCODER_CONTEXT, 0), min(last + VOCODER_CONTEXT, frames)
+        audio = self.vocoder(mel[..., lo:hi]).reshape(-1)
+        return audio[(first - lo) * self.hop:(last - lo) * self.hop].float().numpy()
 
     def info(self) -> dict[str, Any]:
         # input_kind: it speaks the talker's codes; a server does not send it text to read
         return {"model": self.model_dir, "sample_rate": SAMPLE_RATE, "voices": sorted(self.speakers),
-                "default_voice": self.default_voice, "input_kind": "codes", **self.settings}
+                "default_voice": self.default_voice, "input_kind": "codes",
+                "codes_per_block": self.codes_per_block, **self.settings}
 
 
 def load_token2wav(model_dir: str) -> Any:

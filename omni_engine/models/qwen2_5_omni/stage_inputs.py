@@ -1,19 +1,23 @@
 """Edge input processors of the Qwen2.5-Omni family (``custom_process_input_func``), client side.
 
-Qwen2.5-Omni's stages each start when the one before has finished (vLLM-Omni runs them so too):
-``on_output`` sends nothing, ``on_finish`` hands on what the source's final output carries.
+The talker starts when the thinker has finished (vLLM-Omni runs it so too): ``thinker2talker``'s
+``on_output`` sends nothing, its ``on_finish`` hands on what the thinker's final output carries.
+code2wav starts on the talker's first codes where the edge is ``async_chunk``.
 
 - ``thinker2talker`` (vLLM-Omni's name): the thinker's prompt ids and its states
   (``engine_output_type: latent``), forwarded as they came, so tensors in shared memory travel on
   as the same handles, uncopied. The talker stage builds its model's inputs from them
   (``talker_requests``).
-- ``talker2code2wav``: the talker's codes and the voice they were made for.
+- ``talker2code2wav``: the talker's codes and the voice they were made for: all of them when the
+  talker has finished (``sequential``), or piece by piece as the talker makes them (``async_chunk``:
+  ``code2wav_chunks``), each piece a code2wav request of its own whose audio streams on at once.
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from omni_engine.models.qwen2_5_omni.code2wav_chunks import CodeStream
 from omni_engine.pipeline.input_processors import StageInput
 
 if TYPE_CHECKING:
@@ -55,14 +59,43 @@ class ThinkerToTalker(FromFinishedSource):
 
 
 class TalkerToCode2Wav(FromFinishedSource):
+    """Sequential: one code2wav request of all the codes. ``async_chunk`` (``on_output`` is called):
+    a request per piece as soon as its codes and their look-ahead are known, the rest at the end."""
+
     name = "talker2code2wav"
 
+    def __init__(self, sources: list[int], dst: int, prompt: Any = None) -> None:
+        super().__init__(sources, dst, prompt)
+        self.stream: CodeStream | None = None
+
+    def on_output(self, output: OmniRequestOutput, new_text: str) -> list[StageInput]:
+        if self.stream is None:
+            self.stream = CodeStream()
+        partial = output.multimodal_output
+        if output.finished or "codes_offset" not in partial:
+            return []  # the final output's codes are all of them: on_finish
+        return [StageInput(p) for p in self.stream.add(partial["codes"], int(partial["codes_offset"]),
+                                                         partial.get("voice"))]
+
     def input_from(self, received: list[OmniRequestOutput]) -> StageInput:
+        final = self.final_of(received)
+        return StageInput({"codes": final["codes"], "voice": final.get("voice")})
+
+    def on_finish(self, outputs: dict[int, list[OmniRequestOutput]], text: dict[int, str]) -> list[StageInput]:
+        if self.stream is None:
+            return super().on_finish(outputs, text)
+        received = outputs.get(self.source) or []
+        if not received:
+            return []
+        final = self.final_of(received)
+        return [StageInput(p) for p in self.stream.finish(final["codes"], final.get("voice"))]
+
+    def final_of(self, received: list[OmniRequestOutput]) -> dict[str, Any]:
         final = received[-1].multimodal_output
-        if "codes" not in final:
+        if "codes" not in final or "codes_offset" in final:
             raise ValueError(f"stage {self.source}'s final output has no codes: it is not Qwen2.5-Omni's talker "
                              "(engine_args.model_stage: talker)")
-        return StageInput({"codes": final["codes"], "voice": final.get("voice")})
+        return final
 
 
 def thinker2talker(sources: list[int], dst: int, prompt: Any = None) -> ThinkerToTalker:

@@ -60,6 +60,7 @@ class TalkerRequests:
         self._prefix: str | None = None  # known at the first request: the stage's pool is set after start
         self._paths: dict[str, str] = {}
         self._voices: dict[str, str] = {}
+        self._streamed: dict[str, int] = {}  # codes a request's partial outputs have carried
         self._counter = itertools.count()
 
     @property
@@ -112,8 +113,18 @@ class TalkerRequests:
         codes = generated[:-1] if generated and generated[-1] in (self.codec_pad, self.codec_eos) else generated
         return {"codes": np.asarray(codes, dtype=np.int64), "voice": self._voices.get(request_id, DEFAULT_VOICE)}
 
+    def partial_extras(self, request_id: str, generated: list[int]) -> dict[str, Any]:
+        """What a partial output carries: the codes since the last one, from ``codes_offset``, so an
+        ``async_chunk`` edge renders speech while the talker still speaks, whatever the output kind.
+        (A stop code ends the request: it comes in the final output, never here.)"""
+        offset = self._streamed.get(request_id, 0)
+        self._streamed[request_id] = len(generated)
+        return {"codes": np.asarray(generated[offset:], dtype=np.int64), "codes_offset": offset,
+                "voice": self._voices.get(request_id, DEFAULT_VOICE)}
+
     def finish(self, request_id: str) -> None:
         self._voices.pop(request_id, None)
+        self._streamed.pop(request_id, None)
         path = self._paths.pop(request_id, None)
         if path is not None:
             try:
