@@ -78,3 +78,36 @@ def test_serve_and_generate_of_such_a_checkpoint_exit_2_with_that_line_and_start
         assert len(line) == 1 and "is served neither by a model family" in line[0], out.stderr[-2000:]
         assert "Traceback" not in out.stderr and "starting" not in out.stderr
         assert time.monotonic() - started < 60
+
+
+def test_generate_of_the_tiny_checkpoint_takes_per_stage_params_and_speaks_transformers_audio(
+        tmp_path, omni_dir, reference):
+    """``generate --model DIR --sampling-params-list``: a greedy talker in the voice asked for; the
+    answer's text and WAV are transformers' (the WAV is 16-bit: within a step)."""
+    import wave
+
+    import numpy as np
+
+    from tests.qwen_omni_reference import MAX_TOKENS, TALKER_TOKENS, chat, reference_codes, reference_run, reference_wav
+
+    question = "What is the capital of France?"
+    per_stage = [{"max_tokens": MAX_TOKENS}, {"temperature": 0.0, "max_tokens": TALKER_TOKENS,
+                                              "extra_args": {"voice": "Ethan"}}]
+    cli = [sys.executable, "-m", "omni_engine.entrypoints.cli.main", "generate", "--model", str(omni_dir),
+           "--prompt", question, "--output-dir", str(tmp_path)]
+    bad = subprocess.run([*cli, "--sampling-params-list", '[null, {"temprature": 0}]'], capture_output=True,
+                         text=True, timeout=120, cwd=REPO)
+    assert bad.returncode == 2 and "--sampling-params-list[1] (stage 1)" in bad.stderr, bad.stderr[-2000:]
+    assert "temprature" in bad.stderr and "starting" not in bad.stderr
+    out = subprocess.run([*cli, "--sampling-params-list", json.dumps(per_stage)], capture_output=True, text=True,
+                         timeout=300, cwd=REPO)
+    assert out.returncode == 0, out.stderr[-3000:]
+    prompt = (chat(question), {})
+    want_ids, _, _ = reference_run(reference, prompt)
+    assert (tmp_path / "answer.txt").read_text().strip() == reference[1].tokenizer.decode(
+        want_ids, skip_special_tokens=True).strip()
+    want = reference_wav(reference, reference_codes(reference, prompt, "Ethan"), "Ethan")
+    with wave.open(str(tmp_path / "answer.wav")) as w:
+        rate, wav = w.getframerate(), np.frombuffer(w.readframes(w.getnframes()), "<i2").astype(np.float32) / 32768
+    assert rate == 24000 and wav.shape == want.shape
+    np.testing.assert_allclose(wav, np.clip(want, -1, 1), atol=1e-4 + 1 / 32768, rtol=0)

@@ -19,6 +19,17 @@ def set_stage_env_defaults() -> None:
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
 
+def json_list(text: str) -> list:
+    """An argparse type: a flag's value as a JSON array (``--sampling-params-list``)."""
+    try:
+        value = json.loads(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"not valid JSON: {exc}") from None
+    if not isinstance(value, list):
+        raise argparse.ArgumentTypeError(f"expected a JSON array, got {type(value).__name__}")
+    return value
+
+
 def json_object(text: str) -> dict:
     """An argparse type: a flag's value as a JSON object (``--extra-args``, ``--extra-body``)."""
     try:

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 
-from omni_engine.entrypoints.cli.common import json_object, say, set_stage_env_defaults
+from omni_engine.entrypoints.cli.common import json_list, json_object, say, set_stage_env_defaults
 
 NAME = "generate"
 
@@ -31,6 +31,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     parser.add_argument("--extra-args", type=json_object, default=None, metavar="JSON",
                         help="the request's extra_args (vllm_xargs) for logits processors, as a JSON object; "
                              "e.g. a mixing pipeline's '{\"theta_prompt\": \"...\"}'")
+    parser.add_argument("--sampling-params-list", type=json_list, default=None, metavar="JSON",
+                        help="per-stage sampling params (vLLM-Omni's sampling_params_list): a JSON array, one "
+                             "object or null per stage in stage order, each merged over that stage's "
+                             "default_sampling_params; e.g. a greedy talker with a voice: "
+                             "'[null, {\"temperature\": 0, \"max_tokens\": 600, \"extra_args\": "
+                             "{\"voice\": \"Ethan\"}}]'")
     parser.set_defaults(handler=run)
     return parser
 
@@ -48,6 +54,7 @@ def run(args: argparse.Namespace) -> int:
         # the chat template below is read from the checked model.
         config = prepare_models(load_pipeline_config(args.config) if args.config is not None
                                 else pipeline_config_for_model(args.model), say)
+        args.params = request_params(config, args.max_tokens, args.extra_args, args.sampling_params_list)
     except ConfigError as exc:
         say(str(exc))
         return 2
@@ -85,7 +92,7 @@ async def _generate(args: argparse.Namespace, config) -> int:
     say(f"starting {len(config.stage_args)} stage(s) from {args.config or args.model}")
     async with await MultiStageEngineClient.from_config(config, progress=say) as client:
         say(f"pipeline ready in {time.monotonic() - started:.1f} s ({config.runtime.execution_mode})")
-        params = _entry_params(config, args.max_tokens, args.extra_args)
+        params = args.params
         text: list[str] = []
         audio: list[np.ndarray] = []
         rate = 0
@@ -107,19 +114,47 @@ async def _generate(args: argparse.Namespace, config) -> int:
     return _write_outputs(args.output_dir, "".join(text).strip(), audio, rate, write_wav)
 
 
-def _entry_params(config, max_tokens: int | None, extra_args: dict | None = None) -> dict | None:
-    """Sampling params for the entry stage. An LLM entry stage is asked for DELTA
-    text, which this command prints and joins as it arrives, whatever the config's
-    default kind (vLLM's default is CUMULATIVE)."""
-    entry = config.stage_args[0]
-    if entry.stage_type != "llm":
-        return None
-    params = dict(entry.default_sampling_params, output_kind="delta")
-    if max_tokens is not None:
-        params["max_tokens"] = max_tokens
-    if extra_args:
-        params["extra_args"] = {**(params.get("extra_args") or {}), **extra_args}
-    return params
+def request_params(config, max_tokens: int | None, extra_args: dict | None = None,
+                   per_stage: list | None = None) -> dict[int, dict] | None:
+    """Sampling params by stage id. An LLM entry stage is asked for DELTA text, which this command
+    prints and joins as it arrives, whatever the config's default kind (vLLM's default is
+    CUMULATIVE); ``max_tokens`` and ``extra_args`` are the entry stage's; ``per_stage`` (stage order,
+    None to keep a stage's) is merged field by field over each stage's ``default_sampling_params``.
+    A bad entry is a ``ConfigError`` naming it."""
+    from omni_engine.config import ConfigError
+
+    stages = config.stage_args
+    per_stage = list(per_stage or [])
+    if len(per_stage) > len(stages):
+        raise ConfigError([f"--sampling-params-list has {len(per_stage)} entries for {len(stages)} stages"])
+    out: dict[int, dict] = {}
+    for index, (stage, entry) in enumerate(zip(stages, per_stage)):
+        if entry is None:
+            continue
+        if not isinstance(entry, dict):
+            raise ConfigError([f"--sampling-params-list[{index}] (stage {stage.stage_id}) must be an object or "
+                               f"null, got {type(entry).__name__}"])
+        defaults = dict(stage.default_sampling_params)
+        if isinstance(entry.get("extra_args"), dict) and isinstance(defaults.get("extra_args"), dict):
+            entry = {**entry, "extra_args": {**defaults["extra_args"], **entry["extra_args"]}}
+        merged = {**defaults, **entry}
+        if stage.stage_type == "llm":  # refused before anything starts, as vLLM would refuse it
+            from omni_engine.params import to_sampling_params
+
+            try:
+                to_sampling_params(merged)
+            except (TypeError, ValueError) as exc:
+                raise ConfigError([f"--sampling-params-list[{index}] (stage {stage.stage_id}): {exc}"]) from None
+        out[stage.stage_id] = merged
+    entry = stages[0]
+    if entry.stage_type == "llm":
+        params = dict(out.get(entry.stage_id) or entry.default_sampling_params, output_kind="delta")
+        if max_tokens is not None:
+            params["max_tokens"] = max_tokens
+        if extra_args:
+            params["extra_args"] = {**(params.get("extra_args") or {}), **extra_args}
+        out[entry.stage_id] = params
+    return out or None
 
 
 def _write_outputs(out_dir: Path, text: str, audio: list[np.ndarray], rate: int, write_wav) -> int:
