@@ -19,7 +19,9 @@ CHUNK = 480  # 20 ms at 24 kHz
 
 
 def aclient(server) -> openai.AsyncOpenAI:
-    return openai.AsyncOpenAI(base_url=f"{server['url']}/v1", api_key=server["api_key"], max_retries=0, timeout=120)
+    # (a server without --api-key takes any key; the client insists on one)
+    return openai.AsyncOpenAI(base_url=f"{server['url']}/v1", api_key=server["api_key"] or "EMPTY", max_retries=0,
+                              timeout=120)
 
 
 @functools.cache

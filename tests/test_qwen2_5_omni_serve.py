@@ -209,3 +209,56 @@ def test_text_to_speech_is_refused_by_name_where_the_speech_stage_speaks_codes(s
     assert response.status_code == 400, response.text
     error = response.json()["error"]
     assert error["param"] == "input" and "speaks its talker's codes" in error["message"], error
+
+
+@pytest.mark.asyncio(loop_scope="module")
+async def test_realtime_the_thinker_hears_the_turn_and_answers_in_transformers_speech(server, reference):
+    """``/v1/realtime`` on the family: a committed turn of audio goes to the thinker itself (no
+    speech-to-text stage: transcription is off, and asking for it is refused by name); the answer is
+    transformers' text for that audio and the speech of transformers' greedy talker, in the
+    checkpoint's default voice."""
+    import base64 as b64
+
+    from omni_engine.realtime.audio_io import StreamResampler
+    from tests.realtime_helpers import aclient, answer_audio, events_until, of_type
+
+    pcm = _realtime_pcm()
+    heard16k = StreamResampler(24000, 16000).feed(pcm.astype(np.float32) / 32768.0)  # as the session hears it
+    prompt = (chat("<|audio_bos|><|AUDIO|><|audio_eos|>"), {"audio": (heard16k, 16000)})
+    want_ids, _, _ = reference_run(reference, prompt)
+    want_text = reference[1].tokenizer.decode(want_ids, skip_special_tokens=True)
+    want = reference_wav(reference, reference_codes(reference, prompt, "Chelsie"), "Chelsie")
+    async with aclient(server).realtime.connect(model=SERVED) as conn:
+        created = await conn.recv()
+        assert created.session.audio.input.transcription is None
+        assert created.session.audio.output.voice == "Chelsie"
+        await conn.session.update(session={"type": "realtime", "audio": {"input": {
+            "transcription": {"model": "whisper-1"}}}})
+        refused = await events_until(conn, "error")
+        assert refused[-1][1].error.param == "session.audio.input.transcription"
+        assert "no speech-to-text stage" in refused[-1][1].error.message
+        await conn.session.update(session={"type": "realtime", "max_output_tokens": MAX_TOKENS,
+                                           "audio": {"input": {"turn_detection": None}}})
+        await events_until(conn, "session.updated")
+        await conn.input_audio_buffer.append(audio=b64.b64encode(pcm.tobytes()).decode())
+        await conn.input_audio_buffer.commit()
+        await conn.response.create()
+        events = await events_until(conn, "response.done")
+        done = events[-1][1].response
+        # transformers' answer too stops at the token limit or ends before it
+        assert done.status == ("incomplete" if len(want_ids) == MAX_TOKENS else "completed"), done.status_details
+        transcript = "".join(ev.delta for ev in of_type(events, "response.output_audio_transcript.delta"))
+        assert transcript == want_text
+        audio = answer_audio(events)
+        assert audio.shape == want.shape
+        np.testing.assert_allclose(audio, np.clip(want, -1, 1), atol=1e-4 + 2 * PCM16_STEP, rtol=0)
+    assert not of_type(events, "conversation.item.input_audio_transcription.failed")
+
+
+def _realtime_pcm() -> np.ndarray:
+    """The tone of the audio chat tests, 24 kHz int16 (the realtime input format)."""
+    from omni_engine.realtime.audio_io import StreamResampler
+
+    samples = tone()
+    resampled = StreamResampler(16000, 24000).feed(samples)
+    return (np.clip(resampled, -1, 1) * 32767).astype("<i2")

@@ -31,6 +31,8 @@ class RecordingEngine:
     can be the session's event list too, so the order of both is visible."""
 
     can_hear = can_speak = True
+    hears_audio = False
+    default_voice = None
 
     def __init__(self, delay: float = 0.3, answer_delay: float = 0.0, log: list | None = None,
                  trace: bool = False) -> None:
@@ -276,3 +278,40 @@ async def test_a_barge_in_is_recorded_on_the_turn_it_cut_off(phrase):
     assert second.events[:2] == ["speech_started", "vad_stop"] and "barge_in" not in second.events
     await session.close()
     assert all(turn.status is not None for turn in engine.turns)  # closing ends every turn
+
+
+class HearingEngine(RecordingEngine):
+    """An LLM that hears (Qwen-Omni's thinker) and no speech-to-text stage; its own voices."""
+
+    can_hear = False
+    hears_audio = True
+    default_voice = "Chelsie"
+
+
+async def test_an_llm_that_hears_gets_the_turn_s_audio_and_nothing_transcribes_it(phrase):
+    """With VAD: the committed turn goes into the answer's chat as an input_audio part (a float WAV of
+    exactly the samples the session kept), no transcription runs, early or late, and a session that
+    asks for transcription is refused by field; the session starts in the engine's default voice."""
+    engine, out = HearingEngine(), []
+    session = RealtimeSession(engine, out.append, model="m", vad_factory=vad_factory())
+    assert session.config.audio.input.transcription is None and session.config.audio.output.voice == "Chelsie"
+    await session.handle(json.dumps({"type": "session.update", "session": {
+        "type": "realtime", "audio": {"input": {"transcription": {"model": "whisper-1"}}}}}))
+    error = out[-1]
+    assert error["type"] == "error" and error["error"]["param"] == "session.audio.input.transcription", error
+    await feed(session, np.concatenate([zeros(0.3), phrase, zeros(1.0)]), [])
+    for _ in range(100):
+        if engine.asked:
+            break
+        await asyncio.sleep(0.05)
+    assert not engine.calls, f"transcribed: {engine.calls}"
+    (messages,) = engine.asked.values()
+    (part,) = messages[-1]["content"]
+    assert messages[-1]["role"] == "user" and part["type"] == "input_audio" and part["input_audio"]["format"] == "wav"
+    heard = decode_audio(base64.b64decode(part["input_audio"]["data"]), 16000)
+    stopped = next(e for e in out if e["type"] == "input_audio_buffer.speech_stopped")
+    item = session.conversation.get(stopped["item_id"])
+    np.testing.assert_array_equal(heard, item.audio)
+    assert 0.5 * len(phrase) < len(heard) < len(phrase) + RATE, (len(heard), len(phrase))
+    assert "audio" not in json.dumps(item.to_json()).replace('"input_audio"', "")  # never sent back
+    await session.close()

@@ -33,6 +33,8 @@ class ScriptedEngine:
     """Answers each response with the next script (a list of pieces); records what it was asked."""
 
     can_hear = can_speak = False
+    hears_audio = False
+    default_voice = None
 
     def __init__(self, *scripts: list[Any], can_call_tools: bool = True, gate: asyncio.Event | None = None) -> None:
         self.scripts = list(scripts)

@@ -2,18 +2,24 @@
 
 Items are kept as OpenAI sends them back (``realtime.item``: messages with content parts,
 function calls and their outputs). The LLM reads text: a user's audio counts through its
-transcript, an assistant's audio through the transcript of what was actually spoken. Each
+transcript, an assistant's audio through the transcript of what was actually spoken; an LLM that
+hears (``hears_audio``) gets a user's audio itself, as an ``input_audio`` part of a float WAV. Each
 spoken sentence's length is kept so ``conversation.item.truncate`` (the client stopped playback
 at ``audio_end_ms``) can cut the transcript to the sentences that were heard.
 """
 
 from __future__ import annotations
 
+import base64
 import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
+from omni_engine.audio import wav_float_bytes
 from omni_engine.realtime.config import SessionConfigError
+from omni_engine.realtime.input_audio import RATE
 
 USER_PARTS = ("input_text", "input_audio", "text")
 ASSISTANT_PARTS = ("output_text", "output_audio", "text", "audio")
@@ -38,6 +44,8 @@ class Item:
     arguments: str | None = None
     output: str | None = None
     spoken: list[tuple[str, float]] = field(default_factory=list)
+    # A user's audio (16 kHz float32 mono), kept for an LLM that hears it; never sent back.
+    audio: np.ndarray | None = None
 
     def to_json(self) -> dict[str, Any]:
         body: dict[str, Any] = {"id": self.id, "object": "realtime.item", "type": self.type, "status": self.status}
@@ -148,14 +156,23 @@ class Conversation:
         item.spoken = item.spoken[:len(heard)]
         item.content[content_index]["transcript"] = " ".join(heard)
 
-    def chat_messages(self, instructions: str) -> list[dict[str, Any]]:
+    def chat_messages(self, instructions: str, hears_audio: bool = False) -> list[dict[str, Any]]:
         """The conversation as chat messages: instructions first, empty messages left out. Function calls
         join the assistant message before them (or make one) as ``tool_calls``; an output is a ``tool``
-        message."""
-        return chat_messages(self.items, instructions)
+        message. ``hears_audio``: a user's audio is an ``input_audio`` part, its transcript unused."""
+        return chat_messages(self.items, instructions, hears_audio)
 
 
-def chat_messages(items: list[Item], instructions: str) -> list[dict[str, Any]]:
+def heard_content(item: Item) -> list[dict[str, Any]]:
+    """A user item with audio as an LLM that hears takes it: the audio (float WAV: nothing is lost
+    to 16-bit samples) and the item's text parts."""
+    assert item.audio is not None
+    data = base64.b64encode(wav_float_bytes(item.audio, RATE)).decode()
+    texts = [{"type": "text", "text": part["text"]} for part in item.content if part.get("text")]
+    return [{"type": "input_audio", "input_audio": {"data": data, "format": "wav"}}, *texts]
+
+
+def chat_messages(items: list[Item], instructions: str, hears_audio: bool = False) -> list[dict[str, Any]]:
     """``Conversation.chat_messages`` of ``items``."""
     messages: list[dict[str, Any]] = [{"role": "system", "content": instructions}] if instructions else []
     for item in items:
@@ -169,6 +186,8 @@ def chat_messages(items: list[Item], instructions: str) -> list[dict[str, Any]]:
                 messages.append({"role": "assistant", "content": "", "tool_calls": [call]})
         elif item.type == "function_call_output":
             messages.append({"role": "tool", "tool_call_id": item.call_id, "content": item.output or ""})
+        elif hears_audio and item.audio is not None:
+            messages.append({"role": item.role or "user", "content": heard_content(item)})
         elif text := item.text():
             messages.append({"role": item.role or "user", "content": text})
     return messages

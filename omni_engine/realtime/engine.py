@@ -62,6 +62,10 @@ class Turn(Protocol):
 class RealtimeEngine(Protocol):
     can_hear: bool   # the pipeline has a speech-to-text stage
     can_speak: bool  # the pipeline has a speech stage
+    # The LLM hears audio itself (Qwen-Omni's thinker): a user's audio reaches it as an input_audio
+    # part of its chat, not as a transcript.
+    hears_audio: bool
+    default_voice: str | None  # the speech stage's own default, where OpenAI's names are not its voices
     can_call_tools: bool  # the server parses the LLM's tool calls (--enable-auto-tool-choice)
 
     def start_turn(self, item_id: str | None) -> Turn | None:

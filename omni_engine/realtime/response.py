@@ -129,7 +129,7 @@ class ResponseRun:
     def _messages(self) -> list[dict[str, Any]]:
         instructions = self.options.get("instructions") or self.config.instructions
         if self.in_conversation and "input" not in self.options:
-            return self.conversation.chat_messages(instructions)
+            return self.conversation.chat_messages(instructions, self.engine.hears_audio)
         return chat_messages(list(self.options.get("input") or ()), instructions)
 
     def _open(self, item: Item) -> None:

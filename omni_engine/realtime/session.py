@@ -56,6 +56,10 @@ class RealtimeSession(EventSession):
         self.config = SessionConfig(model=model)
         if not engine.can_speak:
             self.config.output_modalities = ["text"]
+        if engine.default_voice:
+            self.config.audio.output.voice = engine.default_voice
+        if engine.hears_audio and not engine.can_hear:
+            self.config.audio.input.transcription = None  # the LLM hears the turns; nothing transcribes them
         self._has_vad = vad_factory is not None
         if not self._has_vad:
             self.config.audio.input.turn_detection = None
@@ -95,6 +99,10 @@ class RealtimeSession(EventSession):
         self._check_tools(new.tools, new.tool_choice, "session")
         self.engine.check_voice(new.audio.output.voice, new.audio.output.speed)
         if new.audio.input.transcription is not None:
+            if not self.engine.can_hear and self.engine.hears_audio:
+                raise SessionConfigError("this pipeline has no speech-to-text stage (its LLM hears each turn "
+                                         "itself): set audio.input.transcription to null",
+                                         "session.audio.input.transcription")
             self.engine.check_language(new.audio.input.transcription.language)
         old_in = self.config.audio.input
         self.config = new
@@ -128,6 +136,7 @@ class RealtimeSession(EventSession):
             self._early = None
             self._drop_preempted()
         if (self._early is None and self._speech is not None and pause is not None and self.engine.can_hear
+                and not self.engine.hears_audio  # (its answer hears the audio, not a transcript)
                 and self._input.total - pause >= max(EARLY_MIN_MS * RATE // 1000,
                                                      int(EARLY_SHARE * self._input.silence_samples()))):
             item_id, start = self._speech
@@ -229,6 +238,16 @@ class RealtimeSession(EventSession):
         previous = self.conversation.add(item)
         self.send(event("input_audio_buffer.committed", previous_item_id=previous, item_id=item_id))
         self._announce(item, previous)
+        self._heard(item, audio, early)
+
+    def _heard(self, item: Item, audio: np.ndarray, early: asyncio.Task | None = None) -> None:
+        """A user's audio: kept for an LLM that hears it, transcribed where the session asks for it
+        (or the LLM reads transcripts)."""
+        if self.engine.hears_audio:
+            item.audio = audio
+            if self.config.audio.input.transcription is None or not self.engine.can_hear:
+                self.send(event("conversation.item.done", item=item.to_json()))
+                return
         self._transcribe(item, audio, early)
 
     def _announce(self, item: Item, previous: str | None) -> None:
@@ -296,7 +315,7 @@ class RealtimeSession(EventSession):
         previous = self.conversation.add(item, body.get("previous_item_id"))
         self._announce(item, previous)
         if decoded:
-            self._transcribe(item, decoded[0])
+            self._heard(item, decoded[0])
         else:
             self.send(event("conversation.item.done", item=item.to_json()))
 

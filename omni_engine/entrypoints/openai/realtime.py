@@ -4,7 +4,8 @@ The session logic is ``omni_engine.realtime``; ``event_socket.serve_session`` ru
 (one writer task, so events from the response and transcription tasks keep their order and never
 interleave); this module implements ``RealtimeEngine`` over the
 ``MultiStageEngineClient``: speech in through the speech-to-text stage alone (as
-``/v1/audio/transcriptions``), answers through the whole pipeline as a chat completion with
+``/v1/audio/transcriptions``), or, where the LLM hears (Qwen-Omni's thinker), each turn's audio
+in its chat as an ``input_audio`` part; answers through the whole pipeline as a chat completion with
 ``modalities: ["audio"]`` (vLLM's own chat rendering, so the LLM's chat template, and its
 context length bounds the history). ``--api-key`` guards the handshake (``auth``).
 
@@ -39,6 +40,7 @@ from omni_engine.entrypoints.openai.served_pipeline import (
     speech_params,
     speech_to_text_stage,
     stage_params,
+    text_stage_hears,
 )
 from omni_engine.entrypoints.openai.speech_input import transcript_text
 from omni_engine.outputs import SPOKEN_TEXT
@@ -88,6 +90,10 @@ class PipelineRealtimeEngine:
         self.speech_stage = audio_stage_id(self.client)
         self.can_hear = self.stt_stage is not None
         self.can_speak = self.speech_stage is not None
+        self.hears_audio = text_stage_hears(self.client)  # Qwen-Omni's thinker: the turn's audio goes to it
+        info = self.client.stage_info(self.speech_stage) if self.speech_stage is not None else {}
+        # A model's own speakers (no OpenAI voice names to map): its default, not OpenAI's "alloy".
+        self.default_voice = info.get("default_voice") if "voice_map" not in info and info.get("voices") else None
         # The session's trace context (the WebSocket's traceparent, read by the server's middleware).
         self._trace_headers = REQUEST_TRACE_HEADERS.get()
         self._chat = websocket.app.state.openai_serving_chat
@@ -167,7 +173,8 @@ class PipelineRealtimeEngine:
         yield ResponseStart(prompt_len)
         if audio:
             speech = speech_params(self.client, self.speech_stage, voice, speed)
-            params = stage_params(self.client, self.speech_stage, speech_dict(speech), sampling_params)
+            params = stage_params(self.client, self.speech_stage, speech_dict(speech), sampling_params,
+                                  voice=speech.voice)
             stream = self.client.generate(engine_input, params, request_id, modalities=["text", "audio"])
         else:
             stream = self.client.generate(engine_input, sampling_params, request_id, modalities=["text"])
