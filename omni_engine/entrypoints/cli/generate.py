@@ -132,8 +132,8 @@ def request_params(config, max_tokens: int | None, extra_args: dict | None = Non
         if entry is None:
             continue
         if not isinstance(entry, dict):
-            raise ConfigError([f"--sampling-params-list[{index}] (stage {stage.stage_id}) must be an object or "
-                               f"null, got {type(entry).__name__}"])
+            raise ConfigError([(f"--sampling-params-list[{index}] (stage {stage.stage_id}) must be an object or "
+                                f"null, got {type(entry).__name__}")])
         defaults = dict(stage.default_sampling_params)
         if isinstance(entry.get("extra_args"), dict) and isinstance(defaults.get("extra_args"), dict):
             entry = {**entry, "extra_args": {**defaults["extra_args"], **entry["extra_args"]}}
