@@ -106,8 +106,12 @@ def reference_codes(reference, kind, voice="Chelsie"):
     talker.rope_deltas = None
     codes, cache = [], None
     with torch.no_grad():
+        # what generate hands its talker for the rope: the image grid, the audio's feature lengths
+        rope_inputs = {"image_grid_thw": inputs.get("image_grid_thw")}
+        if "feature_attention_mask" in inputs:
+            rope_inputs["audio_feature_lengths"] = inputs["feature_attention_mask"].sum(dim=1)
         step = talker(inputs_embeds=prefill, attention_mask=torch.ones_like(history),
-                      input_text_ids=torch.cat([ids, bos, generated[:, :1]], dim=1), use_cache=True)
+                      input_text_ids=torch.cat([ids, bos, generated[:, :1]], dim=1), use_cache=True, **rope_inputs)
         for _ in range(TALKER_TOKENS):
             scores = penalty(history, step.logits[:, -1].clone())
             scores[:, talker.codec_bos_token] = -float("inf")

@@ -185,11 +185,13 @@ async def test_the_thinker_stage_gives_transformers_greedy_tokens(thinker, refer
             f"step {step}: logprob {got_logprobs[step]} vs transformers' {want_logprobs[step]}")
 
 
-@pytest.mark.parametrize("kind", ["text", "audio"])
+@pytest.mark.parametrize("kind", ["text", "audio", "image"])
 async def test_the_thinker_hands_on_transformers_embeddings_and_last_hidden_states(thinker, reference, kind):
     """What transformers' generate(return_audio=True) takes from the thinker for the talker:
     hidden_states[step][0] (input embeddings, audio features merged) and [-1] (last layer, after
-    the norm), for every prompt position and each generated token but the last."""
+    the norm), for every prompt position and each generated token but the last; and each one's
+    rope position in its three channels, as the thinker's ``get_rope_index`` gives them (an image's
+    tokens at their grid's T/H/W)."""
     inputs, out = reference_generate(reference, kind)
     final = await _stage_final(thinker, kind, f"states-{kind}")
     assert list(final.outputs[0].token_ids) == out.sequences[0, inputs["input_ids"].shape[1]:].tolist()
@@ -201,6 +203,13 @@ async def test_the_thinker_hands_on_transformers_embeddings_and_last_hidden_stat
     assert got["input_embeds"].shape == want_embeds.shape and got["hidden_states"].shape == want_hidden.shape
     torch.testing.assert_close(got["input_embeds"], want_embeds, rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(got["hidden_states"], want_hidden, rtol=1e-4, atol=1e-4)
+    ids = inputs["input_ids"]
+    audio_lengths = inputs["feature_attention_mask"].sum(-1) if "feature_attention_mask" in inputs else None
+    positions, delta = reference[0].thinker.get_rope_index(ids, inputs.get("image_grid_thw"), None, torch.ones_like(ids),
+                                                           audio_seqlens=audio_lengths)
+    generated = (torch.arange(prompt_len, prompt_len + MAX_TOKENS - 1) + delta[0]).view(1, -1).expand(3, -1)
+    want_positions = torch.cat([positions[:, 0], generated], dim=1).T.float()
+    torch.testing.assert_close(got["positions"], want_positions, rtol=0, atol=0)
 
 
 async def test_requests_batched_together_each_get_their_own_states(thinker):
@@ -266,12 +275,12 @@ async def test_a_video_is_refused_by_name_and_the_stage_serves_on(thinker):
 
 # ---------------------------------------------------------------- the talker stage
 
-def _talker_params(voice=None):
+def _talker_params(voice=None, logprobs=None):
     from vllm import SamplingParams
 
     return {0: SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS),
             1: SamplingParams(temperature=0.0, max_tokens=TALKER_TOKENS, repetition_penalty=1.05,
-                              stop_token_ids=[8292, 8294], detokenize=False,
+                              stop_token_ids=[8292, 8294], detokenize=False, logprobs=logprobs,
                               extra_args={"voice": voice} if voice else None)}
 
 
@@ -285,12 +294,45 @@ async def _talker_codes(client, kind, request_id, voice=None):
     return codes[:-1] if codes and codes[-1] in (8292, 8294) else codes
 
 
-@pytest.mark.parametrize(("kind", "voice"), [("text", None), ("audio", "Ethan")])
+@pytest.mark.parametrize(("kind", "voice"), [("text", None), ("audio", "Ethan"), ("image", None)])
 async def test_the_talker_stage_gives_transformers_codes(thinker, reference, kind, voice):
     want = reference_codes(reference, kind, voice or "Chelsie")
     got = await _talker_codes(thinker, kind, f"talker-{kind}", voice)
     assert len(want) > 5
     assert got == want
+
+
+def test_the_talker_places_its_rows_as_transformers_talker_rope_does(reference):
+    """The talker's three rope channels for a batch of an image request (prefill and a decode step)
+    and a text request, from the thinker's positions (the talker adapter's ``rope_prompt``,
+    ``rope_from``): transformers' talker ``get_rope_index`` positions for the same rows. (The tiny
+    talker's greedy codes do not change with plain positions: this is what guards its rope.)"""
+    from omni_engine.models.qwen2_5_omni.talker_requests import TalkerRequests
+    from omni_engine.models.qwen2_5_omni.vllm_talker import talker_rope_channels
+
+    model = reference[0]
+    adapter = TalkerRequests.__new__(TalkerRequests)
+    adapter.stage_id = 1
+    rows, segments, want = [], [], []
+    for kind, decode_steps in (("image", 2), ("text", 1)):
+        inputs, out = reference_generate(reference, kind)
+        ids = inputs["input_ids"]
+        thinker_positions, _ = model.thinker.get_rope_index(ids, inputs.get("image_grid_thw"), None, torch.ones_like(ids))
+        rope = adapter.rope_positions({"thinker_positions": thinker_positions[:, 0].T.float()}, ids.shape[1], kind)
+        bos = torch.tensor([[model.speaker_map["Chelsie"]["bos_token"]]])
+        text_ids = torch.cat([ids, bos, out.sequences[:, ids.shape[1]:][:, :1]], dim=1)
+        talker_positions, delta = model.talker.get_rope_index(text_ids, inputs.get("image_grid_thw"), None,
+                                                              torch.ones_like(text_ids))
+        length = text_ids.shape[1]  # L + 2 prompt rows, then decode rows at position + delta
+        decode = torch.arange(length, length + decode_steps) + delta[0]
+        want.append(torch.cat([talker_positions[:, 0], decode.view(1, -1).expand(3, -1)], dim=1))
+        begin = sum(len(r) for r in rows)
+        rows.append(torch.arange(length + decode_steps))
+        segments.append((begin, begin + length + decode_steps, rope))
+    if not (want[0][0] != want[0][1]).any():
+        pytest.fail("the image prompt's positions are plain: the test would not see a wrong rope")
+    got = talker_rope_channels(torch.cat(rows), [(b, e, r["rope_prompt"], int(r["rope_from"][0])) for b, e, r in segments])
+    torch.testing.assert_close(got, torch.cat(want, dim=1), rtol=0, atol=0)
 
 
 async def test_an_unknown_voice_is_refused_by_name_and_nothing_is_left(thinker):

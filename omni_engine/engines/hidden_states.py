@@ -9,7 +9,9 @@ removed too. The output's ``multimodal_output`` then has, for the ``L`` prompt p
 generated token but the last (which is never forwarded), ``input_embeds`` (the embeddings the
 model read, multimodal features merged in) and ``hidden_states`` (its last layer, after the final
 norm): ``[L + N - 1, hidden]`` float32 each, as transformers' ``generate(output_hidden_states=True)``
-gives ``hidden_states[i][0]`` and ``[-1]``.
+gives ``hidden_states[i][0]`` and ``[-1]``; and ``positions`` ``[L + N - 1, 3]`` (float32), each
+position's rope position in three channels (a multimodal rope's T/H/W: where an image's tokens sit
+in its grid, which a talker downstream needs to place its own prompt the same way).
 """
 
 from __future__ import annotations
@@ -28,7 +30,8 @@ __all__ = ["LATENT", "StateFiles", "TokenCount", "configure_request_tap"]
 
 LATENT = "latent"
 # multimodal_output keys, in STATE_KINDS' order
-OUTPUT_KEYS = ("input_embeds", "hidden_states")
+OUTPUT_KEYS = ("input_embeds", "hidden_states", "positions")
+ROPE_CHANNELS = 3  # the width of a positions row
 
 
 def _unlink(path: str) -> None:
@@ -112,12 +115,13 @@ class StateFiles:
         out = {}
         try:
             for kind, key in zip(STATE_KINDS, OUTPUT_KEYS):
-                out[key] = self._read(f"{path}.{kind}", rows, request_id, arch)
+                width = ROPE_CHANNELS if kind == "positions" else self.hidden_size
+                out[key] = self._read(f"{path}.{kind}", rows, width, request_id, arch)
         finally:
             _unlink(path)
         return out
 
-    def _read(self, path: str, rows: int, request_id: str, arch: str) -> torch.Tensor:
+    def _read(self, path: str, rows: int, width: int, request_id: str, arch: str) -> torch.Tensor:
         try:
             size = os.path.getsize(path)
         except FileNotFoundError:
@@ -125,14 +129,14 @@ class StateFiles:
                 f"stage {self.stage_id}: engine_output_type {LATENT} needs a model that records its states "
                 f"(omni_engine.models.request_tap.record); {arch} wrote none for request {request_id!r}"
             ) from None
-        row_bytes = self.hidden_size * 4
+        row_bytes = width * 4
         if size != rows * row_bytes:
             raise RuntimeError(f"stage {self.stage_id}: request {request_id!r} has {size / row_bytes:g} rows of "
                                f"states, expected {rows} (prompt + generated - 1); is prefix caching off?")
         buffer = shm.empty_output(size, request_id)
         with open(path, "rb", buffering=0) as f:
             f.readinto(memoryview(buffer))
-        return torch.from_numpy(np.asarray(buffer).view(np.float32)).view(rows, self.hidden_size)
+        return torch.from_numpy(np.asarray(buffer).view(np.float32)).view(rows, width)
 
     def discard(self, request_id: str) -> None:
         path = self._paths.pop(request_id, None)

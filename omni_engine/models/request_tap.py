@@ -11,11 +11,13 @@ points together give all three:
   (``INPUTS_PATH_KEY``), read when the request enters the batch.
 - ``batch_segments()``, for a model of ours inside its forward: the forward context's attention
   metadata says where each row's tokens start in the flat batch (``query_start_loc``) and at which
-  position (``seq_lens`` minus this step's tokens). ``record(inputs_embeds, hidden_states)`` writes
-  each request's rows to its files at their positions; a model reads ``RequestIO.inputs``.
+  position (``seq_lens`` minus this step's tokens). ``record(inputs_embeds, hidden_states,
+  positions)`` writes each request's rows to its files at their positions; a model reads
+  ``RequestIO.inputs``.
 
-States: ``<path>.embeds`` (each position's input embedding) and ``<path>.hidden`` (its last hidden
-state), rows of float32, written with ``pwrite`` at the position's offset, so a request recomputed
+States: ``<path>.embeds`` (each position's input embedding), ``<path>.hidden`` (its last hidden
+state) and ``<path>.positions`` (its rope position in each of three channels: a multimodal rope's
+T/H/W, or the plain position three times), rows of float32, written with ``pwrite`` at the position's offset, so a request recomputed
 after preemption writes the same rows again and a chunked prompt lands in order. The files live in
 ``/dev/shm`` and the stage process reads them when the request's final output arrives: the forward
 that wrote the last row ran before that output was sampled, so no other signal is needed
@@ -40,7 +42,7 @@ logger = logging.getLogger(__name__)
 STATES_PATH_KEY = "omni_states_path"
 INPUTS_PATH_KEY = "omni_inputs_path"
 TAP_CLASS = "omni_engine.models.request_tap:RequestTap"
-STATE_KINDS = ("embeds", "hidden")
+STATE_KINDS = ("embeds", "hidden", "positions")
 
 
 class StateFile:
@@ -146,8 +148,10 @@ def batch_segments() -> Iterator[tuple[RequestIO, int, int, int]]:
             yield request.state, begin, end, seq_lens[row] - (end - begin)
 
 
-def record(inputs_embeds: torch.Tensor, hidden_states: torch.Tensor) -> None:
-    """Write this forward's rows of every request that asked for its states."""
+def record(inputs_embeds: torch.Tensor, hidden_states: torch.Tensor, positions: torch.Tensor) -> None:
+    """Write this forward's rows of every request that asked for its states; ``positions`` is the
+    forward's own (``[tokens]``, or ``[3, tokens]`` for a multimodal rope)."""
+    channels = positions.view(1, -1).expand(3, -1) if positions.ndim == 1 else positions
     for io, begin, end, position in batch_segments():
         if io.states is not None:
-            io.states.write(position, inputs_embeds[begin:end], hidden_states[begin:end])
+            io.states.write(position, inputs_embeds[begin:end], hidden_states[begin:end], channels[:, begin:end].T)

@@ -5,7 +5,7 @@ The talker starts when the thinker has finished (vLLM-Omni runs it so too): ``th
 code2wav starts on the talker's first codes where the edge is ``async_chunk``.
 
 - ``thinker2talker`` (vLLM-Omni's name): the thinker's prompt ids and its states
-  (``engine_output_type: latent``), forwarded as they came, so tensors in shared memory travel on
+  (``engine_output_type: latent``: embeddings, hidden states, rope positions), forwarded as they came, so tensors in shared memory travel on
   as the same handles, uncopied. The talker stage builds its model's inputs from them
   (``talker_requests``).
 - ``talker2code2wav``: the talker's codes and the voice they were made for: all of them when the
@@ -54,8 +54,11 @@ class ThinkerToTalker(FromFinishedSource):
             raise ValueError(f"stage {self.source}'s final output has no states for stage {self.dst} (the "
                              "talker): the thinker stage needs engine_args.engine_output_type: latent")
         prompt_ids = next((o.prompt_token_ids for o in received if o.prompt_token_ids), None)
-        return StageInput({"thinker_prompt_token_ids": list(prompt_ids or ()),
-                           "input_embeds": states["input_embeds"], "hidden_states": states["hidden_states"]})
+        prompt = {"thinker_prompt_token_ids": list(prompt_ids or ()),
+                  "input_embeds": states["input_embeds"], "hidden_states": states["hidden_states"]}
+        if "positions" in states:  # the thinker's rope positions: where an image sits in its grid
+            prompt["thinker_positions"] = states["positions"]
+        return StageInput(prompt)
 
 
 class TalkerToCode2Wav(FromFinishedSource):

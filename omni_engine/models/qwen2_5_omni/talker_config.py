@@ -4,8 +4,10 @@ vLLM sizes everything (KV cache, layers, vocabulary, context) from one model con
 checkpoint's is the whole model's, whose text config is the thinker's. The talker stage therefore
 points vLLM's ``hf_config_path`` at a directory holding the talker's config alone, with our talker
 architecture, while ``model`` stays the checkpoint (its weights, its ``spk_dict.pt``). The
-multimodal rope section is dropped: for text and audio prompts its three channels are equal, which
-is ordinary rope (``vllm_talker`` says why). The directory is derived once per config, in the cache.
+multimodal rope section moves out of ``rope_parameters`` into ``talker_mrope_section``: vLLM would
+otherwise run the talker as a multimodal-rope model, computing its positions from multimodal inputs
+it does not have; the talker places its rows itself (``vllm_talker``). The directory is derived once
+per config, in the cache.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from typing import Any
 from omni_engine import envs
 
 ARCHITECTURE = "OmniEngineQwen2_5OmniTalker"
-VERSION = 2
+VERSION = 3
 
 
 def talker_config(checkpoint_config: dict[str, Any]) -> dict[str, Any]:
@@ -29,8 +31,11 @@ def talker_config(checkpoint_config: dict[str, Any]) -> dict[str, Any]:
     # Read by vLLM's Llama decoder, which the talker runs on (vllm_talker): Qwen2 biases q, k and v only.
     config["qkv_bias"] = True
     rope = dict(config.get("rope_parameters") or {})
-    rope.pop("mrope_section", None)
-    rope.pop("mrope_interleaved", None)
+    section = rope.pop("mrope_section", None)
+    if rope.pop("mrope_interleaved", False):
+        raise ValueError("talker_config.rope_parameters.mrope_interleaved: Qwen2.5-Omni's talker rope is not "
+                         "interleaved; this checkpoint is not one")
+    config["talker_mrope_section"] = list(section) if section else None
     config["rope_parameters"] = {"rope_type": "default", **rope} if rope else {"rope_type": "default"}
     return config
 

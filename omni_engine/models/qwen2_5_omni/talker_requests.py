@@ -10,7 +10,9 @@ when the request enters the batch:
   prompt position, the embedding zeroed at audio / image / video placeholders (transformers
   zeroes the merged features there);
 - ``reply_rows`` ``[N - 1, D]``: the same sum for each generated token but the last;
-- ``speaker_bos`` ``[1]``: the voice's text bos token (``spk_dict.pt``).
+- ``speaker_bos`` ``[1]``: the voice's text bos token (``spk_dict.pt``);
+- ``rope_prompt`` ``[3, L]`` and ``rope_from`` ``[1]``: the multimodal rope positions of the prompt
+  rows (the thinker's) and of row ``L`` (every later row one more), where the thinker sent them.
 
 The request vLLM runs is ``[codec mask] * L + [codec pad, codec bos]``: placeholders whose
 embeddings the model replaces, but whose ids vLLM's repetition penalty counts, as transformers'.
@@ -100,12 +102,28 @@ class TalkerRequests:
         path = str(shm.SHM_DIR / f"{self.prefix}{next(self._counter)}")
         save_file({"prompt_rows": (hidden[:length] + embeds[:length] * kept).contiguous(),
                    "reply_rows": (hidden[length:] + embeds[length:]).contiguous(),
-                   "speaker_bos": torch.tensor([int(speaker["bos_token"])])}, path)
+                   "speaker_bos": torch.tensor([int(speaker["bos_token"])]),
+                   **self.rope_positions(prompt, length, request_id)}, path)
         self._paths[request_id] = path
         self._voices[request_id] = voice_name(params)
         params = copy.copy(params)
         params.extra_args = {**(params.extra_args or {}), INPUTS_PATH_KEY: path}
         return {"prompt_token_ids": [self.codec_mask] * length + [self.codec_pad, self.codec_bos]}, params
+
+    def rope_positions(self, prompt: dict[str, Any], length: int, request_id: str) -> dict[str, torch.Tensor]:
+        """The talker's multimodal rope, as transformers' talker gets it from ``get_rope_index`` over the
+        thinker's ids: the thinker's own positions for the ``L`` prompt rows (an image's tokens at their
+        grid's T/H/W), then every later row one past the last (``rope_from``: the position of row ``L``,
+        which is ``L`` unless an image took fewer positions than tokens). None given: plain positions."""
+        if prompt.get("thinker_positions") is None:
+            return {}
+        positions = torch.as_tensor(prompt["thinker_positions"])
+        if positions.ndim != 2 or positions.shape[1] != 3 or positions.shape[0] < length:
+            raise ValueError(f"stage {self.stage_id}: request {request_id!r}: thinker positions of shape "
+                             f"{tuple(positions.shape)} for a {length}-token prompt (want [>= {length}, 3])")
+        prompt_positions = positions[:length].round().to(torch.int64)
+        following = int(prompt_positions.max()) + 1 if length else 0
+        return {"rope_prompt": prompt_positions.T.contiguous(), "rope_from": torch.tensor([following])}
 
     def output_extras(self, request_id: str, generated: list[int]) -> dict[str, Any]:
         """What the final output carries for code2wav: all the codes (the stop code cut), whatever

@@ -21,9 +21,12 @@ token ids are placeholders (``[codec mask] * L + [codec pad, codec bos]``) that 
 penalty sees as transformers' does. The thinker's embedding rows the talker needs (text eos, text
 pad, each speaker's bos) are read from the checkpoint's thinker embedding when weights load.
 
-Positions are plain 1-D: for text and audio prompts Qwen2.5-Omni's multimodal rope gives the three
-channels the same positions, which is ordinary rope. Image and video prompts would need the
-thinker's 3-D positions (not built yet: their speech is made with 1-D positions).
+Positions: Qwen2.5-Omni's multimodal rope (``talker_mrope_section`` of the head's frequencies per
+T/H/W channel). vLLM runs the talker with plain 1-D positions; the forward turns them into three
+channels per request, as transformers' talker gets them from ``get_rope_index``: the thinker's own
+positions for the prompt rows (``rope_prompt``: equal channels for text and audio, an image's
+tokens at their grid's T/H/W), then one more each row from ``rope_from``. Each decoder layer's rope is
+vLLM's ``MRotaryEmbedding`` with the same frequencies, so equal channels are ordinary rope.
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ import torch
 from torch import nn
 from vllm.config import VllmConfig
 from vllm.model_executor.layers.logits_processor import LogitsProcessor
+from vllm.model_executor.layers.rotary_embedding import MRotaryEmbedding
 from vllm.model_executor.layers.vocab_parallel_embedding import (
     ParallelLMHead,
     VocabParallelEmbedding,
@@ -50,6 +54,30 @@ from omni_engine.models.qwen2_5_omni.speakers import load_speakers
 from omni_engine.models.request_tap import batch_segments
 
 THINKER_EMBEDDING = "thinker.model.embed_tokens.weight"
+
+
+def talker_rope_channels(positions: torch.Tensor,
+                         segments: list[tuple[int, int, torch.Tensor, int]]) -> torch.Tensor:
+    """A flat batch's 1-D ``positions`` as three rope channels: in each request's rows ``[begin, end)``,
+    a prompt position ``p < L`` takes ``rope_prompt[:, p]`` (``[3, L]``), a later one ``rope_from + p - L``
+    in every channel; other rows keep their position in every channel."""
+    channels = positions.unsqueeze(0).expand(3, -1).clone()
+    for begin, end, prompt, following in segments:
+        rows, view = positions[begin:end], channels[:, begin:end]
+        length = prompt.shape[1]
+        in_prompt = rows < length
+        view[:, in_prompt] = prompt[:, rows[in_prompt]].to(channels.dtype)
+        view[:, ~in_prompt] = (rows[~in_prompt] - length + following).to(channels.dtype)
+    return channels
+
+
+def multimodal_rope(rope: Any, section: list[int]) -> MRotaryEmbedding:
+    """``rope`` (a layer's plain rotary embedding) as vLLM's multimodal one, same frequencies."""
+    if 2 * sum(section) != rope.rotary_dim:
+        raise ValueError(f"talker_config.rope_parameters.mrope_section {section} sums to {sum(section)}, "
+                         f"not half the talker's rotary dim {rope.rotary_dim}")
+    return MRotaryEmbedding(rope.head_size, rope.rotary_dim, rope.max_position_embeddings, rope.base,
+                            rope.is_neox_style, rope.dtype, mrope_section=list(section))
 
 
 class OmniEngineQwen2_5OmniTalker(nn.Module):
@@ -77,6 +105,10 @@ class OmniEngineQwen2_5OmniTalker(nn.Module):
         self.text_ids = (config.tts_text_end_token_id, config.tts_text_pad_token_id)
         self.register_buffer("thinker_rows", torch.zeros(len(self.speaker_bos_ids) + 2, config.embedding_size),
                              persistent=False)
+        self.mrope_section = getattr(config, "talker_mrope_section", None)
+        if self.mrope_section:
+            for layer in self.model.layers:
+                layer.self_attn.rotary_emb = multimodal_rope(layer.self_attn.rotary_emb, self.mrope_section)
 
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.model.embed_tokens(input_ids)
@@ -93,8 +125,16 @@ class OmniEngineQwen2_5OmniTalker(nn.Module):
         for io, begin, end, first in batch_segments():
             if "prompt_rows" in io.inputs:
                 self._add_thinker_rows(inputs_embeds[begin:end], first, io.inputs)
-        return self.model(None, positions, intermediate_tensors,
+        return self.model(None, self.rope_positions(positions), intermediate_tensors,
                           inputs_embeds=self.thinker_to_talker_proj(inputs_embeds))
+
+    def rope_positions(self, positions: torch.Tensor) -> torch.Tensor:
+        """vLLM's 1-D positions as the talker's three rope channels (``[3, tokens]``), per request."""
+        if not self.mrope_section:
+            return positions
+        return talker_rope_channels(positions, [
+            (begin, end, io.inputs["rope_prompt"], int(io.inputs["rope_from"][0]))
+            for io, begin, end, _first in batch_segments() if "rope_prompt" in io.inputs])
 
     def _add_thinker_rows(self, embeds: torch.Tensor, first: int, inputs: dict[str, torch.Tensor]) -> None:
         """``embeds`` (positions ``first`` on; the codec embeddings of their ids), as transformers

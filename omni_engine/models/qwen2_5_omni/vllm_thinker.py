@@ -90,5 +90,5 @@ class OmniEngineQwen2_5OmniThinker(Qwen2_5OmniThinkerForConditionalGeneration):
         if RequestTap.current is not None and intermediate_tensors is None:
             if inputs_embeds is None:
                 inputs_embeds = self.embed_input_ids(input_ids)
-            record(inputs_embeds, hidden_states)
+            record(inputs_embeds, hidden_states, positions)
         return hidden_states
