@@ -48,6 +48,32 @@ async def test_a_generation_stage_serves_queued_pieces_earliest_deadline_first(t
     assert (await tts_stage.call_utility_async("deadline_stats"))["late"] >= late_before + 1
 
 
+async def _spoken(stage, request_id: str, deadline: float) -> float:
+    """Submit ``LONG_TEXT`` due at ``deadline``; the seconds until its audio came back."""
+    started = time.monotonic()
+    await stage.submit_request(request_id, LONG_TEXT, None, deadline=deadline)
+    async with asyncio.timeout(60):
+        while True:
+            for output in await stage.get_outputs_async():
+                if output.request_id == request_id and output.finished:
+                    return time.monotonic() - started
+
+
+@pytest.mark.tts
+async def test_a_piece_is_late_exactly_when_it_is_done_after_its_deadline(tts_stage):
+    """The late count moves by exactly the pieces done after their deadline: not one done in time, and
+    one that was on time when it started but not when it was done (lateness is when the audio exists)."""
+    async def late() -> int:
+        return (await tts_stage.call_utility_async("deadline_stats"))["late"]
+
+    before = await late()
+    took = await _spoken(tts_stage, "late-in-time", time.time() + 60)
+    assert await late() == before, "a piece done 60 s before its deadline was counted late"
+    # Due a quarter of the way through its own rendering: in time at the start, late when done.
+    await _spoken(tts_stage, "late-while-made", time.time() + took / 4)
+    assert await late() == before + 1, "a piece done after its deadline was not counted (stamped at its start?)"
+
+
 def test_the_playback_clock_estimates_then_follows_the_audio_heard():
     start = 1000.0
     clock = PlaybackClock(start)

@@ -72,8 +72,12 @@ def test_http_without_the_key_changes_nothing_and_with_it_works(queue, monkeypat
         client.post("/buffer/reset").raise_for_status()
         client.post("/buffer/write", json=trajectory(str(uuid.uuid4()), "math_1")).raise_for_status()
     before = state(queue)
+    # Every near miss: no key, a wrong one, the key without "Bearer", one character more, the key
+    # cut short by one character or to its first four, and a bare "Bearer" (HTTP strips the space after
+    # it; a check of a prefix of the expected header passes all three).
     for headers in ({}, {"authorization": "Bearer wrong"}, {"authorization": API_KEY},
-                    {"authorization": f"Bearer {API_KEY}x"}):
+                    {"authorization": f"Bearer {API_KEY}x"}, {"authorization": f"Bearer {API_KEY[:-1]}"},
+                    {"authorization": f"Bearer {API_KEY[:4]}"}, {"authorization": "Bearer"}):
         with httpx.Client(base_url=queue.url, headers=headers, timeout=30) as stranger:
             for method, path, body in ROUTES:
                 response = stranger.request(method, path, json=body)

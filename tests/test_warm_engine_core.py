@@ -31,9 +31,10 @@ _SCRIPT = textwrap.dedent("""
     multiprocessing.forkserver.ensure_running()
     os.environ["SET_LATE"] = "after the forkserver started"
     os.environ.pop("GONE_LATE")
+    os.environ["CHANGED_LATE"] = "changed after the forkserver started"
     for context, path in ((WarmEngineCoreContext(), sys.argv[1]),
                           (multiprocessing.get_context("forkserver"), sys.argv[2])):
-        for name in ("SET_LATE", "GONE_LATE"):
+        for name in ("SET_LATE", "GONE_LATE", "CHANGED_LATE"):
             child = context.Process(target=write_variable, args=(path + name, name))
             child.start()
             child.join(60)
@@ -43,17 +44,20 @@ _SCRIPT = textwrap.dedent("""
 
 def test_a_forked_engine_core_runs_with_the_environment_of_its_creation(tmp_path):
     warm, plain = str(tmp_path / "warm-"), str(tmp_path / "plain-")
-    env = {**os.environ, "GONE_LATE": "set before the forkserver started"}
+    env = {**os.environ, "GONE_LATE": "set before the forkserver started",
+           "CHANGED_LATE": "set before the forkserver started"}
     done = subprocess.run([sys.executable, "-c", _SCRIPT, warm, plain], env=env, capture_output=True, text=True,
                           timeout=120, cwd=os.path.dirname(os.path.dirname(__file__)))
     assert done.returncode == 0, done.stderr[-3000:]
     read = lambda path: open(path).read()  # noqa: E731
-    # Carried: the parent's environment when the process was made, both what it added and what it removed.
+    # Carried: the parent's environment when the process was made: what it added, removed and changed.
     assert read(warm + "SET_LATE") == "after the forkserver started"
     assert read(warm + "GONE_LATE") == "<unset>"
+    assert read(warm + "CHANGED_LATE") == "changed after the forkserver started", "a changed value stayed stale"
     # The control: a plain forkserver process has the forkserver's (stale) environment.
     assert read(plain + "SET_LATE") == "<unset>"
     assert read(plain + "GONE_LATE") == "set before the forkserver started"
+    assert read(plain + "CHANGED_LATE") == "set before the forkserver started"
 
 
 def write_cores(path: str) -> None:
