@@ -103,6 +103,19 @@ class OtlpReceiver:
         with self._lock:
             return [s for s in self.spans if s.trace_id == trace_id]
 
+    def wait_for_new(self, since: int, count: int, timeout: float = 30.0) -> list[ReceivedSpan]:
+        """The spans received after the first ``since`` (of any trace) once there are ``count`` of them:
+        a test that then checks their trace sees spans that went into another one at once."""
+        deadline = time.monotonic() + timeout
+        while True:
+            with self._lock:
+                new = self.spans[since:]
+            if len(new) >= count:
+                return new
+            if time.monotonic() > deadline:
+                raise AssertionError(f"{len(new)} of {count} spans came: {[(s.name, s.trace_id) for s in new]}")
+            time.sleep(0.05)
+
     def wait_for(self, trace_id: str, predicate, timeout: float = 30.0) -> list[ReceivedSpan]:
         """The spans of ``trace_id`` once ``predicate(spans)`` holds; fails after ``timeout``."""
         deadline = time.monotonic() + timeout

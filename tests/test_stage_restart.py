@@ -104,9 +104,14 @@ def process_name(pid: int) -> str:
 
 async def wait_spare(client, other_than: set[int]) -> int:
     """The pid of the stage's warm spare, once one other than ``other_than`` waits."""
-    async with asyncio.timeout(30):
-        while (spare := client.supervisor.spares.get(0)) is None or spare.process.pid in other_than:
-            await asyncio.sleep(0.05)
+    try:
+        async with asyncio.timeout(30):
+            while (spare := client.supervisor.spares.get(0)) is None or spare.process.pid in other_than:
+                await asyncio.sleep(0.05)
+    except TimeoutError:
+        listed = client.supervisor.spares.get(0)
+        raise AssertionError(f"no warm spare other than {sorted(other_than)} within 30 s; listed: "
+                             f"{listed.process.pid if listed else None}") from None
     return spare.process.pid
 
 
@@ -125,6 +130,9 @@ async def test_a_warm_spare_becomes_the_restarted_replica_and_a_dead_spare_means
         await wait_healthy(client)
         # The spare is the replica now, named as the stage, serving; a new spare waits for the next death.
         assert stage.replicas[0].process.pid == spare_pid and process_name(spare_pid) == "omni-stage0"
+        listed = client.supervisor.spares.get(0)
+        assert listed is None or listed.process.pid != spare_pid, (
+            "the spare taken for the restart is still the stage's spare: no new one would be started")
         assert len(await speak(client, "Back again.", "after-restart")) > 0
         assert "warm spare taken: serving stage 0" in spare_log.read_text()
         second_spare = await wait_spare(client, {spare_pid})

@@ -51,8 +51,13 @@ def by_name(spans) -> dict[str, object]:
 async def test_a_request_is_one_trace_under_the_callers_span_with_a_span_per_stage(traced, receiver):
     trace_id, caller_span, headers = caller_context()
     assert await traced.is_tracing_enabled()
+    since = len(receiver.spans)
     outputs = [o async for o in traced.generate({"nbytes": NBYTES}, None, "traced-1", trace_headers=headers)]
     assert outputs[-1].multimodal_output["nbytes"] == NBYTES
+    # (The module's first request: every span after ``since`` is this request's.)
+    new = receiver.wait_for_new(since, 3)
+    strays = [(s.name, s.trace_id) for s in new if s.trace_id != trace_id]
+    assert not strays, f"spans of the request went into another trace than the caller's {trace_id}: {strays}"
     spans = by_name(receiver.wait_for(trace_id, lambda s: len(s) >= 3))
     assert set(spans) == {REQUEST_SPAN, f"{STAGE_SPAN} tensor_source", f"{STAGE_SPAN} tensor_sink"}
     root = spans[REQUEST_SPAN]
