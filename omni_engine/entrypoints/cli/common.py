@@ -6,6 +6,7 @@ import argparse
 import json
 import os
 import sys
+from typing import Any
 
 
 def say(msg: str) -> None:
@@ -21,21 +22,19 @@ def set_stage_env_defaults() -> None:
 
 def json_list(text: str) -> list:
     """An argparse type: a flag's value as a JSON array (``--sampling-params-list``)."""
-    try:
-        value = json.loads(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(f"not valid JSON: {exc}") from None
-    if not isinstance(value, list):
-        raise argparse.ArgumentTypeError(f"expected a JSON array, got {type(value).__name__}")
-    return value
+    return _json_of(text, list, "array")
 
 
 def json_object(text: str) -> dict:
     """An argparse type: a flag's value as a JSON object (``--extra-args``, ``--extra-body``)."""
+    return _json_of(text, dict, "object")
+
+
+def _json_of(text: str, kind: type, name: str) -> Any:
     try:
         value = json.loads(text)
     except ValueError as exc:
         raise argparse.ArgumentTypeError(f"not valid JSON: {exc}") from None
-    if not isinstance(value, dict):
-        raise argparse.ArgumentTypeError(f"expected a JSON object, got {type(value).__name__}")
+    if not isinstance(value, kind):
+        raise argparse.ArgumentTypeError(f"expected a JSON {name}, got {type(value).__name__}")
     return value

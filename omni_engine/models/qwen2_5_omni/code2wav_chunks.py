@@ -37,9 +37,6 @@ class ChunkPlan:
         """Where piece ``index``'s own codes end (before the end of the request)."""
         return self.codes_per_block * (self.first_blocks + index * self.chunk_blocks)
 
-    def emit_start(self, index: int) -> int:
-        return 0 if index == 0 else self.emit_end(index - 1)
-
     @property
     def future(self) -> int:
         return self.codes_per_block * self.future_blocks
