@@ -68,6 +68,13 @@ class EdfQueue(Generic[T]):
         return bool(self._heap)
 
 
+# The Prometheus families of ``DeadlineStats`` (counters without their ``_total``, as
+# prometheus_client names a counter family).
+DEADLINE_SERVED = "omni_engine_stage_deadline_served"
+DEADLINE_LATE = "omni_engine_stage_deadline_late"
+DEADLINE_MAX_LATENESS = "omni_engine_stage_deadline_max_lateness_seconds"
+
+
 class DeadlineStats:
     """What a stage served and how late: for tests (the order) and operators (late pieces)."""
 
@@ -93,3 +100,17 @@ class DeadlineStats:
     def snapshot(self) -> dict[str, Any]:
         return {"served": self.served, "late": self.late, "max_lateness_s": round(self.max_lateness_s, 4),
                 "recent": [list(entry) for entry in self.recent]}
+
+    def families(self) -> list[list[Any]]:
+        """The same figures as Prometheus families (``prometheus_snapshot``'s plain-list format, so
+        a generation stage needs no prometheus_client): the server's ``/metrics`` shows them per
+        stage replica, an operator's view of whether speech keeps up with its listeners."""
+        return [
+            [DEADLINE_SERVED, "counter", "Per stage replica: pieces (requests) served with a deadline",
+             [[DEADLINE_SERVED + "_total", {}, float(self.served)]]],
+            [DEADLINE_LATE, "counter", "Per stage replica: pieces done after their deadline (made anyway); "
+             "a piece due the moment it was asked for, such as a stream's first, always is",
+             [[DEADLINE_LATE + "_total", {}, float(self.late)]]],
+            [DEADLINE_MAX_LATENESS, "gauge", "Per stage replica: the most seconds a piece was done after its deadline",
+             [[DEADLINE_MAX_LATENESS, {}, float(self.max_lateness_s)]]],
+        ]

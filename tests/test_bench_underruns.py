@@ -1,6 +1,7 @@
 """``omni-engine bench serve``'s listener against a real server whose voice stalls on purpose: a
 sentence that comes 2 s late after 0.5 s of audio is exactly one underrun of about 1.5 s; the same
-passage without the stall, none."""
+passage without the stall, none. On the same server, ``/v1/audio/speech`` sends a passage's first
+audio while a later piece is still being made, and gives each piece its own playback deadline."""
 
 from __future__ import annotations
 
@@ -12,7 +13,8 @@ import pytest
 import yaml
 
 from omni_engine.bench.serve_bench import add_arguments, run_benchmark
-from tests.serve_helpers import running_server
+from omni_engine.pipeline.input_processors import split_for_speech
+from tests.serve_helpers import auth_headers, running_server, scrape, value
 
 pytestmark = pytest.mark.llm
 
@@ -66,3 +68,45 @@ def test_a_stream_that_keeps_up_has_no_underrun(server, tmp_path):
     assert (result["completed"], result["total_audio_s"]) == (2, pytest.approx(3.0, rel=0.02))
     assert (result["underruns"], result["underrun_ms"], result["streams_with_underruns"]) == (0, 0.0, 0)
     assert result["mean_ttfa_ms"] < 1000 * STALL_S
+
+
+def speech_stage(server, name: str) -> float:
+    """A series of the voice's stage (stage 1, its one replica) on the server's /metrics."""
+    return value(scrape(server["url"]), name, stage="1", **({"replica": "0"} if "deadline" in name else {}))
+
+
+def test_the_first_audio_is_sent_while_a_later_piece_is_still_being_made(server):
+    """The speech route sends a piece as soon as it and those before it exist: the first audio
+    arrives while the two stalled pieces behind it (STALL_S each, one at a time) are not done."""
+    import httpx
+
+    passage = "The first sentence is here. STALL comes next. STALL comes again."
+    assert len(split_for_speech(passage)) == 3
+    finished = speech_stage(server, "omni_engine_stage_requests_finished_total")
+    with httpx.stream("POST", f"{server['url']}/v1/audio/speech", headers=auth_headers(server), timeout=60,
+                      json={"model": MODEL, "input": passage, "voice": "en", "response_format": "pcm"}) as response:
+        assert response.status_code == 200, response.read()
+        first = next(response.iter_bytes())
+        done_by_then = speech_stage(server, "omni_engine_stage_requests_finished_total") - finished
+    assert len(first) >= 2 * 1000, len(first)  # 16-bit samples of the first sentence's tone
+    assert done_by_then < 3, "the first audio was held back until every piece of the passage was spoken"
+
+
+def test_each_piece_of_a_speech_answer_is_due_when_the_audio_before_it_has_played(server):
+    """Piece 0 is due the moment it is asked for (done after it: late, as every first piece is);
+    each later one when the audio before it has played at 1x. The voice makes each at once, so on
+    this idle server only the first is late: one late piece per answer, not one per piece."""
+    import httpx
+
+    passage = "The first sentence is here. A second comes next. Then a third one. And a fourth to end."
+    pieces = len(split_for_speech(passage))
+    assert pieces == 4
+    served = speech_stage(server, "omni_engine_stage_deadline_served_total")
+    late = speech_stage(server, "omni_engine_stage_deadline_late_total")
+    answer = httpx.post(f"{server['url']}/v1/audio/speech", headers=auth_headers(server), timeout=60,
+                        json={"model": MODEL, "input": passage, "voice": "en", "response_format": "pcm"})
+    assert answer.status_code == 200 and len(answer.content) == pieces * 2 * int(SENTENCE_S * 16000)
+    assert speech_stage(server, "omni_engine_stage_deadline_served_total") - served == pieces
+    assert speech_stage(server, "omni_engine_stage_deadline_late_total") - late == 1, (
+        "more than the first piece was due at once: every piece got the first one's deadline?")
+    assert speech_stage(server, "omni_engine_stage_deadline_max_lateness_seconds") > 0

@@ -43,7 +43,7 @@ class _Pending:
 
 
 class GenerationStageEngine(StageEngine):
-    UTILITY_METHODS = StageEngine.UTILITY_METHODS | {"deadline_stats"}
+    UTILITY_METHODS = StageEngine.UTILITY_METHODS | {"deadline_stats", "engine_metrics"}
 
     def __init__(
         self,
@@ -194,6 +194,10 @@ class GenerationStageEngine(StageEngine):
         """Pieces served, how many after their deadline (made anyway), the worst lateness, and the
         ids of the last ones in the order their work began."""
         return self.deadlines.snapshot()
+
+    def engine_metrics(self) -> list[Any]:
+        """This stage's deadline figures as metric families, for the server's ``/metrics``."""
+        return self.deadlines.families()
 
     def watch_loop_holds(self) -> LoopHoldReport:
         self.loop_holds = LoopHoldReport(self.stage_id)

@@ -298,10 +298,11 @@ class LLMStageEngine(StageEngine):
         return self.deadlines.snapshot()
 
     def engine_metrics(self) -> list[Any]:
-        """vLLM's own ``vllm:*`` metric families of this engine, for the server's ``/metrics``."""
+        """vLLM's own ``vllm:*`` metric families of this engine and its deadline figures, for the
+        server's ``/metrics``."""
         from vllm.v1.metrics.prometheus import get_prometheus_registry
 
-        return snapshot_families(get_prometheus_registry(), "vllm:")
+        return snapshot_families(get_prometheus_registry(), "vllm:") + self.deadlines.families()
 
     def num_unfinished_requests(self) -> int:
         return self.engine.output_processor.get_num_unfinished_requests()

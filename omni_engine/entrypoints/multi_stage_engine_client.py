@@ -528,9 +528,10 @@ class MultiStageEngineClient(EngineClient):
         return list(await asyncio.gather(*(ctx.client.call_utility_async(utility, **kwargs) for ctx in chosen)))
 
     async def engine_metrics(self, timeout: float = 2.0) -> dict[tuple[int, int], list[Any]]:
-        """vLLM's ``vllm:*`` metric families of each live LLM stage replica ((stage id, replica) ->
-        snapshot, ``prometheus_snapshot`` format); one that does not answer within ``timeout`` is left out."""
-        chosen = [ctx for ctx in self._chosen_stages(None, llm_only=True) if not ctx.client.is_dead]
+        """The metric families each live stage replica keeps ((stage id, replica) -> snapshot,
+        ``prometheus_snapshot`` format): an llm stage's vLLM ``vllm:*`` series, every stage's deadline
+        figures; one that does not answer within ``timeout`` is left out."""
+        chosen = [ctx for ctx in self.stage_contexts if not ctx.client.is_dead]
         per_stage = await asyncio.gather(
             *(ctx.client.call_each_replica_async("engine_metrics", call_timeout=timeout, return_exceptions=True)
               for ctx in chosen), return_exceptions=True)

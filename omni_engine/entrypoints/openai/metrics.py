@@ -19,10 +19,12 @@ replicas ``stage`` and ``replica``, edges ``src`` and ``dst``. Sub-requests
 count as requests of their stage (an ``async_chunk`` speech stage gets one per
 sentence).
 
-Beside them, the ``vllm:*`` series of each LLM stage's own vLLM (requests
-running and waiting, KV-cache usage, TTFT, ITL, e2e, tokens ...), as vLLM
-names them, with ``stage`` and ``replica`` labels added: ``StageEngineMetrics``
-fetches them from the stage processes when ``/metrics`` is scraped.
+Beside them, what the stage processes keep themselves, with ``stage`` and
+``replica`` labels added: the ``vllm:*`` series of each LLM stage's own vLLM
+(requests running and waiting, KV-cache usage, TTFT, ITL, e2e, tokens ...), as
+vLLM names them, and every stage's playback-deadline figures (pieces served,
+done late, the worst lateness: ``DeadlineStats.families``).
+``StageEngineMetrics`` fetches them when ``/metrics`` is scraped.
 """
 
 from __future__ import annotations
@@ -63,7 +65,7 @@ STAGE_COUNTERS = (
 
 
 class StageEngineMetrics:
-    """The LLM stages' ``vllm:*`` families, fetched from the stage processes at scrape time.
+    """The stage processes' own families (``vllm:*``, deadlines), fetched at scrape time.
 
     vLLM's ``/metrics`` handler collects in a worker thread, so a scrape waits
     (up to ``timeout``) for the stages' answers on the client's loop and shows
