@@ -108,8 +108,8 @@ class DeadlineStats:
         return [
             [DEADLINE_SERVED, "counter", "Per stage replica: pieces (requests) served with a deadline",
              [[DEADLINE_SERVED + "_total", {}, float(self.served)]]],
-            [DEADLINE_LATE, "counter", "Per stage replica: pieces done after their deadline (made anyway); "
-             "a piece due the moment it was asked for, such as a stream's first, always is",
+            [DEADLINE_LATE, "counter", ("Per stage replica: pieces done after their deadline (made anyway); "
+                                        "a piece due the moment it was asked for, such as a stream's first, always is"),
              [[DEADLINE_LATE + "_total", {}, float(self.late)]]],
             [DEADLINE_MAX_LATENESS, "gauge", "Per stage replica: the most seconds a piece was done after its deadline",
              [[DEADLINE_MAX_LATENESS, {}, float(self.max_lateness_s)]]],
