@@ -81,10 +81,12 @@ def test_serve_takes_vllm_serve_flags_and_shows_them_beside_its_own(capsys):
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["stage_configs/smollm2_text.yaml", "--max-model-len", "4096"],
-     "--max-model-len is a vLLM engine argument; a pipeline configures each stage's engine in its config: "
-     "set engine_args.max_model_len"),
-    (["stage_configs/smollm2_text.yaml", "--model", "x"], "set engine_args.model"),
+    (["stage_configs/smollm2_mixing.yaml", "--max-model-len", "4096", "--max-logprobs", "30"],
+     ("--max-model-len, --max-logprobs: vLLM engine flags set the engine of a pipeline's one llm stage, and "
+      "stage_configs/smollm2_mixing.yaml has 2 (stage 0, stage 1); a flag cannot say which: set "
+      "engine_args.max_model_len, engine_args.max_logprobs of the stage you mean")),
+    (["stage_configs/smollm2_text.yaml", "--model", "x"],
+     "a pipeline's models are set in its config (engine_args.model of a stage)"),
     (["stage_configs/smollm2_text.yaml", "--api-server-count", "2"], "--api-server-count is not supported"),
     (["stage_configs/smollm2_text.yaml", "--enable-auto-tool-choice"], "requires --tool-call-parser"),
     (["--api-key", "k"], "the pipeline config or model is required"),

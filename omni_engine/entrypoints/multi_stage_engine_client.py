@@ -24,6 +24,7 @@ from vllm.v1.engine import EngineCoreRequest
 from omni_engine.config import EdgeConfig, PipelineConfig, WeightsConfig, load_pipeline_config
 from omni_engine.entrypoints.mm_wire import wire_multimodal_input
 from omni_engine.entrypoints.openai.engine_config import TextStageConfig, start_with_text_stage, text_stage_of
+from omni_engine.entrypoints.openai.served_defaults import fill_client_defaults
 from omni_engine.entrypoints.openai.weight_versions import RESPONSE_VERSIONS
 from omni_engine.errors import StageDeadError, StageRequestError
 from omni_engine.loop_context import LoopContext, loop_context, running_loop
@@ -193,7 +194,9 @@ class MultiStageEngineClient(EngineClient):
         ``priority``, ... are accepted and unused), a request
         is checked by vLLM's own input processor first (HTTP 400), ends at the
         text stage unless ``modalities`` asks for more, and a stage's
-        validation error becomes vLLM's.
+        validation error becomes vLLM's; params that name no stop string get the
+        text stage's default ``stop`` (vLLM's handlers fill the other defaults:
+        ``served_defaults``).
         """
         if lora_request is not None:
             raise VLLMValidationError("LoRA adapters are not supported by omni_engine pipelines", parameter="model")
@@ -201,6 +204,8 @@ class MultiStageEngineClient(EngineClient):
             prompt, sampling_params = engine_core_request_to_prompt(prompt)
         self._check_running(any_stage_dead=False)
         if self.text_stage_id is not None:
+            if isinstance(sampling_params, SamplingParams):  # one request of vLLM's routes
+                sampling_params = fill_client_defaults(sampling_params, self.stage_default_params(self.text_stage_id))
             self.validate_request(prompt, sampling_params, request_id)
             if final_stage_id is None and entry_stage_id is None:
                 final_stage_id = self.final_stages_for(modalities)

@@ -55,6 +55,8 @@ def main(argv: Sequence[str]) -> int:
                 early.otlp_traces_endpoint)
             launched = _launch_early(config)
         args = parse_serve_args(argv)
+        if config is not None and argv[0] == args.model_tag:
+            config, launched = _with_engine_flags(config, args, launched)
     except (ConfigError, ServeArgsError) as exc:
         discard_launched(launched)
         say(str(exc))
@@ -66,6 +68,24 @@ def main(argv: Sequence[str]) -> int:
         discard_launched(launched)
         return run(args, None)
     return run(args, config, launched)
+
+
+def _with_engine_flags(config: PipelineConfig, args: argparse.Namespace,
+                       launched: dict[int, Any]) -> tuple[PipelineConfig, dict[int, Any]]:
+    """``config`` with the command line's vLLM engine flags on its llm stage, and the stages
+    started early that it still runs as they were started (the others are stopped: the client
+    starts them again with the flags). Raises ``ServeArgsError`` where the flags cannot apply."""
+    from omni_engine.entrypoints.cli.serve_args import ServeArgsError
+    from omni_engine.entrypoints.openai.engine_config import with_engine_flags
+    from omni_engine.pipeline.early_launch import discard_launched
+
+    try:
+        flagged = with_engine_flags(config, getattr(args, "engine_flags", {}), str(args.pipeline_config))
+    except ValueError as exc:
+        raise ServeArgsError(f"omni-engine serve: {exc}") from None
+    kept = {sid: stage for sid, stage in launched.items() if flagged.stage(sid) == config.stage(sid)}
+    discard_launched({sid: stage for sid, stage in launched.items() if sid not in kept})
+    return flagged, kept
 
 
 def _asks_for_help(argv: Sequence[str]) -> bool:
@@ -154,9 +174,11 @@ def run(args: argparse.Namespace, config: PipelineConfig | None = None,
     from omni_engine.config import ConfigError
 
     if config is None:
+        from omni_engine.entrypoints.cli.serve_args import ServeArgsError
+
         try:
-            config = _load_checked(args.model_tag, args.deploy_config)
-        except ConfigError as exc:
+            config, _ = _with_engine_flags(_load_checked(args.model_tag, args.deploy_config), args, {})
+        except (ConfigError, ServeArgsError) as exc:
             say(str(exc))
             return 2
 

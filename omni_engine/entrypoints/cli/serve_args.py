@@ -8,10 +8,12 @@ by vLLM and then read by vLLM's server code exactly as under ``vllm serve``.
 vLLM's positional ``model_tag`` becomes the pipeline config; our flags sit in
 their own group beside vLLM's.
 
-A pipeline's engines are configured per stage in its YAML, so vLLM's *engine*
-flags (``--max-model-len``, ``--tensor-parallel-size``, ``--model`` ...) given
-on the command line are refused with the stage field to set instead; so are
-the few server flags that cannot work in front of a pipeline (several API
+A pipeline's engines are configured per stage in its YAML; vLLM's *engine* flags
+(``--max-model-len``, ``--max-logprobs``, ``--model`` ...) given on the command
+line set the engine of its one llm stage (``args.engine_flags``, applied by
+``engine_config.with_engine_flags``), so a ``vllm serve`` command line works as
+it is, and are refused, naming the stage field, where a pipeline has several. So
+are the few server flags that cannot work in front of a pipeline (several API
 server processes, gRPC, LoRA modules ...). Nothing given is silently ignored.
 vLLM is imported only here, i.e. only for ``serve``.
 """
@@ -46,6 +48,8 @@ UNSUPPORTED_SERVER_FLAGS: dict[str, str] = {
     "lora_modules": "LoRA adapters are not served through a pipeline yet",
     "tokens_only": "a pipeline serves the OpenAI API, not the tokens-only endpoints",
     "enable_scale_out": "a pipeline serves the OpenAI API, not the scale-out endpoints",
+    "model": "the positional argument names what is served; a pipeline's models are set in its config "
+             "(engine_args.model of a stage)",
 }
 
 
@@ -64,8 +68,9 @@ def build_serve_parser() -> Any:
     parser = FlexibleArgumentParser(
         prog="omni-engine serve",
         description="Serve a pipeline with vLLM's OpenAI-compatible server. Takes the flags of "
-                    "`vllm serve` (see --help=all, --help=Frontend, --help=<flag>); engine flags are "
-                    "set per stage in the pipeline config instead.",
+                    "`vllm serve` (see --help=all, --help=Frontend, --help=<flag>); engine flags set the "
+                    "engine of the pipeline's one llm stage (with several, set them per stage in the "
+                    "pipeline config).",
     )
     make_arg_parser(parser)
     config = _action(parser, "model_tag")
@@ -102,16 +107,16 @@ def parse_serve_args(argv: Sequence[str]) -> argparse.Namespace:
     args.pipeline_config = Path(args.model_tag)
     engine_dests = {a.dest for a in AsyncEngineArgs.add_cli_args(FlexibleArgumentParser())._actions}
     defaults = vars(parser.parse_args([]))
+    # Engine flags given (a value other than vLLM's default): engine_args of the one llm stage.
+    args.engine_flags = {}
     for dest, value in vars(args).items():
         if dest not in defaults or value == defaults[dest] or dest in SERVER_SIDE_ENGINE_FLAGS:
             continue
-        flag = _flag(parser, dest)
         if dest in UNSUPPORTED_SERVER_FLAGS:
-            raise ServeArgsError(f"omni-engine serve: {flag} is not supported: {UNSUPPORTED_SERVER_FLAGS[dest]}")
+            raise ServeArgsError(f"omni-engine serve: {_flag(parser, dest)} is not supported: "
+                                 f"{UNSUPPORTED_SERVER_FLAGS[dest]}")
         if dest in engine_dests:
-            raise ServeArgsError(
-                f"omni-engine serve: {flag} is a vLLM engine argument; a pipeline configures each stage's "
-                f"engine in its config: set engine_args.{dest} of the stage in {args.pipeline_config}")
+            args.engine_flags[dest] = value
     try:
         validate_parsed_serve_args(args)
     except (TypeError, ValueError) as exc:

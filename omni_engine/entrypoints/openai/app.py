@@ -7,7 +7,9 @@ therefore wrapped where it is looked up. The wrapper registers every route famil
 vLLM's ``/abort_requests`` where it has one (``rl_routes``), when an API key is
 set swaps vLLM's authentication middleware for one guarding every route
 (``auth``), tags completions with the weight version that made them
-(``weight_versions``), and hands every route its caller's trace context (``trace_context``).
+(``weight_versions``), hands every route its caller's trace context (``trace_context``), and
+makes the text stage's ``default_sampling_params`` the defaults of vLLM's handlers once they
+exist (``served_defaults``).
 
 This is the one module that imports the route families; none of them imports
 another.
@@ -21,10 +23,18 @@ from typing import Any
 
 from fastapi import FastAPI
 
-from omni_engine.entrypoints.openai import chat_audio, images, realtime, speech, speech_stream, transcription
+from omni_engine.entrypoints.openai import (
+    chat_audio,
+    images,
+    realtime,
+    speech,
+    speech_stream,
+    transcription,
+)
 from omni_engine.entrypoints.openai.auth import guard_every_route
 from omni_engine.entrypoints.openai.rl_routes import replace_abort_requests_route
 from omni_engine.entrypoints.openai.routing import include_router_first
+from omni_engine.entrypoints.openai.served_defaults import apply_on_startup
 from omni_engine.entrypoints.openai.trace_context import add_trace_context
 from omni_engine.entrypoints.openai.weight_versions import add_weight_versions
 
@@ -54,7 +64,7 @@ class _OmniBuildApp:
         app = add_omni_routes(self.wrapped(*args, **kwargs))
         replace_abort_requests_route(app)
         guard_every_route(app)
-        return add_trace_context(add_weight_versions(app))
+        return apply_on_startup(add_trace_context(add_weight_versions(app)))
 
 
 def install_app_extensions() -> None:

@@ -12,7 +12,7 @@ engine: no weights are loaded, no engine core is started.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -59,6 +59,24 @@ def with_served_model_name(config: PipelineConfig, names: list[str]) -> Pipeline
     text = text_stage_of(config)
     stages = [s.replace(engine_args={**s.engine_args, "served_model_name": list(names)}) if s is text else s
               for s in config.stage_args]
+    return config.replace(stage_args=stages)
+
+
+def with_engine_flags(config: PipelineConfig, flags: Mapping[str, Any], where: str) -> PipelineConfig:
+    """``config`` with vLLM engine flags from the command line (engine-args name -> value) set on
+    its one llm stage, so a ``vllm serve`` command line moves over as it is. A pipeline with several
+    llm stages is refused (ValueError naming the flags): a flag cannot say which stage it means."""
+    if not flags:
+        return config
+    llm = [s for s in config.stage_args if s.stage_type == "llm"]
+    named = ", ".join("--" + dest.replace("_", "-") for dest in flags)
+    if len(llm) != 1:
+        fields = ", ".join(f"engine_args.{dest}" for dest in flags)
+        raise ValueError(f"{named}: vLLM engine flags set the engine of a pipeline's one llm stage, and {where} has "
+                         f"{len(llm)} ({', '.join(f'stage {s.stage_id}' for s in llm)}); a flag cannot say which: "
+                         f"set {fields} of the stage you mean in {where}")
+    stage = llm[0]
+    stages = [s.replace(engine_args={**s.engine_args, **flags}) if s is stage else s for s in config.stage_args]
     return config.replace(stage_args=stages)
 
 

@@ -27,7 +27,10 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from omni_engine.entrypoints.openai.routing import add_middleware_first
 
 HEADER = b"x-weight-version"
-VERSIONED_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
+# Every route vLLM serves from its chat and completion handlers (vLLM 0.32): the SageMaker route
+# dispatches to them by the body's shape, the batch and Anthropic handlers are the chat handler's.
+VERSIONED_PATHS = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/chat/completions/batch",
+                             "/invocations", "/v1/messages"})
 
 # Inside an HTTP request of VERSIONED_PATHS: the versions of the outputs it received (the engine
 # client updates it with each output's ``stage_versions``); None elsewhere.
