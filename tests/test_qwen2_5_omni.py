@@ -275,13 +275,17 @@ async def test_a_video_is_refused_by_name_and_the_stage_serves_on(thinker):
 
 # ---------------------------------------------------------------- the talker stage
 
-def _talker_params(voice=None, logprobs=None):
+def _talker_params(voice=None, logprobs=None, delta=False):
+    """Greedy thinker and talker params; ``delta``: the talker streams deltas (as the family's
+    config has it), else cumulative outputs (vLLM's default): code2wav's edge takes either."""
     from vllm import SamplingParams
+    from vllm.sampling_params import RequestOutputKind
 
+    kind = RequestOutputKind.DELTA if delta else RequestOutputKind.CUMULATIVE
     return {0: SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS),
             1: SamplingParams(temperature=0.0, max_tokens=TALKER_TOKENS, repetition_penalty=1.05,
                               stop_token_ids=[8292, 8294], detokenize=False, logprobs=logprobs,
-                              extra_args={"voice": voice} if voice else None)}
+                              extra_args={"voice": voice} if voice else None, output_kind=kind)}
 
 
 async def _talker_codes(client, kind, request_id, voice=None):
@@ -383,7 +387,8 @@ async def _speech(client, kind, request_id, voice=None, execution_mode=None):
     text, data = PROMPTS[kind]
     prompt = OmniTextPrompt(prompt=text, multi_modal_data=dict(data)) if data else text
     finals, pieces = {}, []
-    async for output in client.generate(prompt, _talker_params(voice), request_id, final_stage_id=[0, 2],
+    params = _talker_params(voice, delta=execution_mode == "async_chunk")
+    async for output in client.generate(prompt, params, request_id, final_stage_id=[0, 2],
                                         execution_mode=execution_mode):
         if output.stage_id == 2 and "audio" in output.multimodal_output:
             pieces.append(output.multimodal_output)

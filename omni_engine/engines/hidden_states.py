@@ -77,8 +77,10 @@ class TokenCount:
     def observe(self, output: Any) -> None:
         if output.prompt_token_ids:  # a delta stream names them on its first output only
             self.prompt = len(output.prompt_token_ids)
-        new = list(output.outputs[0].token_ids)
-        self.generated = self.generated + new if self.delta else new
+        if self.delta:
+            self.generated.extend(output.outputs[0].token_ids)  # in place: a long stream stays O(n)
+        else:
+            self.generated = list(output.outputs[0].token_ids)
 
     @property
     def total(self) -> int:
