@@ -105,6 +105,16 @@ def parse_output_kind(kind: Any) -> Any:
     return kind
 
 
+def merged_params(base: Mapping[str, Any], entry: Mapping[str, Any]) -> dict[str, Any]:
+    """``entry``'s fields over ``base``'s (a request's per-stage params over the stage's), with
+    ``extra_args`` merged the same way rather than replaced: a voice given keeps the stage's other
+    extra args."""
+    merged = {**base, **entry}
+    if isinstance(entry.get("extra_args"), Mapping) and isinstance(base.get("extra_args"), Mapping):
+        merged["extra_args"] = {**base["extra_args"], **entry["extra_args"]}
+    return merged
+
+
 def to_sampling_params(value: Any) -> SamplingParams:
     """``SamplingParams`` from what a caller or a stage config gives.
 

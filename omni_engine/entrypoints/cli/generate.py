@@ -134,12 +134,10 @@ def request_params(config, max_tokens: int | None, extra_args: dict | None = Non
         if not isinstance(entry, dict):
             raise ConfigError([(f"--sampling-params-list[{index}] (stage {stage.stage_id}) must be an object or "
                                 f"null, got {type(entry).__name__}")])
-        defaults = dict(stage.default_sampling_params)
-        if isinstance(entry.get("extra_args"), dict) and isinstance(defaults.get("extra_args"), dict):
-            entry = {**entry, "extra_args": {**defaults["extra_args"], **entry["extra_args"]}}
-        merged = {**defaults, **entry}
+        from omni_engine.params import merged_params, to_sampling_params
+
+        merged = merged_params(stage.default_sampling_params, entry)
         if stage.stage_type == "llm":  # refused before anything starts, as vLLM would refuse it
-            from omni_engine.params import to_sampling_params
 
             try:
                 to_sampling_params(merged)

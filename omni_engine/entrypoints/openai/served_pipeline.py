@@ -30,7 +30,7 @@ from vllm.entrypoints.serve.utils.api_utils import get_max_tokens
 from vllm.exceptions import VLLMValidationError
 from vllm.sampling_params import RequestOutputKind, SamplingParams
 
-from omni_engine.params import SpeechParams, to_sampling_params
+from omni_engine.params import SpeechParams, merged_params, to_sampling_params
 
 # A speech stage that reports no sample rate is assumed to speak at this one (eSpeak's, Piper's).
 DEFAULT_SAMPLE_RATE = 22050
@@ -145,9 +145,7 @@ def with_stage_overrides(client: Any, params: dict[int, Any], overrides: Any) ->
         base = out.get(sid)
         if isinstance(base, SamplingParams):
             base = msgspec.structs.asdict(base)
-        merged = {**(base if isinstance(base, dict) else client.stage_default_params(sid)), **entry}
-        if isinstance(entry.get("extra_args"), dict) and isinstance((base or {}).get("extra_args"), dict):
-            merged["extra_args"] = {**base["extra_args"], **entry["extra_args"]}
+        merged = merged_params(base if isinstance(base, dict) else client.stage_default_params(sid), entry)
         if client.stage_info(sid).get("engine") == "vllm":
             try:
                 merged = to_sampling_params(merged)
