@@ -65,10 +65,10 @@ def test_every_field_is_honoured_or_named_where_it_has_nothing_to_act_on(tmp_pat
                                                               "mm_processor_cache_gb": 0, "dtype": "float32"}
     assert thinker.runtime.devices == "0"
     assert thinker.default_sampling_params["repetition_penalty"] == 1.1
-    # merged over the family's own: the talker keeps its stop codes
+    # merged over the family's own: the talker keeps its stop codes and its delta outputs
     assert talker.default_sampling_params == {"temperature": 0.9, "top_p": 0.8, "top_k": 40, "max_tokens": 2048,
                                               "seed": 42, "repetition_penalty": 1.05, "stop_token_ids": [8292, 8294],
-                                              "detokenize": False}
+                                              "detokenize": False, "output_kind": "delta"}
     assert talker.engine_args["dtype"] == "float32" and "dtype" not in code2wav.engine_args
     # code2wav runs no vLLM engine: its batch is honoured, its seed kept, the rest named
     assert code2wav.runtime.max_batch_size == 1 and code2wav.default_sampling_params == {"seed": 42}
