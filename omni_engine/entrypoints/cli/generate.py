@@ -122,6 +122,7 @@ def request_params(config, max_tokens: int | None, extra_args: dict | None = Non
     None to keep a stage's) is merged field by field over each stage's ``default_sampling_params``.
     A bad entry is a ``ConfigError`` naming it."""
     from omni_engine.config import ConfigError
+    from omni_engine.params import merged_params, to_sampling_params
 
     stages = config.stage_args
     per_stage = list(per_stage or [])
@@ -134,11 +135,8 @@ def request_params(config, max_tokens: int | None, extra_args: dict | None = Non
         if not isinstance(entry, dict):
             raise ConfigError([(f"--sampling-params-list[{index}] (stage {stage.stage_id}) must be an object or "
                                 f"null, got {type(entry).__name__}")])
-        from omni_engine.params import merged_params, to_sampling_params
-
         merged = merged_params(stage.default_sampling_params, entry)
         if stage.stage_type == "llm":  # refused before anything starts, as vLLM would refuse it
-
             try:
                 to_sampling_params(merged)
             except (TypeError, ValueError) as exc:

@@ -31,8 +31,6 @@ logger = logging.getLogger(__name__)
 # fallback, ``stop_token_ids`` merged with the request's).
 HANDLER_FIELDS = ("repetition_penalty", "presence_penalty", "frequency_penalty", "temperature", "top_p",
                   "top_k", "min_p", "max_tokens", "stop_token_ids")
-# The fields the engine client fills instead: vLLM's handlers pass the request's own (``[]`` unset).
-CLIENT_FIELDS = ("stop",)
 # The app-state names of vLLM's handlers that build sampling params from a request.
 HANDLERS = ("openai_serving_chat", "openai_serving_chat_batch", "openai_serving_completion",
             "openai_serving_responses", "anthropic_serving_messages", "serving_tokens", "serving_render")

@@ -118,8 +118,7 @@ def stage_params(client: Any, sid: int, params: Any, others: Any = None, voice: 
         out[text_sid] = others
     for vsid in voice_stages(client) if voice is not None else ():
         if vsid not in out and client.stage_info(vsid).get("engine") == "vllm":
-            defaults = client.stage_default_params(vsid)
-            out[vsid] = {**defaults, "extra_args": {**(defaults.get("extra_args") or {}), "voice": voice}}
+            out[vsid] = merged_params(client.stage_default_params(vsid), {"extra_args": {"voice": voice}})
     return out
 
 
