@@ -221,3 +221,61 @@ def test_an_unreadable_key_file_is_named(key_dir):
 ])
 def test_find_cycles_reports_each_cycle_once(sources, cycles):
     assert find_cycles(sources) == cycles
+
+
+def test_each_cycle_is_reported_once_where_stages_all_feed_each_other():
+    # 0, 1 and 2 each feed the other two: every back edge of the search is a cycle, none twice.
+    assert find_cycles({0: [1, 2], 1: [0, 2], 2: [0, 1]}) == [[0, 1, 0], [0, 1, 2, 0], [1, 2, 1]]
+
+
+def test_the_graph_errors_are_at_their_fields(tmp_path):
+    found = errors(tmp_path, config(s0={"engine_input_source": [1]}, s1={"engine_input_source": [0]}))
+    assert found[0].startswith("stage 0: stage_args[0].engine_input_source: the stage graph has a cycle 0 -> 1 -> 0"), found
+    assert [e.split(": ", 1)[0] for e in found[1:]] == ["stage_args[*].engine_input_source"], found
+    found = errors(tmp_path, config(s1={"final_output": False, "final_output_type": None}))
+    assert [e.split(": ", 1)[0] for e in found] == ["stage_args[*].final_output"], found
+
+
+def test_a_threshold_without_shared_memory_is_refused_at_its_field(tmp_path):
+    one(tmp_path, config(runtime={"connectors": {"use_shm": False, "shm_threshold": 4096}}),
+        "runtime.connectors.shm_threshold: ", "use_shm: false")
+
+
+def test_a_client_key_alone_without_curve_is_refused(key_dir):
+    one(key_dir, config(runtime={"security": {"client_key": "client.key_secret"}}),
+        "runtime.security.client_key: ", "curve is false")
+
+
+def test_curve_asked_of_a_libzmq_without_it_is_refused_at_its_field(tmp_path, monkeypatch):
+    from omni_engine.stage_engine import security
+
+    monkeypatch.setattr(security, "curve_available", lambda: False)
+    one(tmp_path, config(runtime={"security": {"curve": True}}), "runtime.security.curve: ", "CURVE")
+
+
+def test_placement_errors_are_at_their_fields(tmp_path):
+    one(tmp_path, config(runtime={"placement": {"backend": "k8s"}}), "runtime.placement.backend: ", "'k8s'")
+    one(tmp_path, config(runtime={"placement": {"address": "auto"}}), "runtime.placement.address: ", "ray")
+
+
+RAY = {"placement": {"backend": "ray"}}
+
+
+def test_resources_of_an_in_process_stage_under_ray_say_why(tmp_path):
+    text = one(tmp_path, config(runtime=RAY, s1={"runtime": {"process": False, "resources": {"CPU": 1}}}),
+               "stage 1: stage_args[1].runtime.resources: ", "in-process")
+    assert "applies only with runtime.placement.backend" not in text
+
+
+def test_a_placed_stage_may_name_a_reachable_host(tmp_path):
+    cfg = load(tmp_path, config(runtime=RAY, s0={"runtime": {"host": "10.1.2.3"}}))
+    assert cfg.stage(0).runtime.host == "10.1.2.3"
+
+
+def test_weight_updates_may_name_an_llm_stage(tmp_path):
+    assert load(tmp_path, config(weights={"stages": [0]})).weight_stage_ids() == [0]
+
+
+def test_a_stage_that_sets_what_weight_updates_set_is_refused_at_weights(tmp_path):
+    one(tmp_path, config(s0={"engine_args": {"model": "smollm2", "worker_extension_cls": "my.ext:Ext"}}),
+        "weights: ", "stage 0 sets engine_args.worker_extension_cls")

@@ -185,7 +185,8 @@ def find_cycles(sources: dict[int, list[int]]) -> list[list[int]]:
     """Cycles of the data-flow graph (src -> consumer), each like ``[0, 1, 0]``.
 
     Self-loops and references to missing stages are reported elsewhere and
-    ignored here. Each cycle is reported once, starting from its first-visited stage.
+    ignored here. Each cycle is reported once, starting from its first-visited stage: a cycle is
+    one back edge of the depth-first search, and each edge is followed once.
     """
     consumers: dict[int, list[int]] = {sid: [] for sid in sources}
     for dst, srcs in sources.items():
@@ -195,17 +196,13 @@ def find_cycles(sources: dict[int, list[int]]) -> list[list[int]]:
     state: dict[int, int] = {}  # 1: on the DFS stack, 2: done
     stack: list[int] = []
     cycles: list[list[int]] = []
-    found: set[frozenset[int]] = set()
 
     def visit(node: int) -> None:
         state[node] = 1
         stack.append(node)
         for nxt in consumers[node]:
             if state.get(nxt) == 1:
-                cycle = stack[stack.index(nxt):] + [nxt]
-                if frozenset(cycle) not in found:
-                    found.add(frozenset(cycle))
-                    cycles.append(cycle)
+                cycles.append(stack[stack.index(nxt):] + [nxt])
             elif nxt not in state:
                 visit(nxt)
         stack.pop()
