@@ -9,8 +9,9 @@
 #   --base         the image to build on (Dockerfile.cpu's BASE_IMAGE, Dockerfile.cuda's VLLM_IMAGE);
 #                  "public" (python:3.11-slim, vllm/vllm-openai:v0.32.0), or "local": a Debian
 #                  bookworm root made here with debootstrap and imported as
-#                  localhost/omni-engine-base:bookworm (python3 and its venv module; for the CUDA
-#                  image, with pip: vLLM and CUDA's libraries then come from the package index).
+#                  localhost/omni-engine-base:bookworm (python3 and its venv module); for the CUDA
+#                  image, that plus pip and vLLM 0.32.0 from the package index (CUDA's libraries
+#                  come with its torch wheels), standing in for vllm/vllm-openai.
 #                  Default: public where Docker Hub answers, else local.
 #   --engine       default: docker if `docker info` works, else buildah.
 #
@@ -42,7 +43,8 @@ case $flavour in
     cuda) base_arg=VLLM_IMAGE public_base=vllm/vllm-openai:v0.32.0 ;;
 esac
 LOCAL_BASE=localhost/omni-engine-base:bookworm
-LOCAL_PIP_BASE=localhost/omni-engine-base:bookworm-pip
+VLLM_VERSION=0.32.0   # the release the CUDA image is built on (Dockerfile.cuda's default base tag)
+LOCAL_VLLM_BASE=localhost/omni-engine-base:bookworm-vllm-$VLLM_VERSION
 STORAGE=${BUILDAH_STORAGE_DRIVER:-vfs}
 buildah_() { buildah --storage-driver "$STORAGE" "$@"; }
 
@@ -86,36 +88,26 @@ make_local_base() {
     rm -f "$tarball"
 }
 
-make_local_pip_base() {
-    # Dockerfile.cuda installs into the base's own Python with pip (vllm/vllm-openai has it): the
-    # local base plus Debian's pip. vLLM then comes from the package index with the CUDA torch
-    # wheels, which carry CUDA's libraries (the GPU driver comes from the host at run time).
-    if buildah_ inspect --type image "$LOCAL_PIP_BASE" >/dev/null 2>&1; then return; fi
+make_local_vllm_base() {
+    # Dockerfile.cuda's base brings CUDA's libraries, torch and vLLM (vllm/vllm-openai); the local
+    # stand-in is the local base plus Debian's pip and the same vLLM release from the package index,
+    # whose CUDA torch wheels carry CUDA's libraries (the GPU driver comes from the host at run time).
+    if buildah_ inspect --type image "$LOCAL_VLLM_BASE" >/dev/null 2>&1; then return; fi
     local ctr
     ctr=$(buildah_ from "$LOCAL_BASE")
-    if ! { buildah_ run --isolation chroot --network host "$ctr" -- sh -c \
-               'apt-get update && apt-get install -y --no-install-recommends python3-pip && apt-get clean && rm -rf /var/lib/apt/lists/*' >&2 &&
-           buildah_ commit --rm "$ctr" "$LOCAL_PIP_BASE" >&2; }; then
+    if ! { buildah_ run --isolation chroot --network host "${mounts[@]}" "$ctr" -- sh -c "
+               apt-get update && apt-get install -y --no-install-recommends python3-pip &&
+               apt-get clean && rm -rf /var/lib/apt/lists/* &&
+               printf '%b\\n' '$conf' > /tmp/pip.conf &&
+               PIP_CONFIG_FILE=/tmp/pip.conf PIP_BREAK_SYSTEM_PACKAGES=1 python3 -m pip install 'vllm==$VLLM_VERSION' &&
+               rm -rf /tmp/pip.conf /root/.cache" >&2 &&
+           buildah_ config --entrypoint '["vllm", "serve"]' --cmd '[]' "$ctr" &&
+           buildah_ commit --rm "$ctr" "$LOCAL_VLLM_BASE" >&2; }; then
         buildah_ rm "$ctr" >/dev/null 2>&1 || true
-        echo "docker/build.sh: could not make $LOCAL_PIP_BASE" >&2
+        echo "docker/build.sh: could not make $LOCAL_VLLM_BASE" >&2
         exit 1
     fi
 }
-
-case $base in
-    public) base_image=$public_base ;;
-    local)
-        [[ $engine == buildah ]] || { echo "docker/build.sh: --base local is made with buildah (--engine buildah)" >&2; exit 2; }
-        make_local_base
-        base_image=$LOCAL_BASE
-        if [[ $flavour == cuda ]]; then make_local_pip_base; base_image=$LOCAL_PIP_BASE; fi ;;
-    *) base_image=$base ;;
-esac
-
-if [[ $engine == docker ]]; then
-    set -x
-    exec docker build -f "$dockerfile" --build-arg "$base_arg=$base_image" -t "$tag" .
-fi
 
 # buildah: this machine's pip configuration for the builder stage, and its local paths mounted.
 # pip_for_build prints "conf <option line>" and "mount <host path> <path in the build>" lines.
@@ -150,6 +142,21 @@ while read -r kind rest; do
         mount) read -r host inside <<<"$rest"; [[ -e $host ]] && mounts+=(-v "$host:$inside:ro") ;;
     esac
 done < <(pip_for_build)
+
+case $base in
+    public) base_image=$public_base ;;
+    local)
+        [[ $engine == buildah ]] || { echo "docker/build.sh: --base local is made with buildah (--engine buildah)" >&2; exit 2; }
+        make_local_base
+        base_image=$LOCAL_BASE
+        if [[ $flavour == cuda ]]; then make_local_vllm_base; base_image=$LOCAL_VLLM_BASE; fi ;;
+    *) base_image=$base ;;
+esac
+
+if [[ $engine == docker ]]; then
+    set -x
+    exec docker build -f "$dockerfile" --build-arg "$base_arg=$base_image" -t "$tag" .
+fi
 set -x
 # No --layers: with the vfs driver every cached layer is a full copy of the root (3 GB each here).
 # Docker's format keeps the HEALTHCHECK (OCI's has none).
