@@ -390,11 +390,12 @@ def main() -> int:
             for side in sides:
                 port = free_port()
                 logfile = out_dir / f"{group}-{side}-server.log"
-                procs[side] = (start(server_cmd(side, model_dir, port, flags, args.vllm_defaults), logfile, pidfile), port, logfile)
+                cmd = server_cmd(side, model_dir, port, flags, args.vllm_defaults)
+                procs[side] = (start(cmd, logfile, pidfile), port, logfile)
+                started[f"{group}-{side}"] = " ".join(cmd)
             for side, (proc, port, logfile) in procs.items():
                 ready = wait_healthy(proc, port, logfile)
                 log(f"{group}: {side} server healthy on port {port} after {ready:.0f} s")
-                started[f"{group}-{side}"] = " ".join(server_cmd(side, model_dir, port, flags, args.vllm_defaults))
             for side, (proc, port, logfile) in procs.items():
                 for nodeid, rec in run_tests(side, src, port, flags, files, model_dir, out_dir, args.timeout,
                                              group).items():

@@ -32,18 +32,17 @@ if [[ $build == 1 ]]; then
     bash docker/build.sh cpu --engine buildah --tag "$tag"
     say "built $tag in $((SECONDS - t0)) s"
 fi
-size=$(buildah_ images --format '{{.Size}}' "$tag" | head -1)
-# the image's bytes, from its layers' sizes
-bytes=$(buildah_ inspect --type image "$tag" | python3 -c '
+size=$(buildah_ images --format '{{.Size}}' "$tag" 2>/dev/null | head -1 || true)
+[[ -n $size ]] || { echo "image_smoke: no image $tag (build it, or drop --no-build)" >&2; exit 1; }
+# From one inspection: the image's bytes (its layers' sizes), its user, and its default command, as
+# `docker run` would start it, on a port of our choosing (argparse keeps the last --port).
+{ read -r bytes; read -r user; mapfile -t cmd; } < <(buildah_ inspect --type image "$tag" | python3 -c '
 import json, sys
 d = json.load(sys.stdin)
-print(sum(layer.get("size", 0) for layer in d["Manifest"] and json.loads(d["Manifest"]).get("layers", [])))')
-[[ -n $size ]] || { echo "image_smoke: no image $tag (build it, or drop --no-build)" >&2; exit 1; }
-# The image's default command, as `docker run` would start it, on a port of our choosing
-# (argparse keeps the last --port).
-config=$(buildah_ inspect --type image "$tag" | python3 -c 'import json, sys; print(json.dumps(json.load(sys.stdin)["OCIv1"]["config"]))')
-mapfile -t cmd < <(python3 -c 'import json, sys; print("\n".join(json.loads(sys.argv[1]).get("Cmd") or []))' "$config")
-user=$(python3 -c 'import json, sys; print(json.loads(sys.argv[1]).get("User", ""))' "$config")
+config = d["OCIv1"]["config"]
+print(sum(layer.get("size", 0) for layer in json.loads(d["Manifest"] or "{}").get("layers", [])))
+print(config.get("User", ""))
+print("\n".join(config.get("Cmd") or []))')
 [[ ${#cmd[@]} -gt 0 && -n ${cmd[0]} ]] || { echo "image_smoke: $tag has no default command" >&2; exit 1; }
 say "image $tag: $size; user ${user:-root}; default command: ${cmd[*]}"
 
@@ -101,6 +100,7 @@ cleanup() {
 trap cleanup EXIT
 
 say "starting it: buildah run --isolation chroot --network host $ctr -- ${cmd[*]} --port $port"
+# setsid runs a program, not the buildah_ function: the same command spelt out.
 setsid buildah --storage-driver "$STORAGE" run --isolation chroot --network host "$ctr" -- "${cmd[@]}" --port "$port" >"$log" 2>&1 &
 server=$!
 
