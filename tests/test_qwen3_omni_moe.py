@@ -19,6 +19,7 @@ import pytest_asyncio
 import torch
 
 from omni_engine.config import load_pipeline_config
+from omni_engine.connectors.shm import SHM_DIR
 from omni_engine.errors import StageRequestError
 from omni_engine.inputs import OmniTextPrompt
 from omni_engine.models.families import resolve_model_stage
@@ -211,3 +212,108 @@ async def test_a_video_is_refused_by_name_and_the_stage_serves_on(thinker):
     assert VIDEO_UNSUPPORTED in message
     assert not await wait_clean(thinker), "the refused request left state behind"
     assert len((await _stage_final(thinker, "text", "after-video")).outputs[0].token_ids) == MAX_TOKENS
+
+
+# ---------------------------------------------------------------- the talker stage
+
+TALKER_CONFIG = REPO / "stage_configs" / "qwen3_omni_moe_talker.yaml"
+TALKER_TOKENS = 16
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="session")
+async def talker():
+    client = await start_pipeline(load_pipeline_config(TALKER_CONFIG))
+    yield client
+    await client.shutdown_async()
+    assert not await after_shutdown(client)
+
+
+def reference_codes(reference, kind, voice="ethan"):
+    """transformers' whole ``generate`` (greedy thinker and talker; the predictor greedy with it, as
+    transformers 5.19 mirrors the talker's do_sample), and the codes it hands code2wav ``[G, frames]``."""
+    model, processor = reference
+    text, data = PROMPTS[kind]
+    inputs = processor(text=text, audio=[data["audio"][0]] if "audio" in data else None, return_tensors="pt")
+    captured = {}
+    decode = model.code2wav.chunked_decode
+
+    def capture(codes, **kwargs):
+        captured["codes"] = codes.clone()
+        return decode(codes, **kwargs)
+
+    model.code2wav.chunked_decode = capture
+    try:
+        with torch.no_grad():
+            model.generate(**inputs, speaker=voice, thinker_max_new_tokens=MAX_TOKENS, thinker_do_sample=False,
+                           talker_max_new_tokens=TALKER_TOKENS, talker_do_sample=False)
+    finally:
+        model.code2wav.chunked_decode = decode
+    return captured["codes"][0].numpy()
+
+
+def _talker_params(voice=None, temperature=0.0, seed=None, delta=False):
+    from vllm import SamplingParams
+    from vllm.sampling_params import RequestOutputKind
+
+    return {0: SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS),
+            1: SamplingParams(temperature=temperature, top_k=50 if temperature else 0, seed=seed,
+                              max_tokens=TALKER_TOKENS, repetition_penalty=1.05, stop_token_ids=[2150],
+                              detokenize=False, extra_args={"voice": voice} if voice else None,
+                              output_kind=RequestOutputKind.DELTA if delta else RequestOutputKind.CUMULATIVE)}
+
+
+async def _talker_outputs(client, kind, request_id, **params):
+    return [output async for output in client.generate(_prompt(kind), _talker_params(**params), request_id,
+                                                       final_stage_id=1)]
+
+
+@pytest.mark.parametrize(("kind", "voice"), [("text", "Ethan"), ("audio", "chelsie")])
+async def test_the_talker_stage_gives_every_code_group_of_every_frame_as_transformers(talker, qwen3_reference,
+                                                                                      kind, voice):
+    want = reference_codes(qwen3_reference, kind, voice.lower())
+    outputs = await _talker_outputs(talker, kind, f"talker-{kind}", voice=voice)
+    got = outputs[-1].multimodal_output["codes"]
+    assert want.shape[0] == tc.CODE_GROUPS and want.shape[1] >= 4
+    assert got.shape == want.shape
+    np.testing.assert_array_equal(got, want)
+
+
+async def test_streamed_frames_join_to_the_final_codes_and_each_voice_speaks_its_own(talker):
+    outputs = await _talker_outputs(talker, "audio", "talker-stream", voice="chelsie", delta=True)
+    final = outputs[-1].multimodal_output["codes"]
+    pieces = [(o.multimodal_output["codes_offset"], o.multimodal_output["codes"]) for o in outputs[:-1]]
+    joined = np.concatenate([codes for _, codes in pieces], axis=1) if pieces else np.zeros((tc.CODE_GROUPS, 0))
+    assert [offset for offset, _ in pieces] == [sum(c.shape[1] for _, c in pieces[:i]) for i in range(len(pieces))]
+    np.testing.assert_array_equal(joined, final[:, :joined.shape[1]])
+    assert joined.shape[1] >= final.shape[1] - 1, "the partial outputs lag the frames by more than one step"
+    other = (await _talker_outputs(talker, "audio", "talker-stream-ethan", voice="ethan"))[-1]
+    # (in the tiny random talker, ethan's and aiden's rows happen to steer greedy decoding alike; chelsie's does not)
+    assert not np.array_equal(other.multimodal_output["codes"][:, :4], final[:, :4]), "the voice changed nothing"
+
+
+async def test_requests_batched_together_each_get_their_own_codes_and_a_seed_repeats_a_sampled_talker(talker):
+    import asyncio
+
+    alone = {kind: (await _talker_outputs(talker, kind, f"alone-{kind}"))[-1].multimodal_output["codes"]
+             for kind in ("text", "audio")}
+    together = await asyncio.gather(*(_talker_outputs(talker, kind, f"together-{kind}-{i}")
+                                      for i in range(2) for kind in ("text", "audio")))
+    for i, outputs in enumerate(together):
+        np.testing.assert_array_equal(outputs[-1].multimodal_output["codes"], alone[("text", "audio")[i % 2]])
+    sampled = [(await _talker_outputs(talker, "text", f"seeded-{i}", temperature=0.9, seed=42))[-1]
+               for i in range(2)]
+    first, second = (o.multimodal_output["codes"] for o in sampled)
+    np.testing.assert_array_equal(first, second)
+    assert not np.array_equal(first, alone["text"][:, :first.shape[1]]), "sampling changed nothing"
+
+
+async def test_an_unknown_voice_and_an_image_are_refused_by_name_and_the_talker_serves_on(talker):
+    with pytest.raises(StageRequestError, match=r"request 'talker-nobody'.*unknown voice 'Nobody'; "
+                                                r"the voices are aiden, chelsie, ethan"):
+        await _talker_outputs(talker, "text", "talker-nobody", voice="Nobody")
+    with pytest.raises(StageRequestError, match=r"request 'talker-image'.*speech for a prompt with an image"):
+        await _talker_outputs(talker, "image", "talker-image")
+    assert not await wait_clean(talker), "a refused request left state behind"
+    left = [p.name for p in SHM_DIR.glob("omni_*talker*")]
+    assert not left, f"talker files left: {left}"
+    assert (await _talker_outputs(talker, "text", "talker-after"))[-1].multimodal_output["codes"].shape[1] > 0

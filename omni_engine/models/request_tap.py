@@ -38,9 +38,11 @@ from omni_engine.logits.slot_table import LiveRequest
 
 logger = logging.getLogger(__name__)
 
-# Keys of a request's SamplingParams.extra_args: where its states go, where its own inputs are.
+# Keys of a request's SamplingParams.extra_args: where its states go, where its own inputs are,
+# where a model of ours writes rows of its own per generated token (``RowFile``).
 STATES_PATH_KEY = "omni_states_path"
 INPUTS_PATH_KEY = "omni_inputs_path"
+OUTPUTS_PATH_KEY = "omni_outputs_path"
 TAP_CLASS = "omni_engine.models.request_tap:RequestTap"
 STATE_KINDS = ("embeds", "hidden", "positions")
 
@@ -78,14 +80,79 @@ class StateFile:
         self.fds = ()
 
 
+class RowFile:
+    """Fixed-width rows of one request, at their index (``pwrite``: a recomputed row lands on itself).
+
+    For what a model of ours makes beside the sampled token (Qwen3-Omni's talker: a frame's residual
+    codes and the hidden state that made it); the stage process reads them with ``read_rows``
+    when an output arrives, as it reads states. A failed write is logged and ends this file's writes.
+    """
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self.fd: int | None = None
+        self.failed = False
+
+    def write(self, index: int, row: torch.Tensor) -> None:
+        if self.failed:
+            return
+        data = row.detach().contiguous().cpu().numpy()
+        try:
+            if self.fd is None:
+                self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
+            os.pwrite(self.fd, data.tobytes(), index * data.nbytes)
+        except OSError as exc:
+            self.failed = True
+            logger.error("rows of %s not written: %s", self.path, exc)
+
+    def read(self, index: int, like: torch.Tensor) -> torch.Tensor | None:
+        """Row ``index`` (shaped and typed as ``like``), or None where it was never written."""
+        nbytes = like.numel() * like.element_size()
+        try:
+            fd = self.fd if self.fd is not None else os.open(self.path, os.O_RDONLY)
+        except OSError:
+            return None
+        try:
+            data = os.pread(fd, nbytes, index * nbytes)
+        finally:
+            if fd != self.fd:
+                os.close(fd)
+        if len(data) < nbytes:
+            return None
+        return torch.frombuffer(bytearray(data), dtype=like.dtype).view(like.shape).clone()
+
+    def close(self) -> None:
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
+
+
+def read_rows(path: str, count: int, width: int, dtype: Any) -> Any:
+    """Rows ``[0, count)`` of a ``RowFile`` as a numpy array ``[count, width]`` (short: the rows there are)."""
+    import numpy as np
+
+    itemsize = np.dtype(dtype).itemsize
+    try:
+        with open(path, "rb") as f:
+            data = f.read(count * width * itemsize)
+    except FileNotFoundError:
+        data = b""
+    rows = len(data) // (width * itemsize)
+    return np.frombuffer(data[:rows * width * itemsize], dtype=dtype).reshape(rows, width).copy()
+
+
 class RequestIO:
-    """What the tap holds for one request: where its states go, and the tensors it brought."""
+    """What the tap holds for one request: where its states go, the tensors it brought, where its
+    model's own rows go, and ``memo``: what a model keeps between one forward and the next."""
 
     def __init__(self, params: Any) -> None:
         extra = getattr(params, "extra_args", None) or {}
         self.params = params
         states = extra.get(STATES_PATH_KEY)
         self.states = StateFile(states) if isinstance(states, str) else None
+        outputs = extra.get(OUTPUTS_PATH_KEY)
+        self.outputs = RowFile(outputs) if isinstance(outputs, str) else None
+        self.memo: dict[str, Any] = {}
         self.inputs: dict[str, torch.Tensor] = {}
         if isinstance(path := extra.get(INPUTS_PATH_KEY), str):
             from safetensors.torch import load_file
@@ -100,6 +167,8 @@ class RequestIO:
     def close(self) -> None:
         if self.states is not None:
             self.states.close()
+        if self.outputs is not None:
+            self.outputs.close()
 
 
 class RequestTap(RequestKeyedLogitsProcessor):

@@ -12,6 +12,7 @@ OUT_OF_TREE_MODELS = {
     "OmniEngineQwen2_5OmniThinker": "omni_engine.models.qwen2_5_omni.vllm_thinker:OmniEngineQwen2_5OmniThinker",
     "OmniEngineQwen2_5OmniTalker": "omni_engine.models.qwen2_5_omni.vllm_talker:OmniEngineQwen2_5OmniTalker",
     "OmniEngineQwen3OmniMoeThinker": "omni_engine.models.qwen3_omni_moe.vllm_thinker:OmniEngineQwen3OmniMoeThinker",
+    "OmniEngineQwen3OmniMoeTalker": "omni_engine.models.qwen3_omni_moe.vllm_talker:OmniEngineQwen3OmniMoeTalker",
 }
 
 

@@ -1,0 +1,170 @@
+"""The talker stage's side of a Qwen3-Omni request: the thinker's states become the talker's inputs.
+
+Runs in the talker's stage process (``engine_args.request_adapter``), before vLLM sees the request.
+From what ``thinker2talker`` forwards (the thinker's prompt ids, each position's input embedding
+and its accepted layer's hidden state) it writes, as transformers' ``generate`` selects them, one
+safetensors file in ``/dev/shm`` that the worker's ``RequestTap`` reads when the request enters
+the batch:
+
+- ``user_rows`` ``[U, D]`` and ``user_multimodal`` ``[U]``: every user turn's positions (system and
+  earlier assistant turns are left out), the hidden state at audio / image / video placeholders and
+  the input embedding elsewhere (the model projects each with its own projection);
+- ``assistant_rows`` ``[3, D]``: the embeddings of the closing ``<|im_start|>assistant\\n``;
+- ``reply_rows`` ``[N - 1, D]``: the reply's tokens but the last (which is never spoken);
+- ``speaker`` ``[1]``: the voice's codec id (``talker_config.speaker_id``).
+
+The request vLLM runs is ``[codec pad] * (U + 9)``: placeholders the model replaces, whose id is
+one the talker never samples, so vLLM's repetition penalty (which counts prompt ids) penalises only
+generated codes, as transformers' does. The model writes each frame's codes to the request's row
+file (``OUTPUTS_PATH_KEY``), from which outputs carry them as ``codes`` ``[G, frames]``. The voice is
+``extra_args["voice"]`` (case-insensitive; default ``Ethan``, transformers' default); an unknown
+one is refused here, naming the voices there are.
+"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from omni_engine.connectors import shm
+from omni_engine.models.request_tap import INPUTS_PATH_KEY, OUTPUTS_PATH_KEY, read_rows
+
+DEFAULT_VOICE = "Ethan"
+PROMPT_FIELDS = ("thinker_prompt_token_ids", "input_embeds", "hidden_states")
+ASSISTANT_ROWS = 9
+
+
+def voice_name(params: Any) -> str:
+    return (getattr(params, "extra_args", None) or {}).get("voice") or DEFAULT_VOICE
+
+
+class TalkerRequests:
+    """Turns ``thinker2talker``'s prompts into the Qwen3-Omni talker's requests (one file each)."""
+
+    def __init__(self, stage_id: int, model_dir: str) -> None:
+        self.stage_id = stage_id
+        config = json.loads((Path(model_dir) / "config.json").read_text())
+        talker, thinker = config["talker_config"], config["thinker_config"]
+        self.speakers: dict[str, int] = {name.lower(): int(i) for name, i in (talker.get("speaker_id") or {}).items()}
+        if not self.speakers:
+            raise ValueError(f"{model_dir}: talker_config.speaker_id names no voice")
+        self.groups = int(talker["num_code_groups"])
+        self.codec_pad = int(talker["codec_pad_id"])
+        self.im_start = int(config.get("im_start_token_id", 151644))
+        self.user = int(config.get("user_token_id", 872))
+        self.assistant = int(config.get("assistant_token_id", 77091))
+        self.placeholders = torch.tensor([thinker["audio_token_id"], thinker["image_token_id"],
+                                          thinker["video_token_id"]])
+        self.visual = torch.tensor([thinker["image_token_id"], thinker["video_token_id"]])
+        self._prefix: str | None = None  # known at the first request: the stage's pool is set after start
+        self._paths: dict[str, tuple[str, str]] = {}
+        self._voices: dict[str, str] = {}
+        self._streamed: dict[str, int] = {}  # frames a request's partial outputs have carried
+        self._counter = itertools.count()
+
+    @property
+    def prefix(self) -> str:
+        if self._prefix is None:
+            self._prefix = shm.stage_file_prefix("talker")
+        return self._prefix
+
+    def info(self) -> dict[str, Any]:
+        """For the stage's READY info: the voices it speaks."""
+        return {"voices": sorted(self.speakers), "default_voice": DEFAULT_VOICE.lower()}
+
+    def speaker_of(self, params: Any, request_id: str) -> int:
+        name = voice_name(params)
+        if name.lower() not in self.speakers:
+            raise ValueError(f"stage {self.stage_id}: request {request_id!r}: unknown voice {name!r}; "
+                             f"the voices are {', '.join(sorted(self.speakers))}")
+        return self.speakers[name.lower()]
+
+    def adapt(self, request_id: str, prompt: Any, params: Any) -> tuple[dict[str, Any], Any]:
+        """vLLM's prompt and params for the request; its inputs file is written."""
+        from safetensors.torch import save_file
+
+        missing = [f for f in PROMPT_FIELDS if not isinstance(prompt, dict) or f not in prompt]
+        if missing:
+            raise ValueError(f"stage {self.stage_id}: request {request_id!r}: a talker prompt needs "
+                             f"{', '.join(missing)} (the thinker's states: its stage needs "
+                             "engine_output_type: latent, and the edge custom_process_input_func thinker2talker)")
+        speaker = self.speaker_of(params, request_id)
+        rows = self.input_rows(request_id, torch.as_tensor(list(prompt["thinker_prompt_token_ids"])),
+                               torch.as_tensor(prompt["input_embeds"]), torch.as_tensor(prompt["hidden_states"]))
+        base = str(shm.SHM_DIR / f"{self.prefix}{next(self._counter)}")
+        save_file({**rows, "speaker": torch.tensor([speaker])}, base)
+        self._paths[request_id] = (base, f"{base}.codes")
+        self._voices[request_id] = voice_name(params).lower()
+        params = copy.copy(params)
+        params.extra_args = {**(params.extra_args or {}), INPUTS_PATH_KEY: base, OUTPUTS_PATH_KEY: f"{base}.codes"}
+        length = rows["user_rows"].shape[0] + ASSISTANT_ROWS
+        return {"prompt_token_ids": [self.codec_pad] * length}, params
+
+    def input_rows(self, request_id: str, ids: torch.Tensor, embeds: torch.Tensor,
+                   hidden: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The rows transformers' ``generate`` takes from the thinker, selected by chat segment."""
+        length = ids.shape[0]
+        where = f"stage {self.stage_id}: request {request_id!r}"
+        if embeds.shape != hidden.shape or embeds.shape[0] < length + 1:
+            raise ValueError(f"{where}: thinker states of shapes {tuple(embeds.shape)} and {tuple(hidden.shape)} "
+                             f"for a {length}-token prompt (the talker needs the reply's first token's too)")
+        starts = (ids == self.im_start).nonzero().flatten().tolist()
+        if length < 3 or length - 3 not in starts or int(ids[length - 2]) != self.assistant:
+            raise ValueError(f"{where}: the thinker's prompt does not end with <|im_start|>assistant\\n: the talker "
+                             "takes its rows by chat turn (render the prompt with the model's chat template)")
+        role = torch.full((length,), -1, dtype=torch.long)
+        for start in starts:
+            if start + 1 < length:
+                role[start:] = int(ids[start + 1])
+        user = (role == self.user).nonzero().flatten()
+        if bool(torch.isin(ids[user], self.visual).any()):
+            raise ValueError(f"{where}: speech for a prompt with an image or video is not supported by this "
+                             "talker yet (transformers places such rows by their grid); ask for text only")
+        multimodal = torch.isin(ids[user], self.placeholders)
+        user_rows = torch.where(multimodal.unsqueeze(1), hidden[user], embeds[user])
+        return {"user_rows": user_rows.contiguous(), "user_multimodal": multimodal.to(torch.int64),
+                "assistant_rows": embeds[length - 3:length].contiguous(),
+                "reply_rows": embeds[length:].contiguous()}
+
+    def frames(self, request_id: str, generated: list[int]) -> np.ndarray:
+        """The request's codes ``[G, frames]``: each frame's first code is a generated id, and its row
+        in the file (written at the step after it was sampled) holds all of the frame's codes."""
+        paths = self._paths.get(request_id)
+        # The last id's frame is completed at the next step: none comes after the stop code, nor
+        # after a last code cut by max_tokens (which makes no frame, as in transformers).
+        count = len(generated) - 1
+        if paths is None or count <= 0:
+            return np.zeros((self.groups, 0), dtype=np.int64)
+        rows = read_rows(paths[1], count, self.groups, np.int64)
+        return np.ascontiguousarray(rows.T)
+
+    def output_extras(self, request_id: str, generated: list[int]) -> dict[str, Any]:
+        """What the final output carries for code2wav: every complete frame's codes (the stop code
+        ends the list; a last code with no step after it makes no frame, as transformers')."""
+        return {"codes": self.frames(request_id, generated),
+                "voice": self._voices.get(request_id, DEFAULT_VOICE.lower())}
+
+    def partial_extras(self, request_id: str, generated: list[int]) -> dict[str, Any]:
+        """The frames since the last partial output, from frame ``codes_offset``."""
+        codes = self.frames(request_id, generated)
+        offset = self._streamed.get(request_id, 0)
+        self._streamed[request_id] = max(offset, codes.shape[1])
+        return {"codes": codes[:, offset:], "codes_offset": offset,
+                "voice": self._voices.get(request_id, DEFAULT_VOICE.lower())}
+
+    def finish(self, request_id: str) -> None:
+        self._voices.pop(request_id, None)
+        self._streamed.pop(request_id, None)
+        for path in self._paths.pop(request_id, ()):
+            for name in (path, f"{path}.hidden"):
+                try:
+                    os.unlink(name)
+                except FileNotFoundError:
+                    pass
