@@ -38,6 +38,19 @@ def test_a_qwen2_5_omni_checkpoint_runs_as_its_family_s_three_stages(tmp_path):
         s.engine_args for s in shipped.stage_args]  # the recipe name: its architecture is known unbuilt
 
 
+def test_a_qwen3_omni_checkpoint_runs_as_its_family_s_three_stages_streaming_codec_chunks(tmp_path):
+    ckpt = _checkpoint(tmp_path, "qwen3", architectures=["Qwen3OmniMoeForConditionalGeneration"],
+                       model_type="qwen3_omni_moe")
+    config = pipeline_config_for_model(str(ckpt))
+    assert config.runtime.execution_mode == "async_chunk"
+    assert [(s.stage_type, s.engine_args.get("model_stage"), s.final_output_type) for s in config.stage_args] == [
+        ("llm", "thinker", "text"), ("llm", "talker", None), ("generation", None, "audio")]
+    assert {s.engine_args["model"] for s in config.stage_args} == {str(ckpt)}
+    assert config.stage_args[1].default_sampling_params["stop_token_ids"] == [2150]  # the talker's codec eos
+    assert family_config_file(["Qwen3OmniMoeForConditionalGeneration"]).resolve() == (
+        REPO / "stage_configs" / "qwen3_omni_moe.yaml").resolve()
+
+
 def test_async_omni_of_a_checkpoint_takes_its_family_s_pipeline_and_the_engine_args(tmp_path):
     ckpt = _checkpoint(tmp_path, "omni", architectures=["Qwen2_5OmniForConditionalGeneration"])
     omni = AsyncOmni(model=str(ckpt), max_model_len=2048)
@@ -54,7 +67,7 @@ def test_a_text_model_is_one_vllm_stage(tmp_path):
 
 @pytest.mark.parametrize(("config", "says"), [
     ({"architectures": ["NoSuchModelForCausalLM"]}, "is served neither by a model family"),
-    ({"architectures": ["Qwen3OmniMoeForConditionalGeneration"], "talker_config": {}, "code2wav_config": {}},
+    ({"architectures": ["Qwen4OmniForConditionalGeneration"], "talker_config": {}, "code2wav_config": {}},
      "has speech parts (talker_config, code2wav_config) that no model family serves"),
 ])
 def test_a_checkpoint_nothing_serves_is_refused_in_one_line_naming_the_families(tmp_path, config, says):

@@ -31,7 +31,7 @@ from tests.qwen_omni_reference import reference_generate, reference_run
 from tests.stress.checks import after_shutdown, wait_clean
 from tests.stress.pipeline import REPO, start_pipeline
 
-THINKER_CONFIG = REPO / "stage_configs" / "qwen3_omni_moe_thinker.yaml"
+OMNI_CONFIG = REPO / "stage_configs" / "qwen3_omni_moe.yaml"
 MAX_TOKENS = 12
 LOGPROB_TOLERANCE = 1e-4
 TIE_GAP = 1e-3  # below this top-2 gap the two implementations' float32 sums may order the tokens either way
@@ -142,11 +142,23 @@ def test_a_checkpoint_whose_tokenizer_moves_a_placeholder_is_refused_by_name(qwe
 # ---------------------------------------------------------------- the thinker stage
 
 @pytest_asyncio.fixture(scope="module", loop_scope="session")
-async def thinker():
-    client = await start_pipeline(load_pipeline_config(THINKER_CONFIG))
+async def omni():
+    """stage_configs/qwen3_omni_moe.yaml: thinker, talker, code2wav; a request ends at the stage it
+    asks for (``final_stage_id``), and in the execution mode it asks for (async_chunk by default)."""
+    client = await start_pipeline(load_pipeline_config(OMNI_CONFIG))
     yield client
     await client.shutdown_async()
     assert not await after_shutdown(client)
+
+
+@pytest.fixture
+def thinker(omni):
+    return omni
+
+
+@pytest.fixture
+def talker(omni):
+    return omni
 
 
 def _prompt(kind):
@@ -216,21 +228,13 @@ async def test_a_video_is_refused_by_name_and_the_stage_serves_on(thinker):
 
 # ---------------------------------------------------------------- the talker stage
 
-TALKER_CONFIG = REPO / "stage_configs" / "qwen3_omni_moe_talker.yaml"
 TALKER_TOKENS = 16
 
 
-@pytest_asyncio.fixture(scope="module", loop_scope="session")
-async def talker():
-    client = await start_pipeline(load_pipeline_config(TALKER_CONFIG))
-    yield client
-    await client.shutdown_async()
-    assert not await after_shutdown(client)
-
-
-def reference_codes(reference, kind, voice="ethan"):
+def reference_codes(reference, kind, voice="ethan", with_wav=False):
     """transformers' whole ``generate`` (greedy thinker and talker; the predictor greedy with it, as
-    transformers 5.19 mirrors the talker's do_sample), and the codes it hands code2wav ``[G, frames]``."""
+    transformers 5.19 mirrors the talker's do_sample), and the codes it hands code2wav ``[G, frames]``
+    (and its waveform)."""
     model, processor = reference
     text, data = PROMPTS[kind]
     inputs = processor(text=text, audio=[data["audio"][0]] if "audio" in data else None, return_tensors="pt")
@@ -244,11 +248,13 @@ def reference_codes(reference, kind, voice="ethan"):
     model.code2wav.chunked_decode = capture
     try:
         with torch.no_grad():
-            model.generate(**inputs, speaker=voice, thinker_max_new_tokens=MAX_TOKENS, thinker_do_sample=False,
-                           talker_max_new_tokens=TALKER_TOKENS, talker_do_sample=False)
+            _, wav = model.generate(**inputs, speaker=voice, thinker_max_new_tokens=MAX_TOKENS,
+                                    thinker_do_sample=False, talker_max_new_tokens=TALKER_TOKENS,
+                                    talker_do_sample=False)
     finally:
         model.code2wav.chunked_decode = decode
-    return captured["codes"][0].numpy()
+    codes = captured["codes"][0].numpy()
+    return (codes, wav.reshape(-1).numpy()) if with_wav else codes
 
 
 def _talker_params(voice=None, temperature=0.0, seed=None, delta=False):
@@ -317,3 +323,49 @@ async def test_an_unknown_voice_and_an_image_are_refused_by_name_and_the_talker_
     left = [p.name for p in SHM_DIR.glob("omni_*talker*")]
     assert not left, f"talker files left: {left}"
     assert (await _talker_outputs(talker, "text", "talker-after"))[-1].multimodal_output["codes"].shape[1] > 0
+
+
+# ---------------------------------------------------------------- speech end to end
+
+async def _speech(client, kind, request_id, mode, voice="ethan"):
+    """The thinker's final output, the talker's codes, and the audio pieces code2wav sent."""
+    finals, pieces = {}, []
+    async for output in client.generate(_prompt(kind), _talker_params(voice, delta=True), request_id,
+                                        final_stage_id=[0, 1, 2], execution_mode=mode):
+        if output.stage_id == 2 and "audio" in output.multimodal_output:
+            pieces.append(output.multimodal_output)
+        if output.finished:
+            finals[output.stage_id] = output
+    assert 2 in finals and pieces, f"request {request_id}: no speech"
+    return finals, pieces
+
+
+async def test_speech_end_to_end_equals_transformers_generate(omni, qwen3_reference):
+    """Sequential: thinker ids, every code of every frame, and code2wav's waveform (one pass over
+    all the frames), each as transformers' ``generate`` makes it."""
+    want_codes, want_wav = reference_codes(qwen3_reference, "audio", "ethan", with_wav=True)
+    finals, pieces = await _speech(omni, "audio", "speech-sequential", "sequential")
+    np.testing.assert_array_equal(finals[1].multimodal_output["codes"], want_codes)
+    assert len(pieces) == 1 and pieces[0]["sample_rate"] == 24000
+    audio = pieces[0]["audio"]
+    assert audio.shape == want_wav.shape == (want_codes.shape[1] * 1920 - 555,)
+    assert float(np.abs(audio).max()) > 0.05, "silent"
+    np.testing.assert_allclose(audio, want_wav, atol=1e-4, rtol=0)
+
+
+async def test_async_chunk_streams_the_same_codes_in_pieces_from_the_first_four_frames(omni):
+    """async_chunk: code2wav gets the first 4 frames as soon as the talker has made them, then 25 at
+    a time with 25 frames of left context; the codes are the sequential run's, the joined audio has
+    its length, equals it exactly over the first piece (no context is cut there) and within 0.15
+    elsewhere (the pieces' decoder sees 25 frames back where the whole's transformer sees 72)."""
+    sequential_finals, (whole,) = await _speech(omni, "audio", "speech-whole", "sequential")
+    finals, pieces = await _speech(omni, "audio", "speech-chunked", "async_chunk")
+    codes = finals[1].multimodal_output["codes"]
+    np.testing.assert_array_equal(codes, sequential_finals[1].multimodal_output["codes"])
+    frames = codes.shape[1]
+    assert frames > 4 and len(pieces) == 1 + -(-(frames - 4) // 25)
+    assert pieces[0]["audio"].shape == (4 * 1920 - 555,)
+    joined = np.concatenate([p["audio"] for p in pieces])
+    assert joined.shape == whole["audio"].shape
+    np.testing.assert_allclose(joined[:4 * 1920 - 555], whole["audio"][:4 * 1920 - 555], atol=1e-4, rtol=0)
+    assert float(np.abs(joined - whole["audio"]).max()) < 0.15

@@ -24,6 +24,7 @@ from omni_engine.utils import resolve_dotted
 FAMILY_CONFIGS = {
     "Qwen2_5OmniModel": "omni_engine.models.qwen2_5_omni:qwen2_5_omni.yaml",
     "Qwen2_5OmniForConditionalGeneration": "omni_engine.models.qwen2_5_omni:qwen2_5_omni.yaml",
+    "Qwen3OmniMoeForConditionalGeneration": "omni_engine.models.qwen3_omni_moe:qwen3_omni_moe.yaml",
 }
 
 # checkpoint model_type -> "module:function(model_stage, engine_args, model_dir) -> engine_args"

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -33,6 +32,7 @@ from omni_engine.engines.generation_model import (
     GenerationRequest,
     ThreadedGenerationModel,
 )
+from omni_engine.models.checkpoint_files import load_prefixed_state
 from omni_engine.models.qwen2_5_omni.code2wav_dit import (
     memoize_speaker_encoder,
     sample_mel,
@@ -172,7 +172,6 @@ class Code2Wav(ThreadedGenerationModel):
 
 def load_token2wav(model_dir: str) -> Any:
     """transformers' token2wav with the checkpoint's ``token2wav.*`` weights (float32, eval)."""
-    from safetensors import safe_open
     from transformers import Qwen2_5OmniConfig
     from transformers.models.qwen2_5_omni.modeling_qwen2_5_omni import (
         Qwen2_5OmniToken2WavModel,
@@ -180,12 +179,7 @@ def load_token2wav(model_dir: str) -> Any:
 
     config = Qwen2_5OmniConfig.from_pretrained(model_dir).token2wav_config
     model = Qwen2_5OmniToken2WavModel(config).float().eval()
-    state = {}
-    for path in sorted(Path(model_dir).glob("*.safetensors")):
-        with safe_open(str(path), framework="pt") as f:
-            for name in f.keys():
-                if name.startswith(PREFIX):
-                    state[name[len(PREFIX):]] = f.get_tensor(name).float()
+    state = load_prefixed_state(model_dir, PREFIX)
     if not state:
         raise ValueError(f"{model_dir}: no {PREFIX}* weights (Qwen2.5-Omni's code2wav)")
     missing, unexpected = model.load_state_dict(state, strict=False)

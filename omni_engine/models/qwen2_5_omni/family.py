@@ -10,10 +10,9 @@ What a config sets itself is kept. Imports no vLLM.
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
 from typing import Any
 
+from omni_engine.models.checkpoint_files import check_placeholder_ids
 from omni_engine.models.qwen2_5_omni.speakers import load_speakers
 from omni_engine.models.qwen2_5_omni.talker_config import talker_config_dir
 
@@ -43,16 +42,4 @@ PLACEHOLDERS = {"audio_token_index": "<|AUDIO|>", "image_token_index": "<|IMAGE|
 
 
 def check_token_ids(model_dir: str) -> None:
-    """The thinker's placeholder ids are the tokenizer's: a mismatch would expand a multimodal part
-    at the wrong token (or at none) deep in vLLM's processor; refused here, naming both ids."""
-    root = Path(model_dir)
-    try:
-        thinker = json.loads((root / "config.json").read_text())["thinker_config"]
-        added = json.loads((root / "tokenizer.json").read_text()).get("added_tokens", [])
-    except (OSError, ValueError, KeyError):
-        return  # not a local checkpoint with these files: vLLM reports what is missing
-    ids = {token["content"]: token["id"] for token in added}
-    for key, token in PLACEHOLDERS.items():
-        if key in thinker and token in ids and ids[token] != thinker[key]:
-            raise ValueError(f"{model_dir}: thinker_config.{key} is {thinker[key]} but the tokenizer has {token} "
-                             f"at {ids[token]}; the checkpoint's config and tokenizer do not belong together")
+    check_placeholder_ids(model_dir, PLACEHOLDERS)

@@ -11,10 +11,9 @@ What a config sets itself is kept. Imports no vLLM.
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
 from typing import Any
 
+from omni_engine.models.checkpoint_files import check_placeholder_ids
 from omni_engine.models.qwen3_omni_moe.talker_config import talker_config_dir
 
 THINKER = "OmniEngineQwen3OmniMoeThinker"
@@ -42,17 +41,4 @@ def stage_engine_args(model_stage: str, args: dict[str, Any], model_dir: str) ->
 
 
 def check_token_ids(model_dir: str) -> None:
-    """The thinker's placeholder ids are the tokenizer's: a mismatch (transformers' default audio id
-    151646 is Qwen2.5-Omni's, not Qwen3's 151675) would expand a multimodal part at the wrong token
-    deep in vLLM's processor; refused here, naming both ids."""
-    root = Path(model_dir)
-    try:
-        thinker = json.loads((root / "config.json").read_text())["thinker_config"]
-        added = json.loads((root / "tokenizer.json").read_text()).get("added_tokens", [])
-    except (OSError, ValueError, KeyError):
-        return  # not a local checkpoint with these files: vLLM reports what is missing
-    ids = {token["content"]: token["id"] for token in added}
-    for key, token in PLACEHOLDERS.items():
-        if key in thinker and token in ids and ids[token] != thinker[key]:
-            raise ValueError(f"{model_dir}: thinker_config.{key} is {thinker[key]} but the tokenizer has {token} "
-                             f"at {ids[token]}; the checkpoint's config and tokenizer do not belong together")
+    check_placeholder_ids(model_dir, PLACEHOLDERS)

@@ -1,0 +1,138 @@
+"""Qwen3-Omni's code2wav (a causal ConvNet decoder after a sliding-window transformer) as a generation stage.
+
+transformers' ``Qwen3OmniMoeCode2Wav`` with the checkpoint's ``code2wav.*`` weights, in float32. A
+request's prompt is ``{"codes": int64 [G, frames]}``: the talker's frames (all of them, or a piece
+of a stream with ``left_context`` frames before its own; ``code2wav_chunks``). Its audio is float32
+at 24 kHz, 1,920 samples a frame.
+
+The decoder is causal but for one frame of look-ahead: a pass over ``F`` frames gives the first
+``F * 1920 - 555`` samples of the answer exactly (the last 555 need the next frame). A piece's
+audio therefore starts 555 samples before its own first frame (those its predecessor could not
+give; vLLM-Omni trims so too) and ends where the pass does, so the pieces of a stream join into the
+length of one whole pass; they equal it where ``left_context`` frames cover what the transformer's
+window and the convolutions see (within a small tolerance otherwise). A batch's requests are
+decoded in one pass, right-padded to the longest (causal: padding changes no sample that is kept).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+import torch
+
+from omni_engine.engines.generation_model import (
+    GenerationRequest,
+    ThreadedGenerationModel,
+)
+from omni_engine.models.checkpoint_files import load_prefixed_state
+
+SAMPLE_RATE = 24000
+PREFIX = "code2wav."
+_ARGS = {"model", "threads"}
+
+
+class Code2Wav(ThreadedGenerationModel):
+    output_type = "audio"
+    renders_alone = False  # one padded pass for the batch
+
+    def __init__(self, *, model: str, threads: int = 1) -> None:
+        super().__init__("code2wav")
+        torch.set_num_threads(threads)
+        self.model_dir = model
+        self.code2wav = load_code2wav(model)
+        config = self.code2wav.config
+        self.groups, self.codebook = int(config.num_quantizers), int(config.codebook_size)
+        self.frame = int(math.prod(list(config.upsample_rates) + list(config.upsampling_ratios)))
+        self.tail = self.frame - self.pass_length(1)  # samples a pass cannot give without the next frame
+
+    @torch.no_grad()
+    def pass_length(self, frames: int) -> int:
+        return int(self.code2wav(torch.zeros(1, self.groups, frames, dtype=torch.long)).shape[-1])
+
+    def _render_batch(self, requests: list[GenerationRequest]) -> list[dict[str, Any] | Exception]:
+        results: list[dict[str, Any] | Exception] = [RuntimeError("not rendered")] * len(requests)
+        pieces = []
+        for i, request in enumerate(requests):
+            try:
+                pieces.append((i, *self.piece_of(request)))
+            except Exception as exc:  # noqa: BLE001 - the protocol fails this request alone
+                results[i] = exc
+        for i, codes, _ in pieces:
+            if not codes.shape[1]:
+                results[i] = {"audio": np.zeros(0, np.float32), "sample_rate": SAMPLE_RATE}
+        pieces = [piece for piece in pieces if piece[1].shape[1]]
+        if pieces:
+            try:
+                for (i, _, _), audio in zip(pieces, self.render([(codes, context) for _, codes, context in pieces])):
+                    results[i] = {"audio": audio, "sample_rate": SAMPLE_RATE}
+            except Exception as exc:  # noqa: BLE001 - the batch's pass failed: each of its requests
+                for i, _, _ in pieces:
+                    results[i] = exc
+        return results
+
+    def piece_of(self, request: GenerationRequest) -> tuple[torch.Tensor, int]:
+        """The request's codes ``[G, frames]`` and left context, checked; errors name the request and field."""
+        prompt, rid = request.prompt, request.request_id
+        if request.aborted:
+            raise RuntimeError("aborted")
+        if not isinstance(prompt, dict) or "codes" not in prompt:
+            raise ValueError(f"request {rid!r}: code2wav takes {{'codes': int64 [{self.groups}, frames]}}, "
+                             f"got {type(prompt).__name__}")
+        codes = torch.as_tensor(np.asarray(prompt["codes"]), dtype=torch.long)
+        if codes.ndim != 2 or codes.shape[0] != self.groups:
+            raise ValueError(f"request {rid!r}: codes of shape {tuple(codes.shape)}; Qwen3-Omni's code2wav takes "
+                             f"[{self.groups} code groups, frames]")
+        if codes.numel() and (int(codes.max()) >= self.codebook or int(codes.min()) < 0):
+            raise ValueError(f"request {rid!r}: codes must be in [0, {self.codebook}), "
+                             f"got {int(codes.min())}..{int(codes.max())}")
+        context = int(prompt.get("left_context", 0))
+        if not 0 <= context <= codes.shape[1]:
+            raise ValueError(f"request {rid!r}: left_context {context} outside the piece's {codes.shape[1]} frames")
+        return codes, context
+
+    @torch.no_grad()
+    def render(self, pieces: list[tuple[torch.Tensor, int]]) -> list[np.ndarray]:
+        longest = max(codes.shape[1] for codes, _ in pieces)
+        batch = torch.zeros(len(pieces), self.groups, longest, dtype=torch.long)
+        for row, (codes, _) in enumerate(pieces):
+            batch[row, :, :codes.shape[1]] = codes
+        wavs = self.code2wav(batch)[:, 0]
+        out = []
+        for row, (codes, context) in enumerate(pieces):
+            end = codes.shape[1] * self.frame - self.tail
+            start = max(context * self.frame - self.tail, 0)
+            out.append(wavs[row, start:end].float().numpy())
+        return out
+
+    def info(self) -> dict[str, Any]:
+        # input_kind: it speaks the talker's codes; a server does not send it text to read
+        return {"model": self.model_dir, "sample_rate": SAMPLE_RATE, "input_kind": "codes",
+                "code_groups": self.groups, "samples_per_frame": self.frame}
+
+
+def load_code2wav(model_dir: str) -> Any:
+    """transformers' code2wav with the checkpoint's ``code2wav.*`` weights (float32, eval)."""
+    from transformers import Qwen3OmniMoeConfig
+    from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import (
+        Qwen3OmniMoeCode2Wav,
+    )
+
+    config = Qwen3OmniMoeConfig.from_pretrained(model_dir).code2wav_config
+    model = Qwen3OmniMoeCode2Wav(config).float().eval()
+    state = load_prefixed_state(model_dir, PREFIX)
+    if not state:
+        raise ValueError(f"{model_dir}: no {PREFIX}* weights (Qwen3-Omni's code2wav)")
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    if missing or unexpected:
+        raise ValueError(f"{model_dir}: code2wav weights do not fit: missing {missing[:5]}, unexpected {unexpected[:5]}")
+    return model
+
+
+def make_code2wav(**engine_args: Any) -> Code2Wav:
+    """Stage-config factory (``omni_engine.models.qwen3_omni_moe.code2wav:make_code2wav``)."""
+    unknown = sorted(set(engine_args) - _ARGS)
+    if unknown:
+        raise TypeError(f"make_code2wav got unknown engine_args {unknown}; allowed: {sorted(_ARGS)}")
+    return Code2Wav(**engine_args)

@@ -1,0 +1,69 @@
+"""Qwen3-Omni's codec chunking: which frames of a stream go to code2wav when (vLLM-Omni's plan).
+
+A stream's first piece is its first ``initial`` frames (first audio after 4 frames, 320 ms); each
+later piece is the next ``size`` frames with up to ``left_context`` frames before them for the
+decoder to see (their audio is cut: ``code2wav``); at the end, what is left. vLLM-Omni's Qwen3-Omni
+deploy config sets 4, 25 and 25 (its ``connectors:`` block: ``initial_codec_chunk_frames``,
+``codec_chunk_frames``, ``codec_left_context_frames``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+
+@dataclass(frozen=True, slots=True)
+class CodecChunks:
+    initial: int = 4
+    size: int = 25
+    left_context: int = 25
+
+    def __post_init__(self) -> None:
+        if self.initial < 1 or self.size < 1 or self.left_context < 0:
+            raise ValueError(f"codec chunks: initial {self.initial} and size {self.size} must be >= 1, "
+                             f"left_context {self.left_context} >= 0")
+
+    def boundary(self, index: int) -> int:
+        """Where piece ``index`` ends (frames)."""
+        return self.initial + index * self.size
+
+
+class CodecStream:
+    """One request's frames as they come; pieces (code2wav prompts) as soon as each is whole."""
+
+    def __init__(self, chunks: CodecChunks | None = None) -> None:
+        self.chunks = chunks or CodecChunks()
+        self.frames: np.ndarray | None = None  # [G, known]
+        self.sent = 0  # frames whose audio has been asked for
+        self.pieces = 0
+
+    def add(self, codes: Any, offset: int) -> list[dict[str, Any]]:
+        """Frames ``codes`` ``[G, n]`` from frame ``offset`` on; the pieces now whole."""
+        codes = np.asarray(codes, dtype=np.int64)
+        if self.frames is None:
+            self.frames = np.zeros((codes.shape[0], 0), dtype=np.int64)
+        known = self.frames.shape[1]
+        if offset + codes.shape[1] > known:
+            self.frames = np.concatenate([self.frames[:, :offset], codes], axis=1)
+        out = []
+        while self.frames.shape[1] >= self.chunks.boundary(self.pieces):
+            out.append(self.piece(self.chunks.boundary(self.pieces)))
+        return out
+
+    def finish(self, codes: Any) -> list[dict[str, Any]]:
+        """The final output's frames (all of them): the pieces not sent yet, the last one short."""
+        codes = np.asarray(codes, dtype=np.int64)
+        self.frames = codes
+        out = self.add(codes[:, :0], codes.shape[1])
+        if self.sent < codes.shape[1]:
+            out.append(self.piece(codes.shape[1]))
+        return out
+
+    def piece(self, end: int) -> dict[str, Any]:
+        start = self.sent
+        low = max(0, start - self.chunks.left_context)
+        self.sent, self.pieces = end, self.pieces + 1
+        return {"codes": np.ascontiguousarray(self.frames[:, low:end]), "left_context": start - low}
