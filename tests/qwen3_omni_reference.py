@@ -29,3 +29,29 @@ PROMPTS = {
     "audio": (chat("<|audio_start|><|audio_pad|><|audio_end|>What did you hear?"), {"audio": (tone(), 16000)}),
     "image": (chat("<|vision_start|><|image_pad|><|vision_end|>Describe it."), {"image": image()}),
 }
+
+
+def reference_speech(reference, kind, voice, thinker_tokens, talker_tokens):
+    """transformers' whole ``generate`` (greedy thinker and talker; the code predictor greedy with
+    them, as transformers 5.19 mirrors the talker's do_sample) on a prompt of ``PROMPTS`` (``kind``)
+    or a ``(text, data)`` pair: the codes it hands code2wav ``[G, frames]``, and its waveform."""
+    model, processor = reference
+    text, data = PROMPTS[kind] if isinstance(kind, str) else kind
+    inputs = processor(text=text, audio=[data["audio"][0]] if "audio" in data else None,
+                       images=[data["image"]] if "image" in data else None, return_tensors="pt")
+    captured = {}
+    decode = model.code2wav.chunked_decode
+
+    def capture(codes, **kwargs):
+        captured["codes"] = codes.clone()
+        return decode(codes, **kwargs)
+
+    model.code2wav.chunked_decode = capture
+    try:
+        with torch.no_grad():
+            _, wav = model.generate(**inputs, speaker=voice, thinker_max_new_tokens=thinker_tokens,
+                                    thinker_do_sample=False, talker_max_new_tokens=talker_tokens,
+                                    talker_do_sample=False)
+    finally:
+        model.code2wav.chunked_decode = decode
+    return captured["codes"][0].numpy(), wav.reshape(-1).numpy()

@@ -108,3 +108,80 @@ def test_serve_refuses_a_bad_deploy_config_before_starting_anything(tmp_path):
                          capture_output=True, text=True, timeout=120, cwd=REPO, check=False)
     assert out.returncode == 2, out.stderr[-2000:]
     assert "stages[0].bogus: not a vLLM-Omni deploy field" in out.stderr and "starting" not in out.stderr
+
+
+QWEN3 = REPO / "stage_configs" / "qwen3_omni_moe.yaml"
+# vLLM-Omni 0.30's deploy/qwen3_omni_moe.yaml, as published (its per-platform blocks but cuda's cut)
+QWEN3_DEPLOY = """
+async_chunk: true
+connectors:
+  connector_of_shared_memory:
+    name: SharedMemoryConnector
+    extra:
+      initial_codec_chunk_frames: 4
+      codec_chunk_frames: 25
+      codec_left_context_frames: 25
+stages:
+  - stage_id: 0
+    max_num_batched_tokens: 32768
+    max_num_seqs: 64
+    gpu_memory_utilization: 0.9
+    trust_remote_code: true
+    enable_prefix_caching: false
+    devices: "0"
+    default_sampling_params: {temperature: 0.0, max_tokens: 2048}
+  - stage_id: 1
+    max_num_batched_tokens: 32768
+    max_num_seqs: 64
+    gpu_memory_utilization: 0.6
+    trust_remote_code: true
+    enable_prefix_caching: false
+    devices: "1"
+    input_connectors: {from_stage_0: connector_of_shared_memory}
+    default_sampling_params: {seed: 42, temperature: 0.9, top_k: 50, max_tokens: 4096, repetition_penalty: 1.05}
+  - stage_id: 2
+    max_num_batched_tokens: 65536
+    max_num_seqs: 64
+    enforce_eager: false
+    enable_chunked_prefill: false
+    async_scheduling: false
+    devices: "1"
+    input_connectors: {from_stage_1: connector_of_shared_memory}
+    default_sampling_params: {temperature: 0.0, top_p: 1.0, top_k: -1, max_tokens: 65536, repetition_penalty: 1.1}
+platforms:
+  cuda:
+    stages:
+      - stage_id: 0
+        compilation_config: {custom_ops: ["+rotary_embedding"]}
+"""
+
+
+def test_vllm_omni_s_qwen3_omni_deploy_file_sets_the_codec_chunks_from_its_connector(tmp_path):
+    chunked = QWEN3_DEPLOY.replace("codec_chunk_frames: 25", "codec_chunk_frames: 10")
+    data, notes = apply_deploy_config(read_pipeline_yaml(QWEN3), _deploy(tmp_path, chunked), platform="cpu")
+    config = parse_pipeline_config(data, "<deployed>")
+    thinker, talker, code2wav = config.stage_args
+    assert config.runtime.execution_mode == "async_chunk"
+    assert code2wav.custom_process_input_args == {"initial_codec_chunk_frames": 4, "codec_chunk_frames": 10,
+                                                  "codec_left_context_frames": 25}
+    assert thinker.custom_process_input_args == talker.custom_process_input_args == {}
+    assert talker.default_sampling_params["seed"] == 42 and talker.default_sampling_params["stop_token_ids"] == [2150]
+    assert thinker.engine_args["max_num_seqs"] == 64 and talker.runtime.max_batch_size == 64
+    # the talker's input edge takes no codec sizes: named as having nothing to act on
+    assert any("stages[1].input_connectors.from_stage_0" in n and "nothing to act on" in n for n in notes), notes
+    # the edge the graph builds for the request takes them
+    from omni_engine.pipeline.stage_graph import StageGraph
+
+    edge = StageGraph.from_config(config).edge_processors[(1, 2)]([1], 2)
+    assert (edge.chunks.initial, edge.chunks.size, edge.chunks.left_context) == (4, 10, 25)
+
+
+def test_a_connector_that_spans_hosts_or_is_not_declared_is_refused_by_name(tmp_path):
+    bad = QWEN3_DEPLOY.replace("name: SharedMemoryConnector", "name: MooncakeConnector").replace(
+        "from_stage_1: connector_of_shared_memory", "from_stage_1: connector_of_nowhere")
+    with pytest.raises(ConfigError) as err:
+        apply_deploy_config(read_pipeline_yaml(QWEN3), _deploy(tmp_path, bad), platform="cpu")
+    message = str(err.value)
+    assert "connectors.connector_of_shared_memory.name: 'MooncakeConnector' is not supported" in message
+    assert "stages[2].input_connectors.from_stage_1: connector 'connector_of_nowhere' is not in the deploy " \
+           "file's connectors" in message

@@ -19,7 +19,7 @@ import omni_engine
 PACKAGE_ROOT = pathlib.Path(omni_engine.__file__).parent
 
 # The serving layer's rooms (``entrypoints/openai``): each imports the shared modules, never a sibling.
-ROUTE_FAMILIES = ("speech", "chat_audio", "transcription", "images", "realtime", "speech_stream", "rl_routes",
+ROUTE_FAMILIES = ("speech", "chat_audio", "completions", "transcription", "images", "realtime", "speech_stream", "rl_routes",
                   "weight_versions")
 
 

@@ -312,7 +312,7 @@ def test_the_talker_places_its_rows_as_transformers_talker_rope_does(reference):
     ``rope_from``): transformers' talker ``get_rope_index`` positions for the same rows. (The tiny
     talker's greedy codes do not change with plain positions: this is what guards its rope.)"""
     from omni_engine.models.qwen2_5_omni.talker_requests import TalkerRequests
-    from omni_engine.models.qwen2_5_omni.vllm_talker import talker_rope_channels
+    from omni_engine.models.talker_rope import talker_rope_channels
 
     model = reference[0]
     adapter = TalkerRequests.__new__(TalkerRequests)

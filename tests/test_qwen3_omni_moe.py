@@ -26,7 +26,7 @@ from omni_engine.models.families import resolve_model_stage
 from omni_engine.models.prepare import MARKER_FILE, prepare_model
 from omni_engine.models.qwen3_omni_moe import tiny_config as tc
 from omni_engine.models.qwen3_omni_moe.processor import VIDEO_UNSUPPORTED
-from tests.qwen3_omni_reference import PROMPTS, chat, load_reference
+from tests.qwen3_omni_reference import PROMPTS, chat, load_reference, reference_speech
 from tests.qwen_omni_reference import reference_generate, reference_run
 from tests.stress.checks import after_shutdown, wait_clean
 from tests.stress.pipeline import REPO, start_pipeline
@@ -210,6 +210,12 @@ async def test_the_thinker_hands_on_transformers_embeddings_and_accepted_hidden_
     torch.testing.assert_close(got["input_embeds"], want_embeds, rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(got["hidden_states"], want_hidden, rtol=1e-4, atol=1e-4)
     assert not torch.allclose(got["hidden_states"], last_hidden, atol=1e-2), "the last layer's, not the accepted one"
+    # the prompt rows' rope positions (an image's tokens at their grid's T/H/W), as transformers'
+    ids = inputs["input_ids"]
+    audio_lengths = inputs["feature_attention_mask"].sum(-1) if "feature_attention_mask" in inputs else None
+    positions, _ = qwen3_reference[0].thinker.get_rope_index(ids, inputs.get("image_grid_thw"), None,
+                                                             torch.ones_like(ids), audio_seqlens=audio_lengths)
+    torch.testing.assert_close(got["positions"][:ids.shape[1]], positions[:, 0].T.float(), rtol=0, atol=0)
 
 
 async def test_a_video_is_refused_by_name_and_the_stage_serves_on(thinker):
@@ -231,32 +237,6 @@ async def test_a_video_is_refused_by_name_and_the_stage_serves_on(thinker):
 TALKER_TOKENS = 16
 
 
-def reference_codes(reference, kind, voice="ethan", with_wav=False):
-    """transformers' whole ``generate`` (greedy thinker and talker; the predictor greedy with it, as
-    transformers 5.19 mirrors the talker's do_sample), and the codes it hands code2wav ``[G, frames]``
-    (and its waveform)."""
-    model, processor = reference
-    text, data = PROMPTS[kind]
-    inputs = processor(text=text, audio=[data["audio"][0]] if "audio" in data else None, return_tensors="pt")
-    captured = {}
-    decode = model.code2wav.chunked_decode
-
-    def capture(codes, **kwargs):
-        captured["codes"] = codes.clone()
-        return decode(codes, **kwargs)
-
-    model.code2wav.chunked_decode = capture
-    try:
-        with torch.no_grad():
-            _, wav = model.generate(**inputs, speaker=voice, thinker_max_new_tokens=MAX_TOKENS,
-                                    thinker_do_sample=False, talker_max_new_tokens=TALKER_TOKENS,
-                                    talker_do_sample=False)
-    finally:
-        model.code2wav.chunked_decode = decode
-    codes = captured["codes"][0].numpy()
-    return (codes, wav.reshape(-1).numpy()) if with_wav else codes
-
-
 def _talker_params(voice=None, temperature=0.0, seed=None, delta=False):
     from vllm import SamplingParams
     from vllm.sampling_params import RequestOutputKind
@@ -273,10 +253,11 @@ async def _talker_outputs(client, kind, request_id, **params):
                                                        final_stage_id=1)]
 
 
-@pytest.mark.parametrize(("kind", "voice"), [("text", "Ethan"), ("audio", "chelsie")])
+@pytest.mark.parametrize(("kind", "voice"), [("text", "Ethan"), ("audio", "chelsie"), ("image", "ethan")])
 async def test_the_talker_stage_gives_every_code_group_of_every_frame_as_transformers(talker, qwen3_reference,
                                                                                       kind, voice):
-    want = reference_codes(qwen3_reference, kind, voice.lower())
+    """(The image's rows sit at its grid's T/H/W in the talker's interleaved multimodal rope.)"""
+    want, _ = reference_speech(qwen3_reference, kind, voice.lower(), MAX_TOKENS, TALKER_TOKENS)
     outputs = await _talker_outputs(talker, kind, f"talker-{kind}", voice=voice)
     got = outputs[-1].multimodal_output["codes"]
     assert want.shape[0] == tc.CODE_GROUPS and want.shape[1] >= 4
@@ -313,12 +294,10 @@ async def test_requests_batched_together_each_get_their_own_codes_and_a_seed_rep
     assert not np.array_equal(first, alone["text"][:, :first.shape[1]]), "sampling changed nothing"
 
 
-async def test_an_unknown_voice_and_an_image_are_refused_by_name_and_the_talker_serves_on(talker):
+async def test_an_unknown_voice_is_refused_by_name_and_the_talker_serves_on(talker):
     with pytest.raises(StageRequestError, match=r"request 'talker-nobody'.*unknown voice 'Nobody'; "
                                                 r"the voices are aiden, chelsie, ethan"):
         await _talker_outputs(talker, "text", "talker-nobody", voice="Nobody")
-    with pytest.raises(StageRequestError, match=r"request 'talker-image'.*speech for a prompt with an image"):
-        await _talker_outputs(talker, "image", "talker-image")
     assert not await wait_clean(talker), "a refused request left state behind"
     left = [p.name for p in SHM_DIR.glob("omni_*talker*")]
     assert not left, f"talker files left: {left}"
@@ -343,7 +322,7 @@ async def _speech(client, kind, request_id, mode, voice="ethan"):
 async def test_speech_end_to_end_equals_transformers_generate(omni, qwen3_reference):
     """Sequential: thinker ids, every code of every frame, and code2wav's waveform (one pass over
     all the frames), each as transformers' ``generate`` makes it."""
-    want_codes, want_wav = reference_codes(qwen3_reference, "audio", "ethan", with_wav=True)
+    want_codes, want_wav = reference_speech(qwen3_reference, "audio", "ethan", MAX_TOKENS, TALKER_TOKENS)
     finals, pieces = await _speech(omni, "audio", "speech-sequential", "sequential")
     np.testing.assert_array_equal(finals[1].multimodal_output["codes"], want_codes)
     assert len(pieces) == 1 and pieces[0]["sample_rate"] == 24000
@@ -369,3 +348,46 @@ async def test_async_chunk_streams_the_same_codes_in_pieces_from_the_first_four_
     assert joined.shape == whole["audio"].shape
     np.testing.assert_allclose(joined[:4 * 1920 - 555], whole["audio"][:4 * 1920 - 555], atol=1e-4, rtol=0)
     assert float(np.abs(joined - whole["audio"]).max()) < 0.15
+
+
+async def test_completions_are_refused_with_the_reason_for_the_talker_s_pipeline(omni):
+    """``POST /v1/completions`` on the route family the server registers, over this pipeline: 400
+    with vLLM-Omni's reason (the talker takes its rows by chat turn), before anything is generated."""
+    import httpx
+    from fastapi import FastAPI
+
+    from omni_engine.entrypoints.openai import completions
+
+    app = FastAPI()
+    app.include_router(completions.router)
+    app.state.engine_client = omni
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as http:
+        response = await http.post("/v1/completions", json={"model": "qwen3-omni", "prompt": "Hello", "max_tokens": 4})
+    assert response.status_code == 400
+    error = response.json()["error"]
+    assert error["type"] == "BadRequestError"
+    assert error["message"] == ("Qwen3-Omni requires chat template structure for thinker-talker handoff. "
+                                "Use /v1/chat/completions instead.")
+    assert completions.endpoint_refusal(omni, "/v1/chat/completions") is None
+
+
+def test_the_talker_places_an_image_prompt_s_rows_as_transformers_talker_rope_does(qwen3_reference):
+    """The talker's three rope channels for an image prompt with a system turn (dropped from the
+    talker's rows, so its positions shift) from the thinker's positions: transformers' talker
+    ``get_rope_index`` over its own rows (the user turn's ids, then 9 tts pad ids). (The tiny
+    talker's greedy codes barely move with its rope: this is what guards it.)"""
+    from omni_engine.models.qwen3_omni_moe.talker_requests import ASSISTANT_ROWS, talker_rope
+
+    model, processor = qwen3_reference
+    text = chat("<|vision_start|><|image_pad|><|vision_end|>Describe it.", system="Be brief.")
+    inputs = processor(text=text, images=[PROMPTS["image"][1]["image"]], return_tensors="pt")
+    ids, grid = inputs["input_ids"], inputs["image_grid_thw"]
+    thinker_positions, _ = model.thinker.get_rope_index(ids, grid, None, torch.ones_like(ids))
+    starts = (ids[0] == tc.IM_START_TOKEN_ID).nonzero().flatten().tolist()
+    user = torch.arange(starts[1], starts[2])  # the user turn, up to the assistant's <|im_start|>
+    got = talker_rope(thinker_positions[:, 0].T.float(), user)
+    talker_ids = torch.cat([ids[0, user], torch.full((ASSISTANT_ROWS,), tc.TTS_PAD_TOKEN_ID)]).unsqueeze(0)
+    want, _ = model.talker.get_rope_index(talker_ids, grid, None, torch.ones_like(talker_ids))
+    assert bool((want[:, 0, :] != want[0, 0, :]).any()), "the image took no grid positions"
+    torch.testing.assert_close(got["rope_prompt"], want[:, 0, :].to(torch.int64), rtol=0, atol=0)
+    assert int(got["rope_from"][0]) == int(want.max()) + 1

@@ -39,12 +39,9 @@ UNSUPPORTED = {
     "duplex_session": "duplex sessions are not served by omni_engine",
     "active_stream_window": "duplex sessions are not served by omni_engine",
     "model_runner": "vLLM's model runner is vLLM's choice per platform here",
-    "connectors": "stage connectors are the stage config's runtime.connectors",
     "edges": "edges are the stage config's runtime.edges",
     "pipeline": "the pipeline comes from the checkpoint's architecture or the stage config",
     "custom_voice_dir": "voice cloning is not served by omni_engine",
-    "output_connectors": "stage connectors are the stage config's runtime.connectors",
-    "input_connectors": "stage connectors are the stage config's runtime.connectors",
     "default_pooling_params": "pipelines here generate; they do not pool",
     "subtalker_sampling_params": "no family here has a sub-talker",
     "silence_ban_frames": "no family here bans silence frames",
@@ -53,6 +50,9 @@ UNSUPPORTED = {
     "runtime": "a stage's runtime is set by devices / num_replicas / max_num_seqs here",
     "async_chunk (per stage)": "set the edge's mode in the stage config's runtime.edges",
 }
+# vLLM-Omni's connector for stages on one host: ours move stage data over ZMQ frames and shared
+# memory (runtime.connectors) whatever a deploy file names; its other connectors span hosts.
+SHARED_MEMORY_CONNECTOR = "SharedMemoryConnector"
 STAGE_WRAPPER_FIELDS = ("stage_id", "devices", "num_replicas", "env", "default_sampling_params", "max_num_seqs")
 
 
@@ -92,10 +92,12 @@ def apply_deploy_config(data: dict[str, Any], deploy_path: str | Path,
     platform_block = (deploy.get("platforms") or {}).get(platform)
     if isinstance(platform_block, dict):
         layers.append((f"platforms.{platform}.", platform_block))
+    connectors = {name: connector for prefix, layer in layers
+                  for name, connector in _connectors(layer.get("connectors"), f"{source}: {prefix}connectors", errors)}
     for prefix, layer in layers:
         for key, value in layer.items():
             where = f"{source}: {prefix}{key}"
-            if key in ("stages", "platforms"):
+            if key in ("stages", "platforms", "connectors"):
                 continue
             if key == "async_chunk":
                 data.setdefault("runtime", {})["execution_mode"] = "async_chunk" if value else "sequential"
@@ -115,7 +117,9 @@ def apply_deploy_config(data: dict[str, Any], deploy_path: str | Path,
                               f"is not a stage of the pipeline (stages {sorted(stages, key=str)})")
                 continue
             for key, value in entry.items():
-                if key != "stage_id":
+                if key in ("input_connectors", "output_connectors"):
+                    _stage_connectors(stage, key, value, connectors, f"{where}.{key}", errors, notes)
+                elif key != "stage_id":
                     _stage_field(stage, key, value, f"{where}.{key}", engine_fields, errors, notes)
     if errors:
         raise ConfigError(errors, source, "deploy config")
@@ -161,3 +165,64 @@ def _stage_field(stage: dict[str, Any], key: str, value: Any, where: str, engine
                          "(a generation stage), so it has nothing to act on")
     else:
         errors.append(f"{where}: not a vLLM-Omni deploy field nor a vLLM engine argument")
+
+
+def _connectors(block: Any, where: str, errors: list[str]) -> list[tuple[str, dict[str, Any]]]:
+    """A ``connectors:`` block's entries (name -> its ``extra``); a connector that spans hosts is
+    refused by name (the stages here share one host's memory)."""
+    if block is None:
+        return []
+    if not isinstance(block, dict):
+        errors.append(f"{where}: expected a mapping of connector names, got {type(block).__name__}")
+        return []
+    out = []
+    for name, connector in block.items():
+        kind = connector.get("name") if isinstance(connector, dict) else None
+        if kind != SHARED_MEMORY_CONNECTOR:
+            errors.append(f"{where}.{name}.name: {kind!r} is not supported: stage data moves over ZMQ frames and "
+                          f"shared memory here (runtime.connectors); only {SHARED_MEMORY_CONNECTOR} maps onto that")
+            continue
+        extra = connector.get("extra") or {}
+        if not isinstance(extra, dict):
+            errors.append(f"{where}.{name}.extra: expected a mapping, got {type(extra).__name__}")
+            continue
+        out.append((name, extra))
+    return out
+
+
+def _stage_connectors(stage: dict[str, Any], key: str, value: Any, connectors: dict[str, dict[str, Any]],
+                      where: str, errors: list[str], notes: list[str]) -> None:
+    """A stage's ``input_connectors`` / ``output_connectors`` (``from_stage_N``/``to_stage_N`` ->
+    connector name): the connector's ``extra`` fields that the stage's input function takes (Qwen3-Omni's
+    codec chunk sizes) become its ``custom_process_input_args``; the rest have nothing to act on."""
+    if not isinstance(value, dict):
+        errors.append(f"{where}: expected a mapping of stages to connector names, got {type(value).__name__}")
+        return
+    accepted = _input_parameters(stage.get("custom_process_input_func")) if key == "input_connectors" else set()
+    for edge, name in value.items():
+        if name not in connectors:
+            errors.append(f"{where}.{edge}: connector {name!r} is not in the deploy file's connectors "
+                          f"({', '.join(sorted(connectors)) or 'none'})")
+            continue
+        taken = {k: v for k, v in connectors[name].items() if k in accepted}
+        if taken:
+            stage["custom_process_input_args"] = {**(stage.get("custom_process_input_args") or {}), **taken}
+        ignored = sorted(set(connectors[name]) - set(taken))
+        if ignored:
+            notes.append(f"{where}.{edge}: {name}'s {', '.join(ignored)} have nothing to act on for stage "
+                         f"{stage.get('stage_id')} (its input function takes none of them)")
+
+
+def _input_parameters(path: Any) -> set[str]:
+    """The keyword parameters of a stage's input-processor factory (none without one)."""
+    if not isinstance(path, str):
+        return set()
+    import inspect
+
+    from omni_engine.utils import resolve_dotted
+
+    try:
+        factory = resolve_dotted(path, "custom_process_input_func")
+    except Exception:  # noqa: BLE001 - the config check names a bad path; nothing to take here
+        return set()
+    return set(inspect.signature(factory).parameters) - {"sources", "dst", "prompt"}

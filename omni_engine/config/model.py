@@ -276,6 +276,9 @@ class StageConfig(_Base):
     # [] (or missing) marks an entry stage: it gets the user prompt.
     engine_input_source: list[int] = msgspec.field(default_factory=list)
     custom_process_input_func: str | None = None
+    # Keyword arguments for that function's factory (Qwen3-Omni's codec chunk sizes; what vLLM-Omni's
+    # deploy files set in a connector's ``extra``).
+    custom_process_input_args: dict[str, Any] = msgspec.field(default_factory=dict)
     final_output: bool = False
     final_output_type: str | None = None
     default_sampling_params: dict[str, Any] = msgspec.field(default_factory=dict)

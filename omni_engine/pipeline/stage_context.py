@@ -32,6 +32,10 @@ class StageContext:
         return self.stage_config.custom_process_input_func if self.stage_config else None
 
     @property
+    def input_processor_args(self) -> dict[str, Any]:
+        return dict(self.stage_config.custom_process_input_args) if self.stage_config else {}
+
+    @property
     def stage_type(self) -> str | None:
         return self.stage_config.stage_type if self.stage_config else None
 

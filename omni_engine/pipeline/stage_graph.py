@@ -7,6 +7,8 @@ overrides. The config only validates it; routing reads it from here.
 
 from __future__ import annotations
 
+import functools
+
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -72,7 +74,8 @@ class StageGraph:
         self.consumers = {sid: [d for d in self.order if sid in self.sources[d]] for sid in self.order}
         self.edge_modes: dict[tuple[int, int], str] = {}
         self.edge_processors: dict[tuple[int, int], Any] = {}
-        stage_factories = {sid: _factory(ctx.input_processor, f"stage {sid} custom_process_input_func")
+        stage_factories = {sid: _factory(ctx.input_processor, f"stage {sid} custom_process_input_func",
+                                         ctx.input_processor_args)
                            for sid, ctx in self.contexts.items()}
         for dst, srcs in self.sources.items():
             for src in srcs:
@@ -170,5 +173,21 @@ class StageGraph:
         return [] if sid == entry else [s for s in self.sources[sid] if s in used]
 
 
-def _factory(path: str | None, what: str) -> Any:
-    return TextPassthrough if path is None else resolve_dotted(path, what)
+def _factory(path: str | None, what: str, args: dict[str, Any] | None = None) -> Any:
+    """The input processor factory at ``path`` (``TextPassthrough`` without one), given ``args``
+    (``custom_process_input_args``) as keywords; arguments it does not take are refused by name."""
+    if path is None:
+        if args:
+            raise ValueError(f"{what.replace('func', 'args')} {sorted(args)} without a custom_process_input_func")
+        return TextPassthrough
+    factory = resolve_dotted(path, what)
+    if not args:
+        return factory
+    import inspect
+
+    accepted = inspect.signature(factory).parameters
+    unknown = sorted(set(args) - set(accepted))
+    if unknown:
+        raise ValueError(f"{what.replace('func', 'args')}: {path} takes no {', '.join(unknown)} "
+                         f"(it takes {', '.join(p for p in accepted if p not in ('sources', 'dst', 'prompt'))})")
+    return functools.partial(factory, **args)

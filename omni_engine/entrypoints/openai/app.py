@@ -25,6 +25,7 @@ from fastapi import FastAPI
 
 from omni_engine.entrypoints.openai import (
     chat_audio,
+    completions,
     images,
     realtime,
     speech,
@@ -41,10 +42,11 @@ from omni_engine.entrypoints.openai.weight_versions import add_weight_versions
 VLLM_BUILD_APP = "vllm.entrypoints.launchers.api_server.entry.build_app"
 
 # The route families whose routers go ahead of vLLM's: chat_audio shadows ``POST /v1/chat/completions``
-# (it hands every request without audio to vLLM's handler), realtime vLLM's transcription-only
-# ``/v1/realtime`` WebSocket. Each family goes ahead of those before it, so the app lists them last
-# first (the order the serving tests check).
-ROUTE_FAMILIES = (chat_audio, speech, images, transcription, realtime, speech_stream)
+# (it hands every request without audio to vLLM's handler), completions ``POST /v1/completions`` (it
+# hands every request to vLLM's handler unless a stage refuses the route), realtime vLLM's
+# transcription-only ``/v1/realtime`` WebSocket. Each family goes ahead of those before it, so the
+# app lists them last first (the order the serving tests check).
+ROUTE_FAMILIES = (chat_audio, completions, speech, images, transcription, realtime, speech_stream)
 
 
 def add_omni_routes(app: FastAPI) -> FastAPI:

@@ -38,7 +38,6 @@ import torch
 from torch import nn
 from vllm.config import VllmConfig
 from vllm.model_executor.layers.logits_processor import LogitsProcessor
-from vllm.model_executor.layers.rotary_embedding import MRotaryEmbedding
 from vllm.model_executor.layers.vocab_parallel_embedding import (
     ParallelLMHead,
     VocabParallelEmbedding,
@@ -51,33 +50,10 @@ from vllm.model_executor.models.utils import (
 )
 
 from omni_engine.models.qwen2_5_omni.speakers import load_speakers
+from omni_engine.models.talker_rope import multimodal_rope, talker_rope_channels
 from omni_engine.models.request_tap import batch_segments
 
 THINKER_EMBEDDING = "thinker.model.embed_tokens.weight"
-
-
-def talker_rope_channels(positions: torch.Tensor,
-                         segments: list[tuple[int, int, torch.Tensor, int]]) -> torch.Tensor:
-    """A flat batch's 1-D ``positions`` as three rope channels: in each request's rows ``[begin, end)``,
-    a prompt position ``p < L`` takes ``rope_prompt[:, p]`` (``[3, L]``), a later one ``rope_from + p - L``
-    in every channel; other rows keep their position in every channel."""
-    channels = positions.unsqueeze(0).expand(3, -1).clone()
-    for begin, end, prompt, following in segments:
-        rows, view = positions[begin:end], channels[:, begin:end]
-        length = prompt.shape[1]
-        in_prompt = rows < length
-        view[:, in_prompt] = prompt[:, rows[in_prompt]].to(channels.dtype)
-        view[:, ~in_prompt] = (rows[~in_prompt] - length + following).to(channels.dtype)
-    return channels
-
-
-def multimodal_rope(rope: Any, section: list[int]) -> MRotaryEmbedding:
-    """``rope`` (a layer's plain rotary embedding) as vLLM's multimodal one, same frequencies."""
-    if 2 * sum(section) != rope.rotary_dim:
-        raise ValueError(f"talker_config.rope_parameters.mrope_section {section} sums to {sum(section)}, "
-                         f"not half the talker's rotary dim {rope.rotary_dim}")
-    return MRotaryEmbedding(rope.head_size, rope.rotary_dim, rope.max_position_embeddings, rope.base,
-                            rope.is_neox_style, rope.dtype, mrope_section=list(section))
 
 
 class OmniEngineQwen2_5OmniTalker(nn.Module):

@@ -16,7 +16,9 @@ decoded in one pass, right-padded to the longest (causal: padding changes no sam
 
 from __future__ import annotations
 
+import json
 import math
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -27,6 +29,7 @@ from omni_engine.engines.generation_model import (
     ThreadedGenerationModel,
 )
 from omni_engine.models.checkpoint_files import load_prefixed_state
+from omni_engine.models.qwen3_omni_moe.talker_requests import DEFAULT_VOICE
 
 SAMPLE_RATE = 24000
 PREFIX = "code2wav."
@@ -42,6 +45,10 @@ class Code2Wav(ThreadedGenerationModel):
         torch.set_num_threads(threads)
         self.model_dir = model
         self.code2wav = load_code2wav(model)
+        # The voices are the talker's (its codec speaker ids); said here, the speech stage, where a
+        # server lists and checks a request's voice before the talker refuses it.
+        talker = json.loads((Path(model) / "config.json").read_text()).get("talker_config") or {}
+        self.voices = sorted(talker.get("speaker_id") or {})
         config = self.code2wav.config
         self.groups, self.codebook = int(config.num_quantizers), int(config.codebook_size)
         self.frame = int(math.prod(list(config.upsample_rates) + list(config.upsampling_ratios)))
@@ -109,7 +116,8 @@ class Code2Wav(ThreadedGenerationModel):
     def info(self) -> dict[str, Any]:
         # input_kind: it speaks the talker's codes; a server does not send it text to read
         return {"model": self.model_dir, "sample_rate": SAMPLE_RATE, "input_kind": "codes",
-                "code_groups": self.groups, "samples_per_frame": self.frame}
+                "voices": self.voices, "default_voice": DEFAULT_VOICE if DEFAULT_VOICE in self.voices else
+                (self.voices or [None])[0], "code_groups": self.groups, "samples_per_frame": self.frame}
 
 
 def load_code2wav(model_dir: str) -> Any:

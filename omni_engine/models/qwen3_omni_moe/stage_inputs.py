@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from omni_engine.models.qwen2_5_omni.stage_inputs import FromFinishedSource
-from omni_engine.models.qwen3_omni_moe.code2wav_chunks import CodecStream
+from omni_engine.models.qwen3_omni_moe.code2wav_chunks import CodecChunks, CodecStream
 from omni_engine.pipeline.input_processors import StageInput
 
 if TYPE_CHECKING:
@@ -25,13 +25,14 @@ class TalkerToCode2Wav(FromFinishedSource):
 
     name = "talker2code2wav"
 
-    def __init__(self, sources: list[int], dst: int, prompt: Any = None) -> None:
+    def __init__(self, sources: list[int], dst: int, prompt: Any = None, chunks: CodecChunks | None = None) -> None:
         super().__init__(sources, dst, prompt)
+        self.chunks = chunks
         self.stream: CodecStream | None = None
 
     def on_output(self, output: OmniRequestOutput, new_text: str) -> list[StageInput]:
         if self.stream is None:
-            self.stream = CodecStream()
+            self.stream = CodecStream(self.chunks)
         partial = output.multimodal_output
         if output.finished or "codes_offset" not in partial:
             return []  # the final output's frames are all of them: on_finish
@@ -55,5 +56,9 @@ class TalkerToCode2Wav(FromFinishedSource):
         return final
 
 
-def talker2code2wav(sources: list[int], dst: int, prompt: Any = None) -> TalkerToCode2Wav:
-    return TalkerToCode2Wav(sources, dst, prompt)
+def talker2code2wav(sources: list[int], dst: int, prompt: Any = None, initial_codec_chunk_frames: int = 4,
+                    codec_chunk_frames: int = 25, codec_left_context_frames: int = 25) -> TalkerToCode2Wav:
+    """The edge; the codec chunk sizes as vLLM-Omni's connector ``extra`` names them (the stage's
+    ``custom_process_input_args``, or a deploy file's ``connectors:``)."""
+    chunks = CodecChunks(initial_codec_chunk_frames, codec_chunk_frames, codec_left_context_frames)
+    return TalkerToCode2Wav(sources, dst, prompt, chunks)

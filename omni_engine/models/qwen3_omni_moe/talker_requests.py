@@ -17,7 +17,7 @@ The request vLLM runs is ``[codec pad] * (U + 9)``: placeholders the model repla
 one the talker never samples, so vLLM's repetition penalty (which counts prompt ids) penalises only
 generated codes, as transformers' does. The model writes each frame's codes to the request's row
 file (``OUTPUTS_PATH_KEY``), from which outputs carry them as ``codes`` ``[G, frames]``. The voice is
-``extra_args["voice"]`` (case-insensitive; default ``Ethan``, transformers' default); an unknown
+``extra_args["voice"]`` (case-insensitive; default ``ethan``, transformers' default); an unknown
 one is refused here, naming the voices there are.
 """
 
@@ -36,13 +36,35 @@ import torch
 from omni_engine.connectors import shm
 from omni_engine.models.request_tap import INPUTS_PATH_KEY, OUTPUTS_PATH_KEY, read_rows
 
-DEFAULT_VOICE = "Ethan"
+DEFAULT_VOICE = "ethan"  # transformers' default speaker; the config names them in lower case
+# vLLM-Omni's words for it: the talker takes its rows by chat turn, which a raw prompt lacks.
+COMPLETIONS_REFUSAL = ("Qwen3-Omni requires chat template structure for thinker-talker handoff. "
+                       "Use /v1/chat/completions instead.")
 PROMPT_FIELDS = ("thinker_prompt_token_ids", "input_embeds", "hidden_states")
 ASSISTANT_ROWS = 9
 
 
 def voice_name(params: Any) -> str:
     return (getattr(params, "extra_args", None) or {}).get("voice") or DEFAULT_VOICE
+
+
+def talker_rope(thinker_positions: torch.Tensor, user: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The talker's multimodal rope for its prompt, as transformers' talker ``get_rope_index`` places
+    the user rows and the 9 assistant rows: each run of consecutive user rows keeps the thinker's
+    layout (an image's tokens at their grid's T/H/W), shifted to start one past the previous run's
+    largest position (the first at 0); the assistant rows, and every later row, one more each.
+    ``rope_prompt`` ``[3, U + 9]``, ``rope_from`` ``[1]`` (the first decode row's position)."""
+    positions = thinker_positions[:, :3].round().to(torch.int64)
+    placed, following = [], 0
+    runs = torch.tensor_split(user, (torch.diff(user) != 1).nonzero().flatten() + 1) if user.numel() else []
+    for run in runs:
+        rows = positions[run]
+        rows = rows - rows[0] + following  # a run starts with <|im_start|>: its channels are equal
+        placed.append(rows)
+        following = int(rows.max()) + 1
+    assistant = torch.arange(following, following + ASSISTANT_ROWS).unsqueeze(1).expand(-1, 3)
+    prompt = torch.cat([*placed, assistant]) if placed else assistant
+    return {"rope_prompt": prompt.T.contiguous(), "rope_from": torch.tensor([following + ASSISTANT_ROWS])}
 
 
 class TalkerRequests:
@@ -76,8 +98,9 @@ class TalkerRequests:
         return self._prefix
 
     def info(self) -> dict[str, Any]:
-        """For the stage's READY info: the voices it speaks."""
-        return {"voices": sorted(self.speakers), "default_voice": DEFAULT_VOICE.lower()}
+        """For the stage's READY info: the voices it speaks, and the route a server must refuse."""
+        return {"voices": sorted(self.speakers), "default_voice": DEFAULT_VOICE,
+                "refuses_endpoints": {"/v1/completions": COMPLETIONS_REFUSAL}}
 
     def speaker_of(self, params: Any, request_id: str) -> int:
         name = voice_name(params)
@@ -97,7 +120,8 @@ class TalkerRequests:
                              "engine_output_type: latent, and the edge custom_process_input_func thinker2talker)")
         speaker = self.speaker_of(params, request_id)
         rows = self.input_rows(request_id, torch.as_tensor(list(prompt["thinker_prompt_token_ids"])),
-                               torch.as_tensor(prompt["input_embeds"]), torch.as_tensor(prompt["hidden_states"]))
+                               torch.as_tensor(prompt["input_embeds"]), torch.as_tensor(prompt["hidden_states"]),
+                               prompt.get("thinker_positions"))
         base = str(shm.SHM_DIR / f"{self.prefix}{next(self._counter)}")
         save_file({**rows, "speaker": torch.tensor([speaker])}, base)
         self._paths[request_id] = (base, f"{base}.codes")
@@ -107,8 +131,8 @@ class TalkerRequests:
         length = rows["user_rows"].shape[0] + ASSISTANT_ROWS
         return {"prompt_token_ids": [self.codec_pad] * length}, params
 
-    def input_rows(self, request_id: str, ids: torch.Tensor, embeds: torch.Tensor,
-                   hidden: torch.Tensor) -> dict[str, torch.Tensor]:
+    def input_rows(self, request_id: str, ids: torch.Tensor, embeds: torch.Tensor, hidden: torch.Tensor,
+                   thinker_positions: Any = None) -> dict[str, torch.Tensor]:
         """The rows transformers' ``generate`` takes from the thinker, selected by chat segment."""
         length = ids.shape[0]
         where = f"stage {self.stage_id}: request {request_id!r}"
@@ -124,14 +148,17 @@ class TalkerRequests:
             if start + 1 < length:
                 role[start:] = int(ids[start + 1])
         user = (role == self.user).nonzero().flatten()
-        if bool(torch.isin(ids[user], self.visual).any()):
-            raise ValueError(f"{where}: speech for a prompt with an image or video is not supported by this "
-                             "talker yet (transformers places such rows by their grid); ask for text only")
         multimodal = torch.isin(ids[user], self.placeholders)
         user_rows = torch.where(multimodal.unsqueeze(1), hidden[user], embeds[user])
-        return {"user_rows": user_rows.contiguous(), "user_multimodal": multimodal.to(torch.int64),
+        rows = {"user_rows": user_rows.contiguous(), "user_multimodal": multimodal.to(torch.int64),
                 "assistant_rows": embeds[length - 3:length].contiguous(),
                 "reply_rows": embeds[length:].contiguous()}
+        if bool(torch.isin(ids[user], self.visual).any()):
+            if thinker_positions is None:
+                raise ValueError(f"{where}: an image or video in the prompt, and no thinker positions to place "
+                                 "the talker's rows by its grid (the thinker stage records them)")
+            rows.update(talker_rope(torch.as_tensor(thinker_positions), user))
+        return rows
 
     def frames(self, request_id: str, generated: list[int]) -> np.ndarray:
         """The request's codes ``[G, frames]``: each frame's first code is a generated id, and its row
@@ -149,7 +176,7 @@ class TalkerRequests:
         """What the final output carries for code2wav: every complete frame's codes (the stop code
         ends the list; a last code with no step after it makes no frame, as transformers')."""
         return {"codes": self.frames(request_id, generated),
-                "voice": self._voices.get(request_id, DEFAULT_VOICE.lower())}
+                "voice": self._voices.get(request_id, DEFAULT_VOICE)}
 
     def partial_extras(self, request_id: str, generated: list[int]) -> dict[str, Any]:
         """The frames since the last partial output, from frame ``codes_offset``."""
@@ -157,7 +184,7 @@ class TalkerRequests:
         offset = self._streamed.get(request_id, 0)
         self._streamed[request_id] = max(offset, codes.shape[1])
         return {"codes": codes[:, offset:], "codes_offset": offset,
-                "voice": self._voices.get(request_id, DEFAULT_VOICE.lower())}
+                "voice": self._voices.get(request_id, DEFAULT_VOICE)}
 
     def finish(self, request_id: str) -> None:
         self._voices.pop(request_id, None)

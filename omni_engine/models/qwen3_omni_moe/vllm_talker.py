@@ -19,9 +19,9 @@ them (``talker_requests`` writes what a request brings):
 A frame's residual codes and the hidden state that made its first code are written to the request's
 ``RowFile`` (``request_tap``): the stage reads the codes from it, and a request recomputed after
 preemption finds there what it cannot recompute in one pass (a row's input depends on the previous
-row's output). Positions are plain (vLLM's 1-D): transformers' talker uses its multimodal rope only
-for a prompt with an image or video grid, which this talker does not place yet (refused by the
-request adapter).
+row's output). Positions: Qwen3's interleaved multimodal rope, each request's rows placed as
+transformers' talker ``get_rope_index`` places them (``talker_requests.talker_rope``); the channels
+are equal, so plain rope, but for a prompt with an image or video.
 """
 
 from __future__ import annotations
@@ -40,6 +40,7 @@ from vllm.model_executor.models.utils import AutoWeightsLoader, WeightsMapper, m
 
 from omni_engine.models.qwen3_omni_moe.code_predictor import PREFIX, build_code_predictor, predict_codes
 from omni_engine.models.request_tap import RequestIO, RowFile, batch_segments
+from omni_engine.models.talker_rope import multimodal_rope, talker_rope_channels
 
 logger = logging.getLogger(__name__)
 
@@ -95,6 +96,13 @@ class OmniEngineQwen3OmniMoeTalker(nn.Module):
         # The thinker's embeddings of tts pad, bos and eos (filled when weights load).
         self.tts_ids = (config.tts_pad_token_id, config.tts_bos_token_id, config.tts_eos_token_id)
         self.register_buffer("tts_rows", torch.zeros(3, thinker_width), persistent=False)
+        # Qwen3's interleaved multimodal rope, placed per request (``talker_rope``): plain positions
+        # in every channel but for a prompt with an image or video
+        self.mrope_section = getattr(config, "talker_mrope_section", None)
+        if self.mrope_section:
+            for layer in self.model.layers:
+                layer.self_attn.rotary_emb = multimodal_rope(layer.self_attn.rotary_emb, self.mrope_section,
+                                                             interleaved=True)
 
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.model.embed_tokens(input_ids)
@@ -210,7 +218,8 @@ class OmniEngineQwen3OmniMoeTalker(nn.Module):
         segments = list(batch_segments())
         if input_ids is not None:
             self.build_embeds(input_ids, inputs_embeds)
-        hidden = self.model(None, positions, intermediate_tensors, inputs_embeds=inputs_embeds)
+        hidden = self.model(None, self.rope_positions(positions, segments), intermediate_tensors,
+                            inputs_embeds=inputs_embeds)
         for io, begin, end, first in segments:
             frame = first + (end - begin) - io.memo["prompt"].shape[0] if "prompt" in io.memo else -1
             if frame >= 0:
@@ -220,6 +229,14 @@ class OmniEngineQwen3OmniMoeTalker(nn.Module):
                 if io.outputs is not None:
                     hidden_file(io).write(frame, hidden[end - 1].float())
         return hidden
+
+    def rope_positions(self, positions: torch.Tensor, segments: list[Any]) -> torch.Tensor:
+        """vLLM's 1-D positions as the three rope channels (``[3, tokens]``), per request."""
+        if not self.mrope_section:
+            return positions
+        return talker_rope_channels(positions, [
+            (begin, end, io.inputs["rope_prompt"], int(io.inputs["rope_from"][0]))
+            for io, begin, end, _first in segments if "rope_prompt" in io.inputs])
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
         logits = self.logits_processor(self.codec_head, hidden_states)

@@ -1,0 +1,181 @@
+"""``omni-engine serve`` of a Qwen3-Omni-MoE checkpoint directory, called as OpenAI clients call it.
+
+The server finds the family's pipeline (thinker -> talker -> code2wav, async_chunk) by the
+checkpoint's architecture, with vLLM-Omni's own deploy file for the model over it (its codec chunk
+sizes from its ``connectors:`` block). Chat with ``modalities: ["text", "audio"]`` must answer with
+transformers' text and the waveform transformers' greedy talker and code2wav make; completions are
+refused with the reason; realtime hears a spoken turn and answers in that speech.
+"""
+
+from __future__ import annotations
+
+import base64
+
+import httpx
+import numpy as np
+import pytest
+
+from omni_engine.audio import decode_audio, encode_audio
+from tests.qwen3_omni_reference import chat, load_reference, reference_speech
+from tests.qwen_omni_reference import reference_run, tone
+from tests.serve_helpers import running_server
+from tests.test_deploy_config import QWEN3_DEPLOY
+
+SERVED = "qwen3-omni-tiny"
+MAX_TOKENS = 10
+TALKER_TOKENS = 16
+PCM16_STEP = 1 / 32768
+QUESTION = "What is the capital of France?"
+# vLLM-Omni's deploy file for the model, its codec pieces smaller (so a short answer streams in
+# several), the talker greedy by default (so a chat gets transformers' codes), vLLM's sizes for this
+# machine's memory, every stage on its one CPU group (the file puts the talker on GPU 1).
+DEPLOY = (QWEN3_DEPLOY.replace("codec_chunk_frames: 25", "codec_chunk_frames: 5").replace('devices: "1"', 'devices: "0"')
+          .replace("default_sampling_params: {seed: 42, temperature: 0.9, top_k: 50, max_tokens: 4096",
+                   f"default_sampling_params: {{seed: 42, temperature: 0.0, top_k: 50, max_tokens: {TALKER_TOKENS}")
+          .replace("max_num_seqs: 64", "max_num_seqs: 4").replace("max_num_batched_tokens: 32768",
+                                                                  "max_num_batched_tokens: 4096")
+          .replace("gpu_memory_utilization: 0.9", "gpu_memory_utilization: 0.3")
+          .replace("gpu_memory_utilization: 0.6", "gpu_memory_utilization: 0.3"))
+
+
+@pytest.fixture(scope="module")
+def qwen3_dir():
+    from omni_engine.models.prepare import prepare_model
+
+    return prepare_model("qwen3-omni-tiny")
+
+
+@pytest.fixture(scope="module")
+def reference(qwen3_dir):
+    return load_reference(qwen3_dir)
+
+
+@pytest.fixture(scope="module")
+def server(qwen3_dir, tmp_path_factory):
+    work = tmp_path_factory.mktemp("qwen3_serve")
+    deploy = work / "qwen3_omni_moe.yaml"
+    deploy.write_text(DEPLOY)
+    with running_server(str(qwen3_dir), SERVED, work, extra_args=("--deploy-config", str(deploy))) as srv:
+        yield srv
+
+
+def _post(server, path, body, timeout=120):
+    return httpx.post(f"{server['url']}{path}", json={"model": SERVED, **body}, timeout=timeout)
+
+
+def _messages(kind):
+    """The chat for a prompt kind, and the prompt transformers is given for it."""
+    if kind == "text":
+        return [{"role": "user", "content": QUESTION}], (chat(QUESTION), {})
+    wav = encode_audio(tone(), 16000, "wav")
+    part = {"type": "input_audio", "input_audio": {"data": base64.b64encode(wav).decode("ascii"), "format": "wav"}}
+    return ([{"role": "user", "content": [part, {"type": "text", "text": "What did you hear?"}]}],
+            (chat("<|audio_start|><|audio_pad|><|audio_end|>What did you hear?"),
+             {"audio": (decode_audio(wav, 16000), 16000)}))
+
+
+def _audio_chat(server, messages, voice=None, stream=False):
+    """The text and the waveform (float32, 24 kHz) of a chat with audio, streamed or whole."""
+    import json
+
+    audio = {"format": "pcm16", **({"voice": voice} if voice else {})}
+    body = {"messages": messages, "modalities": ["text", "audio"], "audio": audio, "temperature": 0.0,
+            "max_tokens": MAX_TOKENS, "stream": stream}
+    if not stream:
+        response = _post(server, "/v1/chat/completions", body)
+        assert response.status_code == 200, response.text
+        message = response.json()["choices"][0]["message"]
+        return message["content"], _pcm16(base64.b64decode(message["audio"]["data"])), 1
+    text, chunks = "", []
+    with httpx.stream("POST", f"{server['url']}/v1/chat/completions", json={"model": SERVED, **body},
+                      timeout=120) as response:
+        assert response.status_code == 200
+        for line in response.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            event = json.loads(line[6:])
+            assert "error" not in event, event
+            delta = event["choices"][0]["delta"] if event["choices"] else {}
+            text += delta.get("content") or ""
+            if "data" in (delta.get("audio") or {}):
+                chunks.append(_pcm16(base64.b64decode(delta["audio"]["data"])))
+    return text, np.concatenate(chunks) if chunks else np.zeros(0, np.float32), len(chunks)
+
+
+def _pcm16(data: bytes) -> np.ndarray:
+    return np.frombuffer(data, dtype="<i2").astype(np.float32) / 32768
+
+
+@pytest.mark.parametrize(("kind", "voice", "stream"), [("text", "Ethan", False), ("audio", "chelsie", True)])
+def test_a_chat_with_audio_answers_transformers_text_and_speech(server, reference, kind, voice, stream):
+    """Through the server: the thinker's greedy text, then the audio of the talker's greedy frames in
+    the voice asked for, as transformers makes both (pcm16: within a step of it); streamed, in the
+    deploy file's codec pieces (4 frames, then 5), which join to the whole (their decoder sees every
+    frame before them in an answer this short)."""
+    messages, prompt = _messages(kind)
+    want_ids, _, _ = reference_run(reference, prompt)
+    want_ids = want_ids[:MAX_TOKENS]
+    want_text = reference[1].tokenizer.decode(want_ids, skip_special_tokens=True)
+    codes, want = reference_speech(reference, prompt, voice.lower(), MAX_TOKENS, TALKER_TOKENS)
+    text, audio, pieces = _audio_chat(server, messages, voice=voice, stream=stream)
+    assert text == want_text
+    assert audio.shape == want.shape == (codes.shape[1] * 1920 - 555,)
+    assert float(np.abs(audio).max()) > 0.05, "silent"
+    np.testing.assert_allclose(audio, np.clip(want, -1, 1), atol=1e-4 + PCM16_STEP, rtol=0)
+    if stream:
+        assert pieces >= 1 + -(-(codes.shape[1] - 4) // 5), "the answer's speech did not stream in codec pieces"
+
+
+def test_completions_are_refused_with_the_reason_and_the_server_serves_on(server):
+    response = _post(server, "/v1/completions", {"prompt": "Hello", "max_tokens": 2})
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["message"] == ("Qwen3-Omni requires chat template structure for thinker-talker handoff. "
+                                "Use /v1/chat/completions instead.")
+    again = _post(server, "/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2})
+    assert again.status_code == 200, again.text
+
+
+def test_the_voices_are_the_talker_s_speakers_and_an_unknown_one_is_refused_by_field(server):
+    listing = httpx.get(f"{server['url']}/v1/audio/voices", timeout=30).json()
+    assert [v["id"] for v in listing["data"]] == ["aiden", "chelsie", "ethan"]
+    assert listing["default"] == "ethan"  # transformers' default speaker
+    response = _post(server, "/v1/chat/completions", {
+        "messages": [{"role": "user", "content": "Hi"}], "modalities": ["text", "audio"],
+        "audio": {"voice": "alloy", "format": "wav"}, "max_tokens": 2})
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["param"] == "audio.voice"
+
+
+@pytest.mark.asyncio(loop_scope="module")
+async def test_realtime_the_thinker_hears_the_turn_and_answers_in_transformers_speech(server, reference):
+    """``/v1/realtime``: a committed turn of audio goes to the thinker itself; the answer is
+    transformers' text for that audio and the speech of transformers' greedy talker."""
+    import base64 as b64
+
+    from omni_engine.realtime.audio_io import StreamResampler
+    from tests.realtime_helpers import aclient, answer_audio, events_until, of_type
+
+    resampled = StreamResampler(16000, 24000).feed(tone())
+    pcm = (np.clip(resampled, -1, 1) * 32767).astype("<i2")
+    heard16k = StreamResampler(24000, 16000).feed(pcm.astype(np.float32) / 32768.0)  # as the session hears it
+    prompt = (chat("<|audio_start|><|audio_pad|><|audio_end|>"), {"audio": (heard16k, 16000)})
+    want_ids, _, _ = reference_run(reference, prompt)
+    want_text = reference[1].tokenizer.decode(want_ids[:MAX_TOKENS], skip_special_tokens=True)
+    voice = None
+    async with aclient(server).realtime.connect(model=SERVED) as conn:
+        created = await conn.recv()
+        voice = created.session.audio.output.voice
+        await conn.session.update(session={"type": "realtime", "max_output_tokens": MAX_TOKENS,
+                                           "audio": {"input": {"turn_detection": None}}})
+        await events_until(conn, "session.updated")
+        await conn.input_audio_buffer.append(audio=b64.b64encode(pcm.tobytes()).decode())
+        await conn.input_audio_buffer.commit()
+        await conn.response.create()
+        events = await events_until(conn, "response.done")
+        transcript = "".join(ev.delta for ev in of_type(events, "response.output_audio_transcript.delta"))
+        audio = answer_audio(events)
+    assert transcript == want_text
+    _, want = reference_speech(reference, prompt, voice.lower(), MAX_TOKENS, TALKER_TOKENS)
+    assert audio.shape == want.shape
+    np.testing.assert_allclose(audio, np.clip(want, -1, 1), atol=1e-4 + 2 * PCM16_STEP, rtol=0)
