@@ -139,3 +139,37 @@ def assert_nothing_in_flight(server: dict[str, Any], wait_s: float = 10.0) -> No
             break
         time.sleep(0.2)
     assert not busy, f"requests still in flight on stages: {busy}"
+
+
+def audio_chat(url: str, body: dict[str, Any], timeout: float = 120) -> tuple[str, Any, int]:
+    """A chat with ``modalities: ["text", "audio"]`` and ``audio.format: pcm16`` (``body``, ``model``
+    included): its text, its waveform (float32), and how many audio pieces it came in; streamed
+    (``body["stream"]``: the deltas joined) or whole (the transcript checked against the text)."""
+    import base64
+    import json
+
+    import httpx
+    import numpy as np
+
+    def pcm16(data: str) -> np.ndarray:
+        return np.frombuffer(base64.b64decode(data), dtype="<i2").astype(np.float32) / 32768
+
+    if not body.get("stream"):
+        response = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=timeout)
+        assert response.status_code == 200, response.text
+        message = response.json()["choices"][0]["message"]
+        assert message["audio"]["transcript"] == message["content"]
+        return message["content"], pcm16(message["audio"]["data"]), 1
+    text, chunks = "", []
+    with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=timeout) as response:
+        assert response.status_code == 200
+        for line in response.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            event = json.loads(line[6:])
+            assert "error" not in event, event
+            delta = event["choices"][0]["delta"] if event["choices"] else {}
+            text += delta.get("content") or ""
+            if "data" in (delta.get("audio") or {}):
+                chunks.append(pcm16(delta["audio"]["data"]))
+    return text, np.concatenate(chunks) if chunks else np.zeros(0, np.float32), len(chunks)

@@ -28,7 +28,7 @@ from tests.qwen_omni_reference import (
     reference_wav,
     tone,
 )
-from tests.serve_helpers import running_server
+from tests.serve_helpers import audio_chat, running_server
 
 SERVED = "qwen-omni-tiny"
 # A greedy talker with the config's other defaults (its stop codes, repetition penalty)
@@ -104,38 +104,14 @@ def _messages(kind):
             (chat("<|vision_bos|><|IMAGE|><|vision_eos|>Describe it."), {"image": picture}))
 
 
-def _pcm16(data: bytes) -> np.ndarray:
-    return np.frombuffer(data, dtype="<i2").astype(np.float32) / 32768
-
-
 def _audio_chat(server, messages, voice=None, stream=False, per_stage=GREEDY_TALKER):
     """The text and the waveform (float32, 24 kHz) of a chat with audio, streamed or whole."""
     audio = {"format": "pcm16", **({"voice": voice} if voice else {})}
-    body = {"messages": messages, "modalities": ["text", "audio"], "audio": audio, "temperature": 0.0,
-            "max_tokens": MAX_TOKENS, "stream": stream,
+    body = {"model": SERVED, "messages": messages, "modalities": ["text", "audio"], "audio": audio,
+            "temperature": 0.0, "max_tokens": MAX_TOKENS, "stream": stream,
             **({"sampling_params_list": per_stage} if per_stage is not None else {})}
-    if not stream:
-        response = _post(server, body)
-        assert response.status_code == 200, response.text
-        message = response.json()["choices"][0]["message"]
-        assert message["audio"]["transcript"] == message["content"]
-        return message["content"], _pcm16(base64.b64decode(message["audio"]["data"]))
-    text, chunks = "", []
-    with httpx.stream("POST", f"{server['url']}/v1/chat/completions", json={"model": SERVED, **body},
-                      timeout=120) as response:
-        assert response.status_code == 200
-        import json
-
-        for line in response.iter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            event = json.loads(line[6:])
-            assert "error" not in event, event
-            delta = event["choices"][0]["delta"] if event["choices"] else {}
-            text += delta.get("content") or ""
-            if "data" in (delta.get("audio") or {}):
-                chunks.append(_pcm16(base64.b64decode(delta["audio"]["data"])))
-    return text, np.concatenate(chunks) if chunks else np.zeros(0, np.float32)
+    text, samples, _ = audio_chat(server["url"], body)
+    return text, samples
 
 
 @pytest.mark.parametrize(("kind", "voice", "stream"), [("text", "Ethan", False), ("audio", None, True)])

@@ -18,7 +18,7 @@ import pytest
 from omni_engine.audio import decode_audio, encode_audio
 from tests.qwen3_omni_reference import chat, load_reference, reference_speech
 from tests.qwen_omni_reference import reference_run, tone
-from tests.serve_helpers import running_server
+from tests.serve_helpers import audio_chat, running_server
 from tests.test_deploy_config import QWEN3_DEPLOY
 
 SERVED = "qwen3-omni-tiny"
@@ -75,35 +75,10 @@ def _messages(kind):
 
 
 def _audio_chat(server, messages, voice=None, stream=False):
-    """The text and the waveform (float32, 24 kHz) of a chat with audio, streamed or whole."""
-    import json
-
+    """The text, the waveform (float32, 24 kHz) and the piece count of a chat with audio."""
     audio = {"format": "pcm16", **({"voice": voice} if voice else {})}
-    body = {"messages": messages, "modalities": ["text", "audio"], "audio": audio, "temperature": 0.0,
-            "max_tokens": MAX_TOKENS, "stream": stream}
-    if not stream:
-        response = _post(server, "/v1/chat/completions", body)
-        assert response.status_code == 200, response.text
-        message = response.json()["choices"][0]["message"]
-        return message["content"], _pcm16(base64.b64decode(message["audio"]["data"])), 1
-    text, chunks = "", []
-    with httpx.stream("POST", f"{server['url']}/v1/chat/completions", json={"model": SERVED, **body},
-                      timeout=120) as response:
-        assert response.status_code == 200
-        for line in response.iter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            event = json.loads(line[6:])
-            assert "error" not in event, event
-            delta = event["choices"][0]["delta"] if event["choices"] else {}
-            text += delta.get("content") or ""
-            if "data" in (delta.get("audio") or {}):
-                chunks.append(_pcm16(base64.b64decode(delta["audio"]["data"])))
-    return text, np.concatenate(chunks) if chunks else np.zeros(0, np.float32), len(chunks)
-
-
-def _pcm16(data: bytes) -> np.ndarray:
-    return np.frombuffer(data, dtype="<i2").astype(np.float32) / 32768
+    return audio_chat(server["url"], {"model": SERVED, "messages": messages, "modalities": ["text", "audio"],
+                                      "audio": audio, "temperature": 0.0, "max_tokens": MAX_TOKENS, "stream": stream})
 
 
 @pytest.mark.parametrize(("kind", "voice", "stream"), [("text", "Ethan", False), ("audio", "chelsie", True)])

@@ -25,6 +25,19 @@ def load_prefixed_state(model_dir: str | Path, prefix: str) -> dict[str, Any]:
     return state
 
 
+def load_submodule(module: Any, model_dir: str | Path, prefix: str, what: str) -> Any:
+    """``module`` (float32, eval) with the checkpoint's ``prefix*`` weights; ValueError naming
+    ``what`` where there are none or they do not fit."""
+    module = module.float().eval()
+    state = load_prefixed_state(model_dir, prefix)
+    if not state:
+        raise ValueError(f"{model_dir}: no {prefix}* weights ({what})")
+    missing, unexpected = module.load_state_dict(state, strict=False)
+    if missing or unexpected:
+        raise ValueError(f"{model_dir}: {what} weights do not fit: missing {missing[:5]}, unexpected {unexpected[:5]}")
+    return module
+
+
 def check_placeholder_ids(model_dir: str, placeholders: Mapping[str, str]) -> None:
     """``thinker_config``'s placeholder ids (``placeholders``: config key -> token) are the tokenizer's:
     a mismatch would expand a multimodal part at the wrong token (or at none) deep in vLLM's

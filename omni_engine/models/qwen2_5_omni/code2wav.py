@@ -32,7 +32,7 @@ from omni_engine.engines.generation_model import (
     GenerationRequest,
     ThreadedGenerationModel,
 )
-from omni_engine.models.checkpoint_files import load_prefixed_state
+from omni_engine.models.checkpoint_files import load_submodule
 from omni_engine.models.qwen2_5_omni.code2wav_dit import (
     memoize_speaker_encoder,
     sample_mel,
@@ -178,14 +178,7 @@ def load_token2wav(model_dir: str) -> Any:
     )
 
     config = Qwen2_5OmniConfig.from_pretrained(model_dir).token2wav_config
-    model = Qwen2_5OmniToken2WavModel(config).float().eval()
-    state = load_prefixed_state(model_dir, PREFIX)
-    if not state:
-        raise ValueError(f"{model_dir}: no {PREFIX}* weights (Qwen2.5-Omni's code2wav)")
-    missing, unexpected = model.load_state_dict(state, strict=False)
-    if missing or unexpected:
-        raise ValueError(f"{model_dir}: token2wav weights do not fit: missing {missing[:5]}, unexpected {unexpected[:5]}")
-    return model
+    return load_submodule(Qwen2_5OmniToken2WavModel(config), model_dir, PREFIX, "Qwen2.5-Omni's code2wav")
 
 
 def make_code2wav(**engine_args: Any) -> Code2Wav:

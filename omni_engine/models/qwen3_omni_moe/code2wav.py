@@ -28,7 +28,7 @@ from omni_engine.engines.generation_model import (
     GenerationRequest,
     ThreadedGenerationModel,
 )
-from omni_engine.models.checkpoint_files import load_prefixed_state
+from omni_engine.models.checkpoint_files import load_submodule
 from omni_engine.models.qwen3_omni_moe.talker_requests import DEFAULT_VOICE
 
 SAMPLE_RATE = 24000
@@ -128,14 +128,7 @@ def load_code2wav(model_dir: str) -> Any:
     )
 
     config = Qwen3OmniMoeConfig.from_pretrained(model_dir).code2wav_config
-    model = Qwen3OmniMoeCode2Wav(config).float().eval()
-    state = load_prefixed_state(model_dir, PREFIX)
-    if not state:
-        raise ValueError(f"{model_dir}: no {PREFIX}* weights (Qwen3-Omni's code2wav)")
-    missing, unexpected = model.load_state_dict(state, strict=False)
-    if missing or unexpected:
-        raise ValueError(f"{model_dir}: code2wav weights do not fit: missing {missing[:5]}, unexpected {unexpected[:5]}")
-    return model
+    return load_submodule(Qwen3OmniMoeCode2Wav(config), model_dir, PREFIX, "Qwen3-Omni's code2wav")
 
 
 def make_code2wav(**engine_args: Any) -> Code2Wav:
