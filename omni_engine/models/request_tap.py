@@ -127,14 +127,15 @@ class RowFile:
             self.fd = None
 
 
-def read_rows(path: str, count: int, width: int, dtype: Any) -> Any:
-    """Rows ``[0, count)`` of a ``RowFile`` as a numpy array ``[count, width]`` (short: the rows there are)."""
+def read_rows(path: str, count: int, width: int, dtype: Any, start: int = 0) -> Any:
+    """Rows ``[start, count)`` of a ``RowFile`` as a numpy array ``[rows, width]`` (short: the rows there are)."""
     import numpy as np
 
     itemsize = np.dtype(dtype).itemsize
     try:
         with open(path, "rb") as f:
-            data = f.read(count * width * itemsize)
+            f.seek(start * width * itemsize)
+            data = f.read(max(count - start, 0) * width * itemsize)
     except FileNotFoundError:
         data = b""
     rows = len(data) // (width * itemsize)

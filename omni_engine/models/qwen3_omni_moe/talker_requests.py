@@ -160,16 +160,16 @@ class TalkerRequests:
             rows.update(talker_rope(torch.as_tensor(thinker_positions), user))
         return rows
 
-    def frames(self, request_id: str, generated: list[int]) -> np.ndarray:
-        """The request's codes ``[G, frames]``: each frame's first code is a generated id, and its row
-        in the file (written at the step after it was sampled) holds all of the frame's codes."""
+    def frames(self, request_id: str, generated: list[int], start: int = 0) -> np.ndarray:
+        """The request's codes ``[G, frames]`` from frame ``start``: each frame's first code is a generated
+        id, and its row in the file (written at the step after it was sampled) holds all of its codes."""
         paths = self._paths.get(request_id)
         # The last id's frame is completed at the next step: none comes after the stop code, nor
         # after a last code cut by max_tokens (which makes no frame, as in transformers).
         count = len(generated) - 1
-        if paths is None or count <= 0:
+        if paths is None or count <= start:
             return np.zeros((self.groups, 0), dtype=np.int64)
-        rows = read_rows(paths[1], count, self.groups, np.int64)
+        rows = read_rows(paths[1], count, self.groups, np.int64, start)
         return np.ascontiguousarray(rows.T)
 
     def output_extras(self, request_id: str, generated: list[int]) -> dict[str, Any]:
@@ -180,10 +180,10 @@ class TalkerRequests:
 
     def partial_extras(self, request_id: str, generated: list[int]) -> dict[str, Any]:
         """The frames since the last partial output, from frame ``codes_offset``."""
-        codes = self.frames(request_id, generated)
         offset = self._streamed.get(request_id, 0)
-        self._streamed[request_id] = max(offset, codes.shape[1])
-        return {"codes": codes[:, offset:], "codes_offset": offset,
+        codes = self.frames(request_id, generated, offset)  # the new frames only: no re-read per output
+        self._streamed[request_id] = offset + codes.shape[1]
+        return {"codes": codes, "codes_offset": offset,
                 "voice": self._voices.get(request_id, DEFAULT_VOICE)}
 
     def finish(self, request_id: str) -> None:

@@ -139,11 +139,11 @@ class OmniEngineQwen3OmniMoeTalker(nn.Module):
         trailing = io.memo["trailing"]
         return trailing[frame] if frame < trailing.shape[0] else self.tts_row(0)
 
-    def build_embeds(self, input_ids: torch.Tensor, embeds: torch.Tensor) -> None:
+    def build_embeds(self, input_ids: torch.Tensor, embeds: torch.Tensor, segments: list[Any]) -> None:
         """Each tapped request's rows of ``embeds``: its prompt rows, and for each later row (frame
         ``f``'s first code) the frame's summed code embeddings plus its text row."""
         pending: list[tuple[int, RequestIO, int, torch.Tensor]] = []  # rows the predictor completes
-        for io, begin, end, first in batch_segments():
+        for io, begin, end, first in segments:
             if "user_rows" not in io.inputs:
                 continue
             prompt = self.prompt_rows(io)
@@ -217,7 +217,7 @@ class OmniEngineQwen3OmniMoeTalker(nn.Module):
         inputs_embeds = inputs_embeds.clone()
         segments = list(batch_segments())
         if input_ids is not None:
-            self.build_embeds(input_ids, inputs_embeds)
+            self.build_embeds(input_ids, inputs_embeds, segments)
         hidden = self.model(None, self.rope_positions(positions, segments), intermediate_tensors,
                             inputs_embeds=inputs_embeds)
         for io, begin, end, first in segments:
