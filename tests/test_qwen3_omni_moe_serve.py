@@ -55,7 +55,8 @@ def server(qwen3_dir, tmp_path_factory):
     work = tmp_path_factory.mktemp("qwen3_serve")
     deploy = work / "qwen3_omni_moe.yaml"
     deploy.write_text(DEPLOY)
-    with running_server(str(qwen3_dir), SERVED, work, extra_args=("--deploy-config", str(deploy))) as srv:
+    tools = ("--enable-auto-tool-choice", "--tool-call-parser", "hermes_json")  # Qwen3's <tool_call> tags
+    with running_server(str(qwen3_dir), SERVED, work, extra_args=("--deploy-config", str(deploy), *tools)) as srv:
         yield srv
 
 
@@ -152,5 +153,52 @@ async def test_realtime_the_thinker_hears_the_turn_and_answers_in_transformers_s
         audio = answer_audio(events)
     assert transcript == want_text
     _, want = reference_speech(reference, prompt, voice.lower(), MAX_TOKENS, TALKER_TOKENS)
+    assert audio.shape == want.shape
+    np.testing.assert_allclose(audio, np.clip(want, -1, 1), atol=1e-4 + 2 * PCM16_STEP, rtol=0)
+
+
+WEATHER = {"type": "function", "name": "get_weather", "description": "The weather in a city",
+           "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}
+
+
+@pytest.mark.asyncio(loop_scope="module")
+async def test_realtime_a_tool_s_output_is_answered_in_transformers_speech(server, reference):
+    """A tool call's round trip on ``/v1/realtime``: the client's function call and its output go into
+    the thinker's prompt as Qwen3's chat template writes them (the tools in the system turn, the
+    output in a user turn of ``<tool_response>``), and the answer is transformers' text and speech for
+    that prompt: the talker takes the tool response's rows as a user turn's, as transformers' does."""
+    from omni_engine.realtime.tools import chat_tools
+    from tests.realtime_helpers import aclient, answer_audio, events_until, of_type
+
+    output = '{"city": "Paris", "sky": "sunny"}'
+    call = {"type": "function_call", "call_id": "call_weather", "name": "get_weather",
+            "arguments": '{"city": "Paris"}'}
+    async with aclient(server).realtime.connect(model=SERVED) as conn:
+        voice = (await conn.recv()).session.audio.output.voice
+        await conn.session.update(session={"type": "realtime", "max_output_tokens": MAX_TOKENS, "tools": [WEATHER],
+                                           "audio": {"input": {"turn_detection": None}}})
+        await events_until(conn, "session.updated")
+        for item in ({"type": "message", "role": "user", "content": [{"type": "input_text", "text": QUESTION}]},
+                     call, {"type": "function_call_output", "call_id": "call_weather", "output": output}):
+            await conn.conversation.item.create(item=item)
+            await events_until(conn, "conversation.item.created")
+        await conn.response.create()
+        events = await events_until(conn, "response.done")
+    done = of_type(events, "response.done")[-1].response
+    assert done.status in ("completed", "incomplete"), done  # (incomplete: max_output_tokens reached)
+    transcript = "".join(ev.delta for ev in of_type(events, "response.output_audio_transcript.delta"))
+    messages = [{"role": "user", "content": QUESTION},
+                {"role": "assistant", "content": "", "tool_calls": [
+                    {"id": "call_weather", "type": "function",
+                     "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+                {"role": "tool", "tool_call_id": "call_weather", "content": output}]
+    prompt = reference[1].apply_chat_template(messages, tools=chat_tools([WEATHER]), add_generation_prompt=True,
+                                              tokenize=False)
+    assert f"<|im_start|>user\n<tool_response>\n{output}\n</tool_response><|im_end|>" in prompt
+    assert done.usage.input_tokens == len(reference[1].tokenizer.encode(prompt)), "not the template's prompt"
+    want_ids, _, _ = reference_run(reference, (prompt, {}))
+    assert transcript == reference[1].tokenizer.decode(want_ids[:MAX_TOKENS], skip_special_tokens=True)
+    _, want = reference_speech(reference, (prompt, {}), voice.lower(), MAX_TOKENS, TALKER_TOKENS)
+    audio = answer_audio(events)
     assert audio.shape == want.shape
     np.testing.assert_allclose(audio, np.clip(want, -1, 1), atol=1e-4 + 2 * PCM16_STEP, rtol=0)

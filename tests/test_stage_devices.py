@@ -97,6 +97,23 @@ async def test_on_cpu_devices_are_vllm_cpu_memory_nodes():
         assert "CPU_VISIBLE_MEMORY_NODES" not in environ_of(stage_pid(client, 0))
 
 
+@ASYNC
+async def test_on_cpu_a_device_that_is_not_a_memory_node_is_refused_before_any_stage_starts():
+    """A GPU deploy file's ``devices: "1"`` on a CPU machine of fewer nodes: one error naming the
+    stage, the field and the nodes there are, before a process starts (vLLM's worker would fail on it
+    with an IndexError in the stage's log)."""
+    from omni_engine.config import ConfigError
+
+    nodes = stage_specs.memory_nodes()
+    assert nodes == sorted((p[4:] for p in os.listdir("/sys/devices/system/node") if p[4:].isdigit()), key=int)
+    missing = str(int(nodes[-1]) + 1)
+    with pytest.raises(ConfigError, match=rf"stage 1: runtime.devices: device '{missing}' is not a NUMA node of "
+                                          rf"this machine.*its nodes are {', '.join(nodes)}"):
+        stage_specs.build_stage_specs(calc_pipeline({1: missing}))
+    specs = stage_specs.build_stage_specs(calc_pipeline({1: nodes[0]}))
+    assert specs[1][0].devices.ids == (nodes[0],)
+
+
 def test_a_stage_process_sets_its_environment_before_importing_vllm():
     """What a spawned stage imports before applying its spec: the entry module, the spec
     (and the legacy queues it may be handed), and nothing that imports vLLM or torch."""

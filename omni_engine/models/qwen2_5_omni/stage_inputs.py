@@ -1,13 +1,11 @@
 """Edge input processors of the Qwen2.5-Omni family (``custom_process_input_func``), client side.
 
-The talker starts when the thinker has finished (vLLM-Omni runs it so too): ``thinker2talker``'s
-``on_output`` sends nothing, its ``on_finish`` hands on what the thinker's final output carries.
-code2wav starts on the talker's first codes where the edge is ``async_chunk``.
+The talker starts when the thinker has finished (vLLM-Omni runs it so too); code2wav starts on
+the talker's first codes where the edge is ``async_chunk``.
 
-- ``thinker2talker`` (vLLM-Omni's name): the thinker's prompt ids and its states
-  (``engine_output_type: latent``: embeddings, hidden states, rope positions), forwarded as they came, so tensors in shared memory travel on
-  as the same handles, uncopied. The talker stage builds its model's inputs from them
-  (``talker_requests``).
+- ``thinker2talker`` (vLLM-Omni's name) is both families' (``omni_stage_inputs``): the thinker's
+  prompt ids and states, forwarded as they came; the talker stage builds its model's inputs from
+  them (``talker_requests``).
 - ``talker2code2wav``: the talker's codes and the voice they were made for: all of them when the
   talker has finished (``sequential``), or piece by piece as the talker makes them (``async_chunk``:
   ``code2wav_chunks``), each piece a code2wav request of its own whose audio streams on at once.
@@ -17,48 +15,13 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+# thinker2talker: configs written before both families shared it name it here (kept importable).
+from omni_engine.models.omni_stage_inputs import FromFinishedSource, thinker2talker  # noqa: F401
 from omni_engine.models.qwen2_5_omni.code2wav_chunks import CodeStream
 from omni_engine.pipeline.input_processors import StageInput
 
 if TYPE_CHECKING:
     from omni_engine.outputs import OmniRequestOutput
-
-
-class FromFinishedSource:
-    """One source stage; its outputs become one input when it has finished (``inputs_from``)."""
-
-    name = "processor"
-
-    def __init__(self, sources: list[int], dst: int, prompt: Any = None) -> None:
-        if len(sources) != 1:
-            raise ValueError(f"{self.name} takes one source stage, got {sources}")
-        self.source, self.dst = sources[0], dst
-
-    def on_output(self, output: OmniRequestOutput, new_text: str) -> list[StageInput]:
-        return []
-
-    def on_finish(self, outputs: dict[int, list[OmniRequestOutput]], text: dict[int, str]) -> list[StageInput]:
-        received = outputs.get(self.source) or []
-        return [self.input_from(received)] if received else []
-
-    def input_from(self, received: list[OmniRequestOutput]) -> StageInput:
-        raise NotImplementedError
-
-
-class ThinkerToTalker(FromFinishedSource):
-    name = "thinker2talker"
-
-    def input_from(self, received: list[OmniRequestOutput]) -> StageInput:
-        states = received[-1].multimodal_output
-        if "hidden_states" not in states:
-            raise ValueError(f"stage {self.source}'s final output has no states for stage {self.dst} (the "
-                             "talker): the thinker stage needs engine_args.engine_output_type: latent")
-        prompt_ids = next((o.prompt_token_ids for o in received if o.prompt_token_ids), None)
-        prompt = {"thinker_prompt_token_ids": list(prompt_ids or ()),
-                  "input_embeds": states["input_embeds"], "hidden_states": states["hidden_states"]}
-        if "positions" in states:  # the thinker's rope positions: where an image sits in its grid
-            prompt["thinker_positions"] = states["positions"]
-        return StageInput(prompt)
 
 
 class TalkerToCode2Wav(FromFinishedSource):
@@ -99,10 +62,6 @@ class TalkerToCode2Wav(FromFinishedSource):
             raise ValueError(f"stage {self.source}'s final output has no codes: it is not Qwen2.5-Omni's talker "
                              "(engine_args.model_stage: talker)")
         return final
-
-
-def thinker2talker(sources: list[int], dst: int, prompt: Any = None) -> ThinkerToTalker:
-    return ThinkerToTalker(sources, dst, prompt)
 
 
 def talker2code2wav(sources: list[int], dst: int, prompt: Any = None) -> TalkerToCode2Wav:

@@ -1,6 +1,6 @@
 """Edge input processors of the Qwen3-Omni family (``custom_process_input_func``), client side.
 
-- the thinker -> talker edge is Qwen2.5-Omni's ``thinker2talker`` (the thinker's prompt ids and
+- the thinker -> talker edge is both families' ``thinker2talker`` (``omni_stage_inputs``) (the thinker's prompt ids and
   states, forwarded as they came); the talker stage builds its inputs from them (``talker_requests``);
 - ``talker2code2wav``: the talker's frames ``[G, n]``: all of them when the talker has finished
   (``sequential``), or piece by piece as the talker makes them (``async_chunk``:
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from omni_engine.models.qwen2_5_omni.stage_inputs import FromFinishedSource
+from omni_engine.models.omni_stage_inputs import FromFinishedSource
 from omni_engine.models.qwen3_omni_moe.code2wav_chunks import CodecChunks, CodecStream
 from omni_engine.pipeline.input_processors import StageInput
 
