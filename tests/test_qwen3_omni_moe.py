@@ -9,9 +9,12 @@ embedding and its hidden state after ``talker_config.accept_hidden_layer`` layer
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import json
+import os
 import shutil
+import signal
 
 import numpy as np
 import pytest
@@ -26,6 +29,7 @@ from omni_engine.models.families import resolve_model_stage
 from omni_engine.models.prepare import MARKER_FILE, prepare_model
 from omni_engine.models.qwen3_omni_moe import tiny_config as tc
 from omni_engine.models.qwen3_omni_moe.processor import VIDEO_UNSUPPORTED
+from tests.helpers import wait_group_gone, wait_healthy
 from tests.qwen3_omni_reference import PROMPTS, chat, load_reference, reference_speech
 from tests.qwen_omni_reference import reference_generate, reference_run
 from tests.stress.checks import after_shutdown, wait_clean
@@ -348,6 +352,67 @@ async def test_async_chunk_streams_the_same_codes_in_pieces_from_the_first_four_
     assert joined.shape == whole["audio"].shape
     np.testing.assert_allclose(joined[:4 * 1920 - 555], whole["audio"][:4 * 1920 - 555], atol=1e-4, rtol=0)
     assert float(np.abs(joined - whole["audio"]).max()) < 0.15
+
+
+async def test_a_request_aborted_while_its_speech_streams_stops_the_talker_and_code2wav(omni):
+    """A turn cut off once its first audio has come (a barge-in's abort, as realtime makes it): the
+    talker, which had thousands of frames left, ends the request counted as aborted; code2wav is
+    handed no piece after it; no stage keeps state or files."""
+    from vllm import SamplingParams
+
+    params = _talker_params()
+    params[1] = SamplingParams(temperature=0.9, max_tokens=3000, ignore_eos=True, detokenize=False)
+    metrics = omni.metrics
+    aborted_before = {sid: metrics.stage(sid).aborted for sid in (1, 2)}
+    in_talker = {}
+    async with asyncio.timeout(60):
+        async for output in omni.generate(_prompt("text"), params, "speech-cut-off", final_stage_id=[0, 2]):
+            if output.stage_id == 2 and "audio" in output.multimodal_output:
+                in_talker = await omni.stage_contexts[1].client.call_each_replica_async(
+                    "num_unfinished_requests", call_timeout=10)
+                break  # closing the stream aborts the request where it is
+    assert sum(in_talker.values()) == 1, f"the talker was not speaking it: {in_talker}"
+    pieces = metrics.stage(2).requests
+    assert not await wait_clean(omni), "state left after an abort while speaking"
+    assert metrics.stage(1).aborted == aborted_before[1] + 1
+    await asyncio.sleep(0.5)
+    assert metrics.stage(2).requests == pieces, "code2wav was handed pieces of an aborted request"
+    assert metrics.stage(2).aborted >= aborted_before[2]
+    left = [p.name for p in SHM_DIR.glob("omni_*_states*")] + [p.name for p in SHM_DIR.glob("omni_*talker*")]
+    assert not left, f"files left after the abort: {left}"
+
+
+async def test_concurrent_speech_requests_each_give_what_they_give_alone(omni):
+    """Requests batched in every stage (the thinker's, the talker's and code2wav's batches) get
+    each the codes and the audio it gets alone."""
+    kinds = ("text", "audio", "text", "audio")
+    alone = {kind: await _speech(omni, kind, f"alone-{kind}", "async_chunk") for kind in ("text", "audio")}
+    together = await asyncio.gather(*(_speech(omni, kind, f"together-{i}", "async_chunk")
+                                      for i, kind in enumerate(kinds)))
+    for kind, (finals, pieces) in zip(kinds, together):
+        want_finals, want_pieces = alone[kind]
+        assert finals[0].outputs[0].token_ids == want_finals[0].outputs[0].token_ids, kind
+        np.testing.assert_array_equal(finals[1].multimodal_output["codes"], want_finals[1].multimodal_output["codes"])
+        np.testing.assert_allclose(np.concatenate([p["audio"] for p in pieces]),
+                                   np.concatenate([p["audio"] for p in want_pieces]), atol=1e-4, rtol=0, err_msg=kind)
+    assert not await wait_clean(omni)
+
+
+async def test_a_killed_talker_is_restarted_and_speaks_as_before(omni):
+    """The family's config restarts a stage that dies (``restart: on-failure``): the talker, killed
+    while idle, comes back in a new process and gives the same codes and audio for the same request."""
+    before, before_pieces = await _speech(omni, "text", "before-kill", "async_chunk")
+    talker = omni.stage_contexts[1].client
+    pid = talker.process.pid
+    os.kill(pid, signal.SIGKILL)
+    assert not await wait_group_gone(pid)
+    await wait_healthy(omni, timeout=120)
+    assert talker.process.pid != pid and omni.supervisor.restarts[1] == 1
+    after, after_pieces = await _speech(omni, "text", "after-kill", "async_chunk")
+    np.testing.assert_array_equal(after[1].multimodal_output["codes"], before[1].multimodal_output["codes"])
+    np.testing.assert_array_equal(np.concatenate([p["audio"] for p in after_pieces]),
+                                  np.concatenate([p["audio"] for p in before_pieces]))
+    assert not await wait_clean(omni)
 
 
 async def test_completions_are_refused_with_the_reason_for_the_talker_s_pipeline(omni):
