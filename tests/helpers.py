@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import signal
 from pathlib import Path
 from typing import Any
 
@@ -130,6 +131,17 @@ async def wait_group_gone(pgid: int, timeout: float = 5.0) -> list[int]:
     while (members := group_members(pgid)) and loop.time() < deadline:
         await asyncio.sleep(0.05)
     return members
+
+
+async def kill_and_wait_restarted(client, stage_id: int, timeout: float = 120.0) -> None:
+    """SIGKILL stage ``stage_id``'s process (one replica, idle) and wait until its supervisor has
+    started it again and every stage answers (``restart: on-failure``)."""
+    stage = next(ctx.client for ctx in client.stage_contexts if ctx.stage_id == stage_id)
+    pid = stage.process.pid
+    os.kill(pid, signal.SIGKILL)
+    assert not await wait_group_gone(pid)
+    await wait_healthy(client, timeout=timeout)
+    assert stage.process.pid != pid and client.supervisor.restarts[stage_id] == 1
 
 
 def external_transport(input_address: str, output_address: str, shm_prefix: str) -> StageTransport:

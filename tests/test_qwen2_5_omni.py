@@ -11,8 +11,6 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
-import os
-import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -38,7 +36,7 @@ from omni_engine.models.qwen2_5_omni import checkpoint
 from omni_engine.models.qwen2_5_omni.code2wav_chunks import CodeStream
 from omni_engine.models.qwen2_5_omni.processor import VIDEO_UNSUPPORTED
 from omni_engine.pipeline.stage_specs import prepare_models
-from tests.helpers import wait_group_gone, wait_healthy
+from tests.helpers import kill_and_wait_restarted
 from tests.qwen_omni_reference import (
     MAX_TOKENS,
     PROMPTS,
@@ -498,12 +496,7 @@ async def test_a_killed_talker_is_restarted_and_speaks_as_before(thinker):
     """The family's config restarts a stage that dies (``restart: on-failure``): the talker, killed
     while idle, comes back in a new process and gives the same speech for the same request."""
     before = await _speech(thinker, "text", "before-kill")
-    talker = thinker.stage_contexts[1].client
-    pid = talker.process.pid
-    os.kill(pid, signal.SIGKILL)
-    assert not await wait_group_gone(pid)
-    await wait_healthy(thinker, timeout=120)
-    assert talker.process.pid != pid and thinker.supervisor.restarts[1] == 1
+    await kill_and_wait_restarted(thinker, 1)
     after = await _speech(thinker, "text", "after-kill")
     assert after[0] == before[0]
     np.testing.assert_array_equal(after[1]["audio"], before[1]["audio"])

@@ -12,9 +12,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
-import os
 import shutil
-import signal
 
 import numpy as np
 import pytest
@@ -29,7 +27,7 @@ from omni_engine.models.families import resolve_model_stage
 from omni_engine.models.prepare import MARKER_FILE, prepare_model
 from omni_engine.models.qwen3_omni_moe import tiny_config as tc
 from omni_engine.models.qwen3_omni_moe.processor import VIDEO_UNSUPPORTED
-from tests.helpers import wait_group_gone, wait_healthy
+from tests.helpers import kill_and_wait_restarted
 from tests.qwen3_omni_reference import PROMPTS, chat, load_reference, reference_speech
 from tests.qwen_omni_reference import reference_generate, reference_run
 from tests.stress.checks import after_shutdown, wait_clean
@@ -402,12 +400,7 @@ async def test_a_killed_talker_is_restarted_and_speaks_as_before(omni):
     """The family's config restarts a stage that dies (``restart: on-failure``): the talker, killed
     while idle, comes back in a new process and gives the same codes and audio for the same request."""
     before, before_pieces = await _speech(omni, "text", "before-kill", "async_chunk")
-    talker = omni.stage_contexts[1].client
-    pid = talker.process.pid
-    os.kill(pid, signal.SIGKILL)
-    assert not await wait_group_gone(pid)
-    await wait_healthy(omni, timeout=120)
-    assert talker.process.pid != pid and omni.supervisor.restarts[1] == 1
+    await kill_and_wait_restarted(omni, 1)
     after, after_pieces = await _speech(omni, "text", "after-kill", "async_chunk")
     np.testing.assert_array_equal(after[1].multimodal_output["codes"], before[1].multimodal_output["codes"])
     np.testing.assert_array_equal(np.concatenate([p["audio"] for p in after_pieces]),
