@@ -21,6 +21,7 @@ from omni_engine.config import (
 )
 from omni_engine.connectors.settings import ConnectorSettings
 from omni_engine.pipeline.stage_graph import StageGraph
+from omni_engine.pipeline import stage_specs
 from omni_engine.pipeline.stage_specs import (
     build_stage_specs,
     device_control_variable,
@@ -64,6 +65,14 @@ def write(tmp_path: Path, text: str, name: str = "pipe.yaml") -> Path:
 
 def base() -> dict:
     return yaml.safe_load(TWO_STAGES)
+
+
+@pytest.fixture(autouse=True)
+def four_memory_nodes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """These tests are about how devices are written and shared out, not about this machine: on
+    CPUs a device must be one of the machine's NUMA nodes (tests/test_stage_devices.py holds that
+    against the real ones), so here the machine has four."""
+    monkeypatch.setattr(stage_specs, "memory_nodes", lambda: ["0", "1", "2", "3"])
 
 
 def errors_of(tmp_path: Path, data: dict) -> list[str]:
