@@ -352,6 +352,40 @@ async def test_async_chunk_streams_the_same_codes_in_pieces_from_the_first_four_
     assert float(np.abs(joined - whole["audio"]).max()) < 0.15
 
 
+async def _talker_codes(client, params, request_id, mode):
+    """The talker's codes, and the order in which the thinker's and the talker's outputs came."""
+    order, codes = [], None
+    async for output in client.generate(_prompt("text"), params, request_id, final_stage_id=[0, 1],
+                                        execution_mode=mode):
+        order.append((output.stage_id, output.finished))
+        made = output.multimodal_output
+        if output.stage_id == 1 and "codes" in made and "codes_offset" not in made:  # the talker's final output
+            codes = made["codes"]
+    return codes, order
+
+
+@pytest.mark.parametrize(("temperature", "seed"), [(0.0, None), (0.9, 7)])
+async def test_the_talker_starts_on_the_thinker_s_first_states_and_makes_the_codes_it_makes_after_it(
+        omni, temperature, seed):
+    """async_chunk: the talker is fed the thinker's states as the thinker writes them (never running
+    ahead of the text it speaks): its first frames come before the thinker's last token, and every
+    code of every frame is what it makes when it starts after the thinker (sequential), greedy and
+    sampled with a seed (the sampler's draws go on across the parts). The talker here stops long
+    before the thinker does: the thinker's later states are dropped for it; nothing is left."""
+    from vllm import SamplingParams
+
+    params = _talker_params(temperature=temperature, seed=seed, delta=True)
+    params[0] = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
+    params[1].max_tokens = 8
+    want, _ = await _talker_codes(omni, params, f"talker-after-{temperature}", "sequential")
+    codes, order = await _talker_codes(omni, params, f"talker-along-{temperature}", "async_chunk")
+    np.testing.assert_array_equal(codes, want)
+    assert 0 < codes.shape[1] <= 7  # at most 8 codes: the last makes no frame
+    first_talker = next(i for i, (sid, _) in enumerate(order) if sid == 1)
+    assert first_talker < order.index((0, True)), f"the talker began after the thinker had finished: {order}"
+    assert not await wait_clean(omni)
+
+
 async def test_a_request_aborted_while_its_speech_streams_stops_the_talker_and_code2wav(omni):
     """A turn cut off once its first audio has come (a barge-in's abort, as realtime makes it): the
     talker, which had thousands of frames left, ends the request counted as aborted; code2wav is

@@ -75,6 +75,20 @@ class StageEngine(abc.ABC):
         """
         return None
 
+    def open_request(self, request_id: str, *, input_stream: bool, stream_states: bool) -> None:
+        """Before ``generate``: the request's input comes in parts (``extend_input``), or its partial
+        outputs carry the states written since the last one. An engine that cannot refuses here."""
+        raise ValueError(f"stage {self.stage_id} ({type(self).__name__}): request {request_id!r}: this stage "
+                         "takes no input in parts and streams no states (an llm stage does)")
+
+    def extend_input(self, request_id: str, prompt: Any, *, last: bool) -> None:
+        """The next part of an opened request's input; ``last``: it ends there."""
+        raise ValueError(f"stage {self.stage_id} ({type(self).__name__}): request {request_id!r}: "
+                         "this stage takes no input in parts")
+
+    def close_request(self, request_id: str) -> None:
+        """An opened request has ended (finished, failed or aborted, perhaps before ``generate``)."""
+
     @abc.abstractmethod
     async def abort(self, request_ids: Sequence[str]) -> None:
         """Stop the given requests; unknown ids are ignored."""

@@ -123,6 +123,23 @@ class StateFiles:
             _unlink(path)
         return out
 
+    def rows(self, request_id: str, start: int, stop: int) -> dict[str, torch.Tensor]:
+        """Rows ``[start, stop)`` of the request's states, as ``take`` names them (its files stay):
+        a consumer that starts on the first states gets them as the request generates."""
+        path = self._paths[request_id]
+        out = {}
+        for kind, key in zip(STATE_KINDS, OUTPUT_KEYS):
+            width = ROPE_CHANNELS if kind == "positions" else self.hidden_size
+            row_bytes = width * 4
+            buffer = shm.empty_output((stop - start) * row_bytes, request_id)
+            with open(f"{path}.{kind}", "rb", buffering=0) as f:
+                got = os.preadv(f.fileno(), [memoryview(buffer)], start * row_bytes)
+            if got != buffer.nbytes:
+                raise RuntimeError(f"stage {self.stage_id}: request {request_id!r} has states up to row "
+                                   f"{start + got // row_bytes}, expected {stop} (prompt + generated - 1)")
+            out[key] = torch.from_numpy(np.asarray(buffer).view(np.float32)).view(stop - start, width)
+        return out
+
     def _read(self, path: str, rows: int, width: int, request_id: str, arch: str) -> torch.Tensor:
         try:
             size = os.path.getsize(path)

@@ -8,6 +8,7 @@ when streaming) and ``n`` are honoured by vLLM itself.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import os
 import time
@@ -82,6 +83,10 @@ class LLMStageEngine(StageEngine):
         self.priority_scheduling = self.engine_args.get("scheduling_policy") == "priority"
         # A request is on time if its first output exists by its deadline (late ones are counted).
         self.deadlines = DeadlineStats()
+        # Requests whose input comes in parts (``open_request``), and those whose partial outputs
+        # carry the states written since the last one (rows sent so far).
+        self.sessions: dict[str, Any] = {}
+        self.streamed_states: dict[str, int] = {}
 
     @staticmethod
     def preload() -> None:
@@ -177,6 +182,34 @@ class LLMStageEngine(StageEngine):
         await self.engine.reset_prefix_cache()
         await self.update_weight_version(weight_version)
 
+    # ------------------------------------------------------- input in parts
+    def open_request(self, request_id: str, *, input_stream: bool, stream_states: bool) -> None:
+        if stream_states and self.state_files is None:
+            raise ValueError(f"stage {self.stage_id}: request {request_id!r}: its states were asked for as it "
+                             "generates, and the stage records none (engine_args.engine_output_type: latent)")
+        if input_stream and not hasattr(self.adapter, "adapt_parts"):
+            raise ValueError(f"stage {self.stage_id}: request {request_id!r}: its input comes in parts, and the "
+                             "stage has no request_adapter that takes them (a talker's does)")
+        if stream_states:
+            self.streamed_states[request_id] = 0
+        if input_stream:
+            from omni_engine.engines.input_session import InputSession
+
+            self.sessions[request_id] = InputSession(self.stage_id, request_id)
+
+    def extend_input(self, request_id: str, prompt: Any, *, last: bool) -> None:
+        session = self.sessions.get(request_id)
+        if session is None:
+            return
+        if session.prepare is None:  # its first part is not taken yet (its task has not run): after it
+            session.pending.append((prompt, last))
+            return
+        session.allow(self.adapter.extend(request_id, prompt, last))
+
+    def close_request(self, request_id: str) -> None:
+        self.sessions.pop(request_id, None)
+        self.streamed_states.pop(request_id, None)
+
     async def generate(self, request_id: str, prompt: Any, sampling_params: Any,
                        deadline: float | None = None) -> AsyncIterator[OmniRequestOutput]:
         from vllm.v1.engine.exceptions import EngineDeadError, EngineGenerateError
@@ -186,7 +219,8 @@ class LLMStageEngine(StageEngine):
             # The pipeline's request id travels in the params: logits processors get the
             # params of each request, never its id (omni_engine.logits keys state by it).
             params = tag_request(params, request_id)
-        prompt, params = self._tap_request(request_id, prompt, params)
+        session = self.sessions.get(request_id)
+        prompt, params = self._tap_request(request_id, prompt, params, session)
         outputs = None
         due = effective_deadline(deadline)
         priority = self.priority_of(due) if self.priority_scheduling else 0
@@ -196,12 +230,15 @@ class LLMStageEngine(StageEngine):
             if (audio := audio_prompt_of(prompt)) is not None:
                 outputs = self.speech_to_text.generate(request_id, audio, params, priority)
         prompt = vllm_prompt(prompt)
-        versions: list[str] = []
         positions = TokenCount(params.output_kind == RequestOutputKind.DELTA)
+        if session is not None:
+            prompt, params = session.chunks(prompt, params)
+        versions: list[str] = []
         started = False  # (its start is reported once, at its first output)
         trace_headers = self.trace_headers.pop(request_id, None) if self.trace_headers else None
         if not self.vllm_traces:
             trace_headers = None
+        output = None
         try:
             async for output in outputs or self.engine.generate(prompt, params, request_id, priority=priority,
                                                                 trace_headers=trace_headers):
@@ -211,13 +248,15 @@ class LLMStageEngine(StageEngine):
                     self.deadlines.finished(due, time.time())
                     if self.on_work_started is not None:
                         self.on_work_started(request_id, scheduled_at(output))
-                out = OmniRequestOutput.from_request_output(
-                    output, stage_id=self.stage_id, final_output_type=self.final_output_type
-                )
-                out.stage_versions = {self.stage_id: self._versions_of(output, versions)}
-                if self.state_files is not None or self.adapter is not None:
-                    self._tapped_output(request_id, output, out, positions)
-                yield out
+                if session is not None:
+                    observe_chunk(session, output)
+                    if (asked := session.as_asked(output)) is None:
+                        continue
+                    output = asked
+                yield self._stage_output(request_id, output, versions, positions)
+            if session is not None and output is not None and not output.finished:
+                # vLLM ends a stream fed in parts with no final output of its own
+                yield self._stage_output(request_id, session.final_output(output), versions, positions)
         except EngineDeadError as exc:
             raise StageEngineError(f"vLLM engine died: {exc}") from exc
         except EngineGenerateError as exc:
@@ -231,8 +270,18 @@ class LLMStageEngine(StageEngine):
             if self.adapter is not None:
                 self.adapter.finish(request_id)
 
-    def _tap_request(self, request_id: str, prompt: Any, params: SamplingParams) -> tuple[Any, SamplingParams]:
-        """The request with its state files named and its adapter's prompt (as they are without)."""
+    def _stage_output(self, request_id: str, output: Any, versions: list[str], positions: TokenCount) -> OmniRequestOutput:
+        out = OmniRequestOutput.from_request_output(output, stage_id=self.stage_id,
+                                                    final_output_type=self.final_output_type)
+        out.stage_versions = {self.stage_id: self._versions_of(output, versions)}
+        if self.state_files is not None or self.adapter is not None:
+            self._tapped_output(request_id, output, out, positions)
+        return out
+
+    def _tap_request(self, request_id: str, prompt: Any, params: SamplingParams,
+                     session: Any = None) -> tuple[Any, SamplingParams]:
+        """The request with its state files named and its adapter's prompt (as they are without);
+        a request fed in parts gets its adapter's first allowance."""
         if self.state_files is not None:
             if params.n != 1:
                 raise ValueError(f"stage {self.stage_id}: n must be 1 where engine_output_type is latent, "
@@ -240,7 +289,15 @@ class LLMStageEngine(StageEngine):
             params = self.state_files.tag(params, request_id)
         if self.adapter is not None:
             try:
-                prompt, params = self.adapter.adapt(request_id, prompt, params)
+                if session is not None:
+                    prompt, params, allowed = self.adapter.adapt_parts(request_id, prompt, params)
+                    session.prepare = functools.partial(self.adapter.write_inputs, request_id)
+                    for part, last in session.pending:
+                        allowed = self.adapter.extend(request_id, part, last)
+                    session.pending.clear()
+                    session.allow(allowed)
+                else:
+                    prompt, params = self.adapter.adapt(request_id, prompt, params)
             except Exception:
                 if self.state_files is not None:
                     self.state_files.discard(request_id)
@@ -254,6 +311,11 @@ class LLMStageEngine(StageEngine):
         if not output.finished:
             if self.adapter is not None and hasattr(self.adapter, "partial_extras"):
                 out.multimodal_output.update(self.adapter.partial_extras(request_id, positions.generated))
+            if (sent := self.streamed_states.get(request_id)) is not None and positions.total - 1 > sent:
+                # the rows the forwards so far wrote: every position but the last token's
+                out.multimodal_output.update(self.state_files.rows(request_id, sent, positions.total - 1),
+                                             states_offset=sent)
+                self.streamed_states[request_id] = positions.total - 1
             return
         if self.adapter is not None:
             out.multimodal_output.update(self.adapter.output_extras(request_id, positions.generated))
@@ -348,6 +410,15 @@ def prompt_modalities(model_config: Any) -> list[str]:
     except ValueError:  # no processor of its own (a drafter): text only
         return []
     return [m for m in supported if model_config.multimodal_config.get_limit_per_prompt(m) > 0]
+
+
+def observe_chunk(session: Any, output: Any) -> None:
+    """A request fed in parts sees each output's tokens; a chunk's end is not the request's (vLLM's
+    finish reason on it is cleared: the request's own comes with its final output)."""
+    completion = output.outputs[0]
+    session.observe(completion.token_ids, completion.finish_reason)
+    if not output.finished:
+        completion.finish_reason = completion.stop_reason = None
 
 
 def scheduled_at(output: Any) -> float | None:

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 from typing import Any, ClassVar
 
@@ -155,15 +156,22 @@ class RequestIO:
         self.outputs = RowFile(outputs) if isinstance(outputs, str) else None
         self.memo: dict[str, Any] = {}
         self.inputs: dict[str, torch.Tensor] = {}
-        if isinstance(path := extra.get(INPUTS_PATH_KEY), str):
-            from safetensors.torch import load_file
+        self.inputs_path = extra.get(INPUTS_PATH_KEY)
+        self.reload_inputs()
 
-            try:
-                self.inputs = load_file(path)
-            except Exception as exc:  # noqa: BLE001  (safetensors raises its own error types)
-                # Removed by an abort that raced the request's admission (its output goes nowhere),
-                # or damaged: the model leaves a request without inputs alone; the engine goes on.
-                logger.warning("inputs %s not read: %s", path, exc)
+    def reload_inputs(self) -> None:
+        """(Re)read the request's inputs file: a request fed in parts has its file replaced, whole,
+        with more rows before each part runs."""
+        if not isinstance(self.inputs_path, str):
+            return
+        from safetensors.torch import load_file
+
+        try:
+            self.inputs = load_file(self.inputs_path)
+        except Exception as exc:  # noqa: BLE001  (safetensors raises its own error types)
+            # Removed by an abort that raced the request's admission (its output goes nowhere),
+            # or damaged: the model leaves a request without inputs alone; the engine goes on.
+            logger.warning("inputs %s not read: %s", self.inputs_path, exc)
 
     def close(self) -> None:
         if self.states is not None:
@@ -178,20 +186,45 @@ class RequestTap(RequestKeyedLogitsProcessor):
     argmax_invariant = True
     # The worker's tap (one engine per worker process); the model's forward finds it here.
     current: ClassVar[RequestTap | None] = None
+    # What of a request's memo outlives its leaving the batch: a request fed in parts leaves and
+    # re-enters it at every part (vLLM re-adds it), and its sampler's draws must go on, not restart.
+    KEPT_MEMO = ("generator",)
+    KEPT_REQUESTS = 256  # bounded: an ended request's kept memo is dropped in time
 
     def __init__(self, vllm_config: Any, *runner_args: Any) -> None:
         super().__init__(vllm_config, *runner_args)
+        self.kept: OrderedDict[str, dict[str, Any]] = OrderedDict()
+        # by output path: vLLM adds a re-added request's new row before it removes the old one
+        self.live: dict[str, RequestIO] = {}
         RequestTap.current = self
 
     def new_state(self, request: LiveRequest) -> RequestIO | None:
         extra = getattr(request.params, "extra_args", None) or {}
-        return RequestIO(request.params) if STATES_PATH_KEY in extra or INPUTS_PATH_KEY in extra else None
+        if STATES_PATH_KEY not in extra and INPUTS_PATH_KEY not in extra:
+            return None
+        io = RequestIO(request.params)
+        if io.outputs is not None:
+            path = io.outputs.path
+            before = self.live.get(path)
+            kept = self.kept.pop(path, None) or (before.memo if before is not None else {})
+            io.memo.update({key: kept[key] for key in self.KEPT_MEMO if key in kept})
+            self.live[path] = io
+        return io
 
     def apply_rows(self, logits: torch.Tensor, rows: Sequence[int], requests: Sequence[LiveRequest]) -> torch.Tensor:
         return logits
 
     def release(self, request: LiveRequest) -> None:
-        request.state.close()
+        io = request.state
+        io.close()
+        if io.outputs is None or self.live.get(io.outputs.path) is not io:
+            return  # (re-added already: its successor holds what it kept)
+        del self.live[io.outputs.path]
+        kept = {key: io.memo[key] for key in self.KEPT_MEMO if key in io.memo}
+        if kept:
+            self.kept[io.outputs.path] = kept
+            while len(self.kept) > self.KEPT_REQUESTS:
+                self.kept.popitem(last=False)
 
 
 def batch_segments() -> Iterator[tuple[RequestIO, int, int, int]]:

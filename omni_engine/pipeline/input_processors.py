@@ -29,10 +29,16 @@ if TYPE_CHECKING:
 @dataclass(slots=True)
 class StageInput:
     """One request for a downstream stage. ``sampling_params`` None means the
-    stage's own parameters for this request."""
+    stage's own parameters for this request.
+
+    An input in parts: ``opens_stream`` starts a request whose input goes on; each later input with
+    ``continues`` is appended to it (``last``: its input ends there), on the replica running it."""
 
     prompt: Any
     sampling_params: Any = None
+    opens_stream: bool = False
+    continues: bool = False
+    last: bool = False
 
 
 class InputProcessor(Protocol):

@@ -282,12 +282,15 @@ class PipelineOrchestrator:
         track.sub_ids.append(sub_id)
         self._routes[sid][sub_id] = state
         self.events.submitting(state, sid, k)
+        if inp.opens_stream:
+            track.open_stream = track.streamed = sub_id
         client = self.stages[sid].client
         sent_before = client.bytes_sent
         trace = state.trace
         await client.submit_request(sub_id, inp.prompt, params, end_on_finish=False, group=state.request_id,
                                     trace=trace.submitting(sid) if trace is not None else None,
-                                    deadline=state.deadline_of(k, inp.prompt))
+                                    deadline=state.deadline_of(k, inp.prompt), input_stream=inp.opens_stream,
+                                    stream_states=self._streams_states(state, sid))
         nbytes = client.bytes_sent - sent_before
         self.events.submitted(state, sid, nbytes)
         if trace is not None:
@@ -295,11 +298,33 @@ class PipelineOrchestrator:
             trace.submitted(sid, replica_of(sub_id) if replica_of is not None else None)
         return nbytes
 
+    def _streams_states(self, state: ClientRequestState, sid: int) -> bool:
+        """Whether a consumer of ``sid`` starts on its first states (its edge async_chunk, its input
+        processor ``starts_on_states``): then ``sid``'s partial outputs carry them."""
+        return any(self.edge_mode(sid, dst, state) == "async_chunk"
+                   and getattr(state.processors[dst].for_source(sid), "starts_on_states", False)
+                   for dst in self.consumers[sid] if dst in state.processors)
+
+    async def _extend_sub_request(self, state: ClientRequestState, sid: int, inp: StageInput) -> int:
+        """Append ``inp`` to the input of ``sid``'s open sub-request; dropped where that has ended
+        (a talker that spoke its stop code before its thinker finished) or the request is ending."""
+        track = state.stages[sid]
+        sub_id = track.open_stream
+        if inp.last:
+            track.open_stream = None
+        if sub_id is None or sub_id not in track.inflight or state.ended or state.aborting:
+            return 0
+        client = self.stages[sid].client
+        sent_before = client.bytes_sent
+        await client.extend_request(sub_id, inp.prompt, last=inp.last)
+        return client.bytes_sent - sent_before
+
     async def _forward_to_next_stage(self, state: ClientRequestState, dst: int, inputs: list[StageInput],
                                      src_times: dict[int, float] | None = None) -> None:
         """Submit ``inputs`` to ``dst``; ``src_times``: when each source produced what they were built from."""
         for inp in inputs:
-            self.events.forwarded(dst, await self._submit_sub_request(state, dst, inp), src_times)
+            submit = self._extend_sub_request if inp.continues else self._submit_sub_request
+            self.events.forwarded(dst, await submit(state, dst, inp), src_times)
 
     # -------------------------------------------------------------- outputs
     async def _read_stage(self, ctx: StageContext) -> None:
@@ -378,7 +403,12 @@ class PipelineOrchestrator:
             if state.ended:  # aborted while forwarding
                 return
         if sid in state.final_stages:
-            self._emit(state, sid, k, output)
+            if output.finished and sub_id == track.streamed and not track.complete:
+                # its input in parts ended early (a talker's stop code before its thinker's end):
+                # its final output goes to the caller when the stage is done, as its last
+                track.held_final = (k, output)
+            else:
+                self._emit(state, sid, k, output)
         if track.complete and not track.done:
             await self._stage_done(state, sid)
 
@@ -423,6 +453,10 @@ class PipelineOrchestrator:
         state.metrics.stage_done[sid] = asyncio.get_running_loop().time()
         if state.trace is not None:
             state.trace.stage_done(sid, aborted=state.aborting)
+        if track.held_final is not None:
+            k, output = track.held_final
+            track.held_final = None
+            self._emit(state, sid, k, output)
         if sid in state.final_stages and not track.closed and not (state.aborting and not track.submitted):
             ctx = self.stages[sid]
             self._deliver(state, sid, OmniRequestOutput(

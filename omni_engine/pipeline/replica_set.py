@@ -61,6 +61,7 @@ class _Submission:
     end_on_finish: bool
     trace: dict[str, str] | None = None
     deadline: float | None = None
+    stream_states: bool = False
 
 
 @dataclass(slots=True)
@@ -250,8 +251,10 @@ class StageReplicaSet:
 
     async def submit_request(self, request_id: str, prompt: Any, sampling_params: Any = None, *,
                              end_on_finish: bool = True, group: str | None = None,
-                             trace: dict[str, str] | None = None, deadline: float | None = None) -> None:
-        """Send a GENERATE to the replica chosen for it (see ``BaseStageClient.submit_request``)."""
+                             trace: dict[str, str] | None = None, deadline: float | None = None,
+                             input_stream: bool = False, stream_states: bool = False) -> None:
+        """Send a GENERATE to the replica chosen for it (see ``BaseStageClient.submit_request``).
+        A request whose input comes in parts is not resubmitted: another replica would lack them."""
         self._check_alive()
         if request_id in self._owner:
             raise ValueError(f"stage {self.stage_id}: request id {request_id!r} is already in flight")
@@ -262,15 +265,24 @@ class StageReplicaSet:
         self._bind(request_id, index)
         if not end_on_finish:
             self._manual_end.add(request_id)
-        if self.retry is RetryPolicy.BEFORE_FIRST_OUTPUT:
-            self._retryable[request_id] = _Submission(prompt, sampling_params, end_on_finish, trace, deadline)
+        if self.retry is RetryPolicy.BEFORE_FIRST_OUTPUT and not input_stream:
+            self._retryable[request_id] = _Submission(prompt, sampling_params, end_on_finish, trace, deadline,
+                                                          stream_states)
         try:
             await self.replicas[index].submit_request(request_id, prompt, sampling_params,
-                                                      end_on_finish=end_on_finish, trace=trace, deadline=deadline)
+                                                      end_on_finish=end_on_finish, trace=trace, deadline=deadline,
+                                                      input_stream=input_stream, stream_states=stream_states)
         except BaseException:
             if self._owner.get(request_id) == index:  # not taken over by a retry (the replica died sending)
                 self._forget(request_id)
                 raise
+
+    async def extend_request(self, request_id: str, prompt: Any, *, last: bool) -> bool:
+        """Append to the input of the request on the replica running it (never resubmitted)."""
+        index = self._owner.get(request_id)
+        if index is None or self.replicas[index].is_dead:
+            return False
+        return await self.replicas[index].extend_request(request_id, prompt, last=last)
 
     async def abort_request(self, request_ids: str | Sequence[str], *, keep_final: bool = False) -> None:
         """Abort on the replicas running them (see ``BaseStageClient.abort_request``)."""
@@ -391,7 +403,7 @@ class StageReplicaSet:
         try:
             await replica.submit_request(rid, submission.prompt, submission.sampling_params,
                                          end_on_finish=submission.end_on_finish, trace=submission.trace,
-                                         deadline=submission.deadline)
+                                         deadline=submission.deadline, stream_states=submission.stream_states)
             if resubmission.abort is not None:
                 await replica.abort_request([rid], keep_final=resubmission.abort)
         except Exception as exc:  # noqa: BLE001 - the request fails, naming why

@@ -52,6 +52,11 @@ class StageTrack:
     last_output: OmniRequestOutput | None = None
     closed: bool = False
     done: bool = False
+    # The sub-request whose input is still coming in parts (``StageInput.opens_stream``), the one
+    # whose input came so (kept), and its final output while the stage's sources still run.
+    open_stream: str | None = None
+    streamed: str | None = None
+    held_final: tuple[int, OmniRequestOutput] | None = None
 
     @property
     def complete(self) -> bool:

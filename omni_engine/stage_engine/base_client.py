@@ -27,6 +27,7 @@ from omni_engine.outputs import OmniRequestOutput
 from omni_engine.tracing.stage_timing import StageTiming
 from omni_engine.wire.protocol import (
     DUPLICATE_REQUEST,
+    InputStream,
     StageAbortRequest,
     StageGenerateRequest,
     StageHealthCheck,
@@ -178,7 +179,8 @@ class BaseStageClient:
     # ------------------------------------------------------------- requests
     async def submit_request(self, request_id: str, prompt: Any, sampling_params: Any = None, *,
                              end_on_finish: bool = True, group: str | None = None,
-                             trace: dict[str, str] | None = None, deadline: float | None = None) -> None:
+                             trace: dict[str, str] | None = None, deadline: float | None = None,
+                             input_stream: bool = False, stream_states: bool = False) -> None:
         """Send a GENERATE; outputs come from ``get_output_async``.
 
         With ``end_on_finish`` False what the transport holds for the request
@@ -189,11 +191,14 @@ class BaseStageClient:
         nothing to choose). ``trace``: the W3C headers of the request's span in this
         stage; its final output then carries the stage's ``stage_timing``. ``deadline``: when
         the output is needed (``time.time()`` seconds); the stage serves earliest first.
+        ``input_stream``: more of the request's input follows (``extend_request``).
+        ``stream_states``: its partial outputs carry the states written since the last one.
         """
         self._check_alive()
         if request_id in self._requests:
             raise ValueError(f"stage {self.stage_id}: request id {request_id!r} is already in flight")
-        msg = StageGenerateRequest(request_id, prompt, sampling_params, self._loop.time(), trace, deadline)
+        msg = StageGenerateRequest(request_id, prompt, sampling_params, self._loop.time(), trace, deadline,
+                                   InputStream.OPEN if input_stream else InputStream.NONE, stream_states)
         self._requests.add(request_id)
         self.submitted += 1
         self.resources.begin(request_id)
@@ -205,6 +210,16 @@ class BaseStageClient:
             self._requests.discard(request_id)
             self._manual_end.discard(request_id)
             raise
+
+    async def extend_request(self, request_id: str, prompt: Any, *, last: bool) -> bool:
+        """Append ``prompt`` to the input of a request submitted with ``input_stream``; ``last``: its
+        input ends there. False (nothing sent) where the request has ended here."""
+        self._check_alive()
+        if request_id not in self._requests:
+            return False
+        await self._send(StageRequestType.GENERATE, StageGenerateRequest(
+            request_id, prompt, input_stream=InputStream.END if last else InputStream.MORE))
+        return True
 
     async def abort_request(self, request_ids: str | Sequence[str], *, keep_final: bool = False) -> None:
         """Abort in the stage. The stage ends each aborted request with a final output

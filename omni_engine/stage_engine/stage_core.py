@@ -26,6 +26,7 @@ from omni_engine.stage_output import StageRequestOutput, aborted_stage_output
 from omni_engine.tracing.stage_timing import StageTiming
 from omni_engine.wire.protocol import (
     DUPLICATE_REQUEST,
+    InputStream,
     StageDead,
     StageError,
     StageGenerateRequest,
@@ -70,6 +71,8 @@ class StageEngineCore:
         self.engine = engine
         self._out_q = out_q
         self._requests: dict[str, asyncio.Future] = {}  # a task, or a submitted request's future
+        # Requests the engine opened (input in parts, states streamed): closed when they end.
+        self._opened: set[str] = set()
         # Aborted requests whose streams are ending (their final output still to send).
         self._aborting: dict[str, asyncio.Future] = {}
         # Traced requests (their GENERATE carried trace headers) and what was recorded of them.
@@ -209,12 +212,23 @@ class StageEngineCore:
     # ---------------------------------------------------------- handlers
     def _add_request(self, req: StageGenerateRequest) -> None:
         rid = req.request_id
+        if req.input_stream >= InputStream.MORE:
+            self._extend_request(req)
+            return
         if rid in self._requests:
             self._send_error(f"stage {self.stage_id}: GENERATE for request {rid!r} refused: that request id is "
                              "already running", rid, DUPLICATE_REQUEST)
             return
         if req.trace is not None:
             self._trace(req)
+        if req.input_stream is InputStream.OPEN or req.stream_states:
+            try:  # (an engine that cannot refuses here, by name: nothing has started)
+                self.engine.open_request(rid, input_stream=req.input_stream is InputStream.OPEN,
+                                         stream_states=req.stream_states)
+            except Exception as exc:  # noqa: BLE001 - the request fails, the stage serves on
+                self._request_failed(rid, exc)
+                return
+            self._opened.add(rid)
         aborted_before = self._aborting.get(rid)
         # An engine that answers once takes the request without a task (``StageEngine.submit``);
         # a request whose id is still ending an aborted stream waits for it in a task.
@@ -226,6 +240,18 @@ class StageEngineCore:
         task = asyncio.create_task(self._generate(req, aborted_before), name=f"stage{self.stage_id}-{rid}")
         self._requests[rid] = task
         task.add_done_callback(functools.partial(self._request_done, rid))
+
+    def _extend_request(self, req: StageGenerateRequest) -> None:
+        """The next part of a running request's input; one for a request that has ended is dropped
+        (a talker that spoke its stop code before the thinker finished needs no more of it)."""
+        rid = req.request_id
+        if rid not in self._requests or rid not in self._opened:
+            return
+        try:
+            self.engine.extend_input(rid, req.prompt, last=req.input_stream is InputStream.END)
+        except Exception as exc:  # noqa: BLE001 - that request fails, naming the part; the stage serves on
+            self._requests.pop(rid).cancel()
+            self._request_failed(rid, exc)
 
     def _trace(self, req: StageGenerateRequest) -> None:
         """Record what happens to ``req`` (``StageTiming``), sent with its final output."""
@@ -282,6 +308,9 @@ class StageEngineCore:
     def _request_done(self, rid: str, task: asyncio.Future) -> None:
         if self._requests.get(rid) is task:
             del self._requests[rid]
+        if rid in self._opened and rid not in self._requests:
+            self._opened.discard(rid)
+            self.engine.close_request(rid)
         if self._aborting.get(rid) is task:
             del self._aborting[rid]
         if self._traced and self._requests.get(rid) is None and self._aborting.get(rid) is None:

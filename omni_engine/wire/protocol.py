@@ -49,6 +49,18 @@ class StageResponseType(bytes, enum.Enum):
     HEARTBEAT = b"\x16"
 
 
+class InputStream(enum.IntEnum):
+    """A GENERATE's place in a request whose input comes in parts (a talker fed the thinker's
+    states as the thinker writes them): ``OPEN`` starts it, each ``MORE`` appends to the running
+    request of that id, ``END`` appends its last part. A part for a request that has ended (the
+    talker spoke its stop code first) is dropped by the stage."""
+
+    NONE = 0
+    OPEN = 1
+    MORE = 2
+    END = 3
+
+
 class StageGenerateRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     request_id: str
     prompt: Any
@@ -62,6 +74,10 @@ class StageGenerateRequest(msgspec.Struct, array_like=True, omit_defaults=True, 
     # is due when its listener's buffer runs dry. Stages serve earliest deadline first; None is
     # "no hurry" (``deadlines.NO_DEADLINE_SLACK_S`` after arrival).
     deadline: float | None = None
+    input_stream: InputStream = InputStream.NONE
+    # Partial outputs carry the states written since the last one (an llm stage with
+    # engine_output_type latent whose consumer starts on its first states).
+    stream_states: bool = False
 
 
 class StageAbortRequest(msgspec.Struct, array_like=True, gc=False):

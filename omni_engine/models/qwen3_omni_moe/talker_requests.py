@@ -89,6 +89,8 @@ class TalkerRequests:
         self._paths: dict[str, tuple[str, str]] = {}
         self._voices: dict[str, str] = {}
         self._streamed: dict[str, int] = {}  # frames a request's partial outputs have carried
+        self._parts: dict[str, dict[str, torch.Tensor]] = {}  # a request fed in parts: its rows so far
+        self._stale: set[str] = set()  # ... whose inputs file lacks rows it has been given
         self._counter = itertools.count()
 
     @property
@@ -111,8 +113,51 @@ class TalkerRequests:
 
     def adapt(self, request_id: str, prompt: Any, params: Any) -> tuple[dict[str, Any], Any]:
         """vLLM's prompt and params for the request; its inputs file is written."""
+        return self.start(request_id, self.request_rows(request_id, prompt, params), params)
+
+    def adapt_parts(self, request_id: str, prompt: Any, params: Any) -> tuple[dict[str, Any], Any, int]:
+        """As ``adapt``, for a request whose thinker is still writing (``thinker2talker`` under
+        async_chunk): the reply rows known so far, and the frames the talker may make from them
+        (frame ``f`` needs the reply's token ``f``: the prompt's last row holds the first, and the
+        step that makes frame ``f`` reads token ``f``)."""
+        rows = self.request_rows(request_id, prompt, params)
+        rows["reply_final"] = torch.tensor([0])
+        self._parts[request_id] = rows
+        vllm_prompt, params = self.start(request_id, rows, params)
+        return vllm_prompt, params, rows["reply_rows"].shape[0]
+
+    def extend(self, request_id: str, prompt: Any, last: bool) -> int | None:
+        """The thinker's next rows (``input_embeds`` ``[n, D]``); the frames the talker may make now
+        (None once the reply is whole: up to its stop code). Written when the talker needs them."""
+        rows = self._parts.get(request_id)
+        if rows is None:
+            return None
+        embeds = prompt.get("input_embeds") if isinstance(prompt, dict) else None
+        width = rows["reply_rows"].shape[1]
+        if embeds is None or getattr(embeds, "ndim", 0) != 2 or embeds.shape[1] != width:
+            raise ValueError(f"stage {self.stage_id}: request {request_id!r}: a part of the thinker's states needs "
+                             f"input_embeds [rows, {width}], got "
+                             f"{None if embeds is None else tuple(getattr(embeds, 'shape', ()))}")
+        rows["reply_rows"] = torch.cat([rows["reply_rows"], torch.as_tensor(embeds).to(rows["reply_rows"].dtype)])
+        if last:
+            rows["reply_final"] = torch.tensor([1])
+        self._stale.add(request_id)
+        return None if last else rows["reply_rows"].shape[0]
+
+    def write_inputs(self, request_id: str) -> None:
+        """The request's inputs file, with every row known (replaced whole: a worker re-reading it
+        for a recomputation sees the old rows or the new, never a half-written file)."""
+        if request_id not in self._stale or request_id not in self._paths:
+            return
         from safetensors.torch import save_file
 
+        self._stale.discard(request_id)
+        base = self._paths[request_id][0]
+        save_file(self._parts[request_id], f"{base}.part")
+        os.replace(f"{base}.part", base)
+
+    def request_rows(self, request_id: str, prompt: Any, params: Any) -> dict[str, torch.Tensor]:
+        """The inputs file's tensors for a ``thinker2talker`` prompt, the voice's speaker among them."""
         missing = [f for f in PROMPT_FIELDS if not isinstance(prompt, dict) or f not in prompt]
         if missing:
             raise ValueError(f"stage {self.stage_id}: request {request_id!r}: a talker prompt needs "
@@ -122,8 +167,13 @@ class TalkerRequests:
         rows = self.input_rows(request_id, torch.as_tensor(list(prompt["thinker_prompt_token_ids"])),
                                torch.as_tensor(prompt["input_embeds"]), torch.as_tensor(prompt["hidden_states"]),
                                prompt.get("thinker_positions"))
+        return {**rows, "speaker": torch.tensor([speaker])}
+
+    def start(self, request_id: str, rows: dict[str, torch.Tensor], params: Any) -> tuple[dict[str, Any], Any]:
+        from safetensors.torch import save_file
+
         base = str(shm.SHM_DIR / f"{self.prefix}{next(self._counter)}")
-        save_file({**rows, "speaker": torch.tensor([speaker])}, base)
+        save_file(rows, base)
         self._paths[request_id] = (base, f"{base}.codes")
         self._voices[request_id] = voice_name(params).lower()
         params = copy.copy(params)
@@ -189,8 +239,10 @@ class TalkerRequests:
     def finish(self, request_id: str) -> None:
         self._voices.pop(request_id, None)
         self._streamed.pop(request_id, None)
+        self._parts.pop(request_id, None)
+        self._stale.discard(request_id)
         for path in self._paths.pop(request_id, ()):
-            for name in (path, f"{path}.hidden"):
+            for name in (path, f"{path}.hidden", f"{path}.part"):
                 try:
                     os.unlink(name)
                 except FileNotFoundError:

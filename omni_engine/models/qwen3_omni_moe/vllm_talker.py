@@ -132,11 +132,21 @@ class OmniEngineQwen3OmniMoeTalker(nn.Module):
             pad + codec[0:1], pad + codec[1:2], pad + codec[2:3], pad + codec[3:4],
             bos + codec[4:5], reply[0:1] + codec[5:6]])
         io.memo["prompt"] = torch.cat([user_rows, assistant])
-        io.memo["trailing"] = torch.cat([reply[1:], self.tts_row(2).unsqueeze(0)])
+        # tts eos follows the reply once it is whole (a talker fed the thinker's states as they come
+        # is never run past the rows it has: ``talker_requests.TalkerRequests.extend``)
+        whole = io.memo["whole"] = "reply_final" not in inputs or bool(inputs["reply_final"][0])
+        io.memo["trailing"] = torch.cat([reply[1:], self.tts_row(2).unsqueeze(0)]) if whole else reply[1:]
         return io.memo["prompt"]
 
     def trailing_row(self, io: RequestIO, frame: int) -> torch.Tensor:
         trailing = io.memo["trailing"]
+        if frame >= trailing.shape[0] and not io.memo["whole"]:
+            # fed in parts: the thinker's rows this frame needs came with a part since the inputs
+            # were read (whether vLLM re-adds the request to the batch at a part or not)
+            io.reload_inputs()
+            io.memo.pop("prompt")
+            self.prompt_rows(io)
+            trailing = io.memo["trailing"]
         return trailing[frame] if frame < trailing.shape[0] else self.tts_row(0)
 
     def build_embeds(self, input_ids: torch.Tensor, embeds: torch.Tensor, segments: list[Any]) -> None:
