@@ -11,8 +11,8 @@ driven by ``omni-engine bench serve --backend openai-chat-audio`` (streamed chat
 [text, audio]``). Each request does the same work: exactly ``--thinker-tokens`` thinker tokens and
 ``--talker-frames`` talker frames (min = max tokens, greedy). The issue's targets, as ratios of this
 run: first audio at concurrency 1 with async_chunk <= 0.4x the sequential config's; first audio p95
-at concurrency 4 <= 1.5x its p50 at 1. (The talker starts when the thinker has finished in both,
-so the first ratio measures code2wav's streaming only.) Writes ``benchmarks/results/bench_qwen3_omni.json``.
+at concurrency 4 <= 1.5x its p50 at 1. (Under async_chunk the talker starts on the thinker's first states,
+and code2wav on the talker's first frames.) Writes ``benchmarks/results/bench_qwen3_omni.json``.
 """
 
 from __future__ import annotations

@@ -164,7 +164,8 @@ def test_vllm_omni_s_qwen3_omni_deploy_file_sets_the_codec_chunks_from_its_conne
     assert config.runtime.execution_mode == "async_chunk"
     assert code2wav.custom_process_input_args == {"initial_codec_chunk_frames": 4, "codec_chunk_frames": 10,
                                                   "codec_left_context_frames": 25}
-    assert thinker.custom_process_input_args == talker.custom_process_input_args == {}
+    assert thinker.custom_process_input_args == {}
+    assert talker.custom_process_input_args == {"starts_on_states": True}  # the family's, kept
     assert talker.default_sampling_params["seed"] == 42 and talker.default_sampling_params["stop_token_ids"] == [2150]
     assert thinker.engine_args["max_num_seqs"] == 64 and talker.runtime.max_batch_size == 64
     # the talker's input edge takes no codec sizes: named as having nothing to act on

@@ -27,6 +27,7 @@ from msgspec.msgpack import Ext
 
 from omni_engine.connectors.shm import SEGMENT_INDEX, ShmPool, list_segments, stage_prefix
 from omni_engine.wire.protocol import (
+    InputStream,
     StageAbortRequest,
     StageGenerateRequest,
     StageReady,
@@ -115,6 +116,24 @@ def test_duplicate_abort_and_unknown_names_are_answered_in_order(raw_stage, fore
     assert not [m for k, m in answers if k is StageResponseType.ERROR], answers
     (output,) = [o for k, m in answers if k is StageResponseType.OUTPUT for o in m.outputs]
     assert output.request_id == "again" and output.multimodal_output["tensor"].numel() == 8
+
+
+def test_input_in_parts_is_refused_by_a_stage_that_cannot_take_it_and_a_stray_part_is_dropped(raw_stage):
+    """A GENERATE that opens a request fed in parts (or asks for its states as it generates) reaches a
+    generation stage: refused, naming the stage and the request, before anything runs; a part for a
+    request that is not running (it ended first) is dropped; the stage serves on."""
+    part = StageGenerateRequest("gone", {"nbytes": 8}, input_stream=InputStream.MORE)
+    raw_stage.send(StageRequestType.GENERATE, part)
+    raw_stage.send(StageRequestType.GENERATE, StageGenerateRequest("parts", {"nbytes": 8},
+                                                                   input_stream=InputStream.OPEN))
+    raw_stage.send(StageRequestType.GENERATE, StageGenerateRequest("states", {"nbytes": 8}, stream_states=True))
+    answers = raw_stage.settle()
+    errors = {m.request_id: m.message for k, m in answers if k is StageResponseType.ERROR}
+    assert sorted(errors) == ["parts", "states"], answers
+    assert f"stage {RAW_STAGE_ID}" in errors["parts"] and "request 'parts'" in errors["parts"]
+    assert "takes no input in parts" in errors["parts"]
+    assert not [o for k, m in answers if k is StageResponseType.OUTPUT for o in m.outputs], answers
+    _serve_valid(raw_stage, "after-parts")
 
 
 def test_abort_with_final_outputs_ends_the_request_before_its_id_runs_again(raw_stage):

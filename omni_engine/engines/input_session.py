@@ -53,6 +53,7 @@ class InputSession:
         self.asked = params.output_kind
         self.tokens: list[int] = []
         self.max_tokens = int(params.max_tokens or 1 << 30)
+        self.min_tokens = int(params.min_tokens or 0)
         self.stop_ids = frozenset(params.stop_token_ids or ())
         params = copy.copy(params)
         params.output_kind = RequestOutputKind.DELTA
@@ -73,6 +74,8 @@ class InputSession:
                 self.prepare()
             chunk = copy.copy(params)
             chunk.max_tokens = more
+            # vLLM counts a chunk's tokens from its start: the request's min_tokens, less those made
+            chunk.min_tokens = min(max(self.min_tokens - self._granted, 0), more)
             yield StreamingInput(prompt if self._granted == 0 else {"prompt_token_ids": [self.last_token]}, chunk)
             self._granted += more
 
