@@ -2,15 +2,19 @@
 
 from __future__ import annotations
 
+import asyncio
+import base64
 import io
 import json
 import wave
 
+import httpx
 import numpy as np
 import pytest
 
-from omni_engine.bench.backends import RequestResult, WavStream, wav_seconds
-from omni_engine.bench.datasets import DatasetError, custom_requests, random_requests
+from omni_engine.bench.backends import (BenchSettings, RequestResult, WavStream, openai_chat, openai_chat_audio,
+                                        wav_seconds)
+from omni_engine.bench.datasets import BenchRequest, DatasetError, custom_requests, random_requests
 from omni_engine.bench.playback import play
 from omni_engine.bench.results import summarize
 
@@ -115,3 +119,40 @@ def test_speech_in_is_mixed_to_mono_and_resampled_for_the_realtime_api():
             w.setframerate(8000)
             w.writeframes(bytes(800))
         pcm16_mono(eight_bit.getvalue(), 24000)
+
+
+def _served_stream(*events: dict) -> httpx.MockTransport:
+    """A server whose chat answer is 200 and these SSE events (the server under test here is the bench's
+    reading of a stream, not a pipeline: a real one's mid-stream error is in tests/test_serve_metrics.py)."""
+    body = "".join(f"data: {json.dumps(e)}\n\n" for e in events) + "data: [DONE]\n\n"
+    return httpx.MockTransport(lambda request: httpx.Response(200, text=body,
+                                                              headers={"content-type": "text/event-stream"}))
+
+
+def _chat(backend, transport) -> RequestResult:
+    async def run():
+        async with httpx.AsyncClient(transport=transport) as client:
+            return await backend(client, BenchSettings("http://bench", "m"), BenchRequest("hi", 1, 8))
+    return asyncio.run(run())
+
+
+def _delta(**delta) -> dict:
+    return {"choices": [{"index": 0, "delta": delta}]}
+
+
+def test_an_error_in_a_streamed_answer_fails_the_request_with_the_servers_words():
+    error = {"error": {"message": "stage 1 (speech) died", "type": "StageDeadError", "code": 500}}
+    for backend in (openai_chat, openai_chat_audio):
+        result = _chat(backend, _served_stream(_delta(content="Paris"), error))
+        assert not result.success, backend.__name__
+        assert "StageDeadError" in result.error and "stage 1 (speech) died" in result.error
+    ok = _chat(openai_chat, _served_stream(_delta(content="Paris")))
+    assert ok.success and ok.text == "Paris" and not ok.error
+
+
+def test_a_chat_that_asked_for_audio_and_got_none_is_a_failure():
+    result = _chat(openai_chat_audio, _served_stream(_delta(content="Paris")))
+    assert not result.success and result.error == "the answer had no audio"
+    spoken = base64.b64encode(wav_bytes(0.25, 16000)).decode()
+    result = _chat(openai_chat_audio, _served_stream(_delta(content="Paris"), _delta(audio={"data": spoken})))
+    assert result.success and [s for _, s in result.audio_chunks] == [pytest.approx(0.25)]

@@ -3,11 +3,13 @@ when a stage process is killed. Everything goes through HTTP, as a scraper and a
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
 import time
 
+import httpx
 import openai
 import psutil
 import pytest
@@ -189,21 +191,46 @@ def test_the_llm_stages_vllm_metrics_are_on_metrics_and_move_with_load(server, c
     assert value(scrape(url), "omni_engine_stage_up", stage="0") == 1
 
 
-def test_health_is_503_soon_after_a_stage_is_killed_and_the_server_keeps_serving(server):
-    # Last in this module: it kills the speech stage.
+def _events(lines) -> list[dict]:
+    """The JSON events of an SSE stream's remaining lines, up to ``[DONE]``."""
+    events = []
+    for line in lines:
+        if line.startswith("data:") and (data := line[5:].strip()) != "[DONE]":
+            events.append(json.loads(data))
+    return events
+
+
+def test_a_stage_killed_mid_answer_ends_the_stream_with_its_error_and_health_is_503_soon(server):
+    # Last in this module: it kills the speech stage. A streamed chat with audio is answering when it
+    # dies: its status line (200) and first text are sent, so the stream must end with an error
+    # event naming the stage, not a finish that looks like an answer without its audio.
     url, log = server["url"], server["log"]
     assert http_status(f"{url}/health") == 200
     pids = _stage_pids(log)
     assert set(pids) == {0, 1}, log_tail(log)
     speech = psutil.Process(pids[1])
     assert speech.ppid() == server["proc"].pid
-    os.kill(pids[1], signal.SIGKILL)
-    killed = time.monotonic()
-    while (status := http_status(f"{url}/health")) != 503:
-        assert status == 200, status
-        assert time.monotonic() - killed < 2.0, "/health still 200 two seconds after the stage was killed"
-        time.sleep(0.05)
-    assert time.monotonic() - killed < 2.0
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "Tell me about Paris."}], "stream": True,
+            "temperature": 0, "max_tokens": 96, "ignore_eos": True, "modalities": ["text", "audio"],
+            "audio": {"voice": "en", "format": "wav"}}
+    with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=60) as response:
+        assert response.status_code == 200
+        lines = response.iter_lines()
+        for line in lines:  # up to the first piece of text: the answer is under way
+            if line.startswith("data:") and '"content": "' in line and '"content": ""' not in line:
+                break
+        os.kill(pids[1], signal.SIGKILL)
+        killed = time.monotonic()
+        while (status := http_status(f"{url}/health")) != 503:
+            assert status == 200, status
+            assert time.monotonic() - killed < 2.0, "/health still 200 two seconds after the stage was killed"
+            time.sleep(0.05)
+        assert time.monotonic() - killed < 2.0
+        events = _events(lines)
+    errors = [e["error"] for e in events if "error" in e]
+    assert len(errors) == 1 and errors[0]["type"] == "StageDeadError", events[-3:]
+    assert "stage 1" in errors[0]["message"] and errors[0]["code"] == 500, errors
+    assert not any(c.get("finish_reason") for e in events for c in e.get("choices") or ()), events[-3:]
     assert http_status(f"{url}/v1/models") == 200
     m = scrape(url)
     assert value(m, "omni_engine_stage_up", stage="1") == 0

@@ -147,8 +147,21 @@ def _chat_body(settings: BenchSettings, request: BenchRequest) -> dict[str, Any]
     return {**body, **(settings.extra_body or {})}
 
 
+def stream_error(event: dict[str, Any]) -> str:
+    """The error a server put in its stream after the status line (vLLM's and ours: ``{"error":
+    {"message", "type", "code"}}``), or "" for an ordinary event."""
+    error = event.get("error")
+    if not error:
+        return ""
+    if isinstance(error, dict):
+        return f"in the stream: {error.get('type') or 'error'} {error.get('code') or ''}: {error.get('message')}"
+    return f"in the stream: {error}"
+
+
 async def _stream_chat(client: httpx.AsyncClient, settings: BenchSettings, request: BenchRequest,
-                       body: dict[str, Any]) -> RequestResult:
+                       body: dict[str, Any], needs_audio: bool = False) -> RequestResult:
+    """A streamed chat, timed. An error event in the stream fails the request (the status line said
+    200 before the answer went wrong), and so does an answer without audio when audio was asked."""
     result = RequestResult(request.prompt_words)
     start = time.perf_counter()
     last = 0.0
@@ -161,6 +174,9 @@ async def _stream_chat(client: httpx.AsyncClient, settings: BenchSettings, reque
                 return result
             async for event in sse_events(response):
                 now = time.perf_counter() - start
+                if error := stream_error(event):
+                    result.error = error
+                    return result
                 usage = event.get("usage") or usage
                 for choice in event.get("choices") or ():
                     delta = choice.get("delta") or {}
@@ -173,7 +189,9 @@ async def _stream_chat(client: httpx.AsyncClient, settings: BenchSettings, reque
             result.output_tokens = usage.get("completion_tokens") or 0
             result.prompt_tokens = usage.get("prompt_tokens") or 0
         result.latency = time.perf_counter() - start
-        result.success = True
+        result.success = bool(result.audio_chunks) or not needs_audio
+        if not result.success:
+            result.error = "the answer had no audio"
     except (httpx.HTTPError, ValueError, wave.Error) as exc:
         result.error = f"{type(exc).__name__}: {exc}"
     return result
@@ -190,7 +208,7 @@ async def openai_chat_audio(client: httpx.AsyncClient, settings: BenchSettings,
     is a WAV of what was spoken since the last one."""
     audio = {"format": "wav", **({"voice": settings.voice} if settings.voice else {})}
     body = {**_chat_body(settings, request), "modalities": ["text", "audio"], "audio": audio}
-    return await _stream_chat(client, settings, request, body)
+    return await _stream_chat(client, settings, request, body, needs_audio=True)
 
 
 async def openai_speech(client: httpx.AsyncClient, settings: BenchSettings, request: BenchRequest) -> RequestResult:
@@ -280,8 +298,8 @@ async def openai_transcription(client: httpx.AsyncClient, settings: BenchSetting
                 result.error = await http_error(response)
                 return result
             async for event in sse_events(response):
-                if "error" in event:
-                    result.error = f"stream error: {event['error'].get('message')}"
+                if error := stream_error(event):
+                    result.error = error
                     return result
                 if event.get("type") == "transcript.text.delta" and event.get("delta"):
                     last = _on_text(result, event["delta"], time.perf_counter() - start, last)
