@@ -31,10 +31,11 @@ PROMPTS = {
 }
 
 
-def reference_speech(reference, kind, voice, thinker_tokens, talker_tokens):
+def reference_speech(reference, kind, voice, thinker_tokens, talker_tokens, talker_min_tokens=0):
     """transformers' whole ``generate`` (greedy thinker and talker; the code predictor greedy with
     them, as transformers 5.19 mirrors the talker's do_sample) on a prompt of ``PROMPTS`` (``kind``)
-    or a ``(text, data)`` pair: the codes it hands code2wav ``[G, frames]``, and its waveform."""
+    or a ``(text, data)`` pair: the codes it hands code2wav ``[G, frames]``, and its waveform.
+    ``talker_min_tokens``: the talker's stop token held back that long (vLLM's ``min_tokens``)."""
     model, processor = reference
     text, data = PROMPTS[kind] if isinstance(kind, str) else kind
     inputs = processor(text=text, audio=[data["audio"][0]] if "audio" in data else None,
@@ -51,7 +52,7 @@ def reference_speech(reference, kind, voice, thinker_tokens, talker_tokens):
         with torch.no_grad():
             _, wav = model.generate(**inputs, speaker=voice, thinker_max_new_tokens=thinker_tokens,
                                     thinker_do_sample=False, talker_max_new_tokens=talker_tokens,
-                                    talker_do_sample=False)
+                                    talker_min_new_tokens=talker_min_tokens, talker_do_sample=False)
     finally:
         model.code2wav.chunked_decode = decode
     return captured["codes"][0].numpy(), wav.reshape(-1).numpy()

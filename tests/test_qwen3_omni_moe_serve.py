@@ -9,6 +9,7 @@ refused with the reason; realtime hears a spoken turn and answers in that speech
 
 from __future__ import annotations
 
+import asyncio
 import base64
 
 import httpx
@@ -23,15 +24,22 @@ from tests.test_deploy_config import QWEN3_DEPLOY
 
 SERVED = "qwen3-omni-tiny"
 MAX_TOKENS = 10
-TALKER_TOKENS = 16
+TALKER_TOKENS = 64
+# The tiny random talker's greedy stop token comes after ~5 frames; the served talker holds it back
+# this long by default (transformers' talker_min_new_tokens in the reference), so an answer speaks
+# for seconds, as a real one does, and a barge-in finds the talker at work.
+TALKER_MIN_TOKENS = 40
 PCM16_STEP = 1 / 32768
 QUESTION = "What is the capital of France?"
 # vLLM-Omni's deploy file for the model, its codec pieces smaller (so a short answer streams in
-# several), the talker greedy by default (so a chat gets transformers' codes), vLLM's sizes for this
-# machine's memory, every stage on its one CPU group (the file puts the talker on GPU 1).
+# several) and their left context the whole answer (so the pieces join to transformers' one decode),
+# the talker greedy by default (so a chat gets transformers' codes), vLLM's sizes for this machine's
+# memory, every stage on its one CPU group (the file puts the talker on GPU 1).
 DEPLOY = (QWEN3_DEPLOY.replace("codec_chunk_frames: 25", "codec_chunk_frames: 5").replace('devices: "1"', 'devices: "0"')
+          .replace("codec_left_context_frames: 25", f"codec_left_context_frames: {TALKER_TOKENS}")
           .replace("default_sampling_params: {seed: 42, temperature: 0.9, top_k: 50, max_tokens: 4096",
-                   f"default_sampling_params: {{seed: 42, temperature: 0.0, top_k: 50, max_tokens: {TALKER_TOKENS}")
+                   f"default_sampling_params: {{seed: 42, temperature: 0.0, top_k: 50, max_tokens: {TALKER_TOKENS}, "
+                   f"min_tokens: {TALKER_MIN_TOKENS}")
           .replace("max_num_seqs: 64", "max_num_seqs: 4").replace("max_num_batched_tokens: 32768",
                                                                   "max_num_batched_tokens: 4096")
           .replace("gpu_memory_utilization: 0.9", "gpu_memory_utilization: 0.3")
@@ -92,7 +100,7 @@ def test_a_chat_with_audio_answers_transformers_text_and_speech(server, referenc
     want_ids, _, _ = reference_run(reference, prompt)
     want_ids = want_ids[:MAX_TOKENS]
     want_text = reference[1].tokenizer.decode(want_ids, skip_special_tokens=True)
-    codes, want = reference_speech(reference, prompt, voice.lower(), MAX_TOKENS, TALKER_TOKENS)
+    codes, want = reference_speech(reference, prompt, voice.lower(), MAX_TOKENS, TALKER_TOKENS, TALKER_MIN_TOKENS)
     text, audio, pieces = _audio_chat(server, messages, voice=voice, stream=stream)
     assert text == want_text
     assert audio.shape == want.shape == (codes.shape[1] * 1920 - 555,)
@@ -152,7 +160,7 @@ async def test_realtime_the_thinker_hears_the_turn_and_answers_in_transformers_s
         transcript = "".join(ev.delta for ev in of_type(events, "response.output_audio_transcript.delta"))
         audio = answer_audio(events)
     assert transcript == want_text
-    _, want = reference_speech(reference, prompt, voice.lower(), MAX_TOKENS, TALKER_TOKENS)
+    _, want = reference_speech(reference, prompt, voice.lower(), MAX_TOKENS, TALKER_TOKENS, TALKER_MIN_TOKENS)
     assert audio.shape == want.shape
     np.testing.assert_allclose(audio, np.clip(want, -1, 1), atol=1e-4 + 2 * PCM16_STEP, rtol=0)
 
@@ -198,7 +206,65 @@ async def test_realtime_a_tool_s_output_is_answered_in_transformers_speech(serve
     assert done.usage.input_tokens == len(reference[1].tokenizer.encode(prompt)), "not the template's prompt"
     want_ids, _, _ = reference_run(reference, (prompt, {}))
     assert transcript == reference[1].tokenizer.decode(want_ids[:MAX_TOKENS], skip_special_tokens=True)
-    _, want = reference_speech(reference, (prompt, {}), voice.lower(), MAX_TOKENS, TALKER_TOKENS)
+    _, want = reference_speech(reference, (prompt, {}), voice.lower(), MAX_TOKENS, TALKER_TOKENS, TALKER_MIN_TOKENS)
     audio = answer_audio(events)
     assert audio.shape == want.shape
     np.testing.assert_allclose(audio, np.clip(want, -1, 1), atol=1e-4 + 2 * PCM16_STEP, rtol=0)
+
+
+@pytest.mark.asyncio(loop_scope="module")
+async def test_realtime_barge_in_cancels_the_talker_and_code2wav_work_of_the_old_turn(server):
+    """Server VAD on a Qwen3-Omni session: a question spoken while the answer is still being spoken
+    cancels that answer (``response.done`` cancelled, ``turn_detected``): its talker request is aborted,
+    and the stages say so themselves (vLLM's scheduler of the talker and of the thinker holds nothing
+    and the talker makes no more tokens), code2wav is handed no more of it, nothing more of it reaches
+    the client. The new question (a second heard turn, where the thinker takes one audio per prompt:
+    the history keeps its latest) is answered in speech, and no stage holds anything afterwards."""
+    from tests.realtime_helpers import aclient, answer_audio, events_until, of_type, silence, spoken, stream_audio
+    from tests.serve_helpers import assert_nothing_in_flight, scrape, value
+
+    def work():
+        """What the stages have done, and hold, so far."""
+        samples = scrape(server["url"], prefix="")
+        return {"talker aborts": value(samples, "omni_engine_stage_requests_aborted_total", stage="1"),
+                "talker tokens": value(samples, "vllm:generation_tokens_total", stage="1"),
+                "code2wav pieces": value(samples, "omni_engine_stage_requests_total", stage="2"),  # (async_chunk)
+                "scheduled": sum(value(samples, f"vllm:num_requests_{state}", stage=stage)
+                                 for state in ("running", "waiting") for stage in ("0", "1"))}
+
+    question = spoken(QUESTION)
+    before = work()
+    async with aclient(server).realtime.connect(model=SERVED) as conn:
+        await conn.recv()
+        await conn.session.update(session={"type": "realtime", "max_output_tokens": 300})
+        await events_until(conn, "session.updated")
+        await stream_audio(conn, np.concatenate([question, silence(1.0)]))
+        first = await events_until(conn, "response.output_audio.delta")
+        first_id = of_type(first, "response.created")[0].response.id
+        # Not paced as speech: the VAD hears the new question at once, while the talker still speaks;
+        # its closing silence comes later, so the old turn's stages are watched before the new one starts.
+        await stream_audio(conn, question)
+        events: list = []
+        await events_until(conn, "input_audio_buffer.speech_started", into=events)
+        await events_until(conn, "response.done", into=events)
+        cancelled = events[-1][1].response
+        await asyncio.sleep(0.3)  # the abort reaches the stages, and their last steps' counts the scrape
+        at_cancel = work()
+        await asyncio.sleep(0.5)  # long enough for a talker still at work to make tens of frames
+        settled = work()
+        await stream_audio(conn, silence(1.0))
+        await events_until(conn, "response.done", into=events)
+    assert cancelled.id == first_id and cancelled.status == "cancelled", cancelled
+    assert cancelled.status_details.reason == "turn_detected"
+    assert at_cancel["talker aborts"] - before["talker aborts"] == 1, (before, at_cancel)
+    assert at_cancel["code2wav pieces"] > before["code2wav pieces"], "no piece of the answer before the barge-in"
+    assert settled["scheduled"] == 0, f"the thinker or talker still holds requests of the cancelled turn: {settled}"
+    for what in ("talker tokens", "code2wav pieces"):
+        assert settled[what] == at_cancel[what], f"{what} after the barge-in: {at_cancel} -> {settled}"
+    t_cancelled = next(t for t, ev in events if ev.type == "response.done")
+    late = [ev.type for t, ev in events if t > t_cancelled and getattr(ev, "response_id", None) == first_id]
+    assert not late, f"events of the cancelled response after its response.done: {late}"
+    second = events[-1][1].response
+    assert second.id != first_id and second.status in ("completed", "incomplete"), second.status_details
+    assert len(answer_audio([(t, ev) for t, ev in events if getattr(ev, "response_id", None) == second.id])) > 0
+    assert_nothing_in_flight(server)

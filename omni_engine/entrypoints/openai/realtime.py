@@ -20,7 +20,8 @@ from __future__ import annotations
 import json
 import logging
 import time
-from collections.abc import AsyncGenerator
+from collections import Counter
+from collections.abc import AsyncGenerator, Callable
 from typing import Any
 
 import numpy as np
@@ -67,6 +68,27 @@ def _without_oldest_turn(messages: list[dict[str, Any]]) -> list[dict[str, Any]]
     if not rest:
         return None
     return messages[:first] + rest
+
+
+# Chat content parts by the modality vLLM's input processor counts them under.
+_PART_MODALITY = {"input_audio": "audio", "audio_url": "audio", "image_url": "image", "video_url": "video"}
+
+
+def _media_parts(messages: list[dict[str, Any]]) -> Counter[str]:
+    return Counter(_PART_MODALITY[part["type"]] for message in messages if isinstance(message.get("content"), list)
+                   for part in message["content"] if part.get("type") in _PART_MODALITY)
+
+
+def within_media_limits(messages: list[dict[str, Any]], limit: Callable[[str], int]) -> list[dict[str, Any]]:
+    """``messages`` less their oldest turns until no modality has more parts than the LLM takes in one
+    prompt (``limit``): a spoken conversation soon holds more turns of audio than a thinker hears at
+    once (Qwen-Omni's configs: one), and, as for its context, its latest turns are the ones kept."""
+    while any(n > limit(modality) for modality, n in _media_parts(messages).items()):
+        shorter = _without_oldest_turn(messages)
+        if shorter is None:  # the new turn alone is too much: vLLM's renderer says so, by name
+            break
+        messages = shorter
+    return messages
 
 
 def _tool_deltas(delta: Any) -> list[FunctionCallDelta]:
@@ -140,6 +162,9 @@ class PipelineRealtimeEngine:
         max_tokens = defaults.get("max_tokens") if max_tokens is None else max_tokens
         # tool_choice "none": the LLM does not see the tools (vLLM's default would still show them).
         with_tools = {"tools": tools, "tool_choice": tool_choice} if tools and tool_choice != "none" else {}
+        mm_config = self.client.model_config.multimodal_config
+        if mm_config is not None:
+            messages = within_media_limits(messages, mm_config.get_limit_per_prompt)
         while True:
             request = ChatCompletionRequest(model=(served_names(self.client) or [None])[0], messages=messages,
                                             max_completion_tokens=max_tokens, temperature=temperature,
