@@ -41,10 +41,10 @@ SAMPLE_RATE = 24000
 SAMPLES_PER_CODE = 2 * 240  # two mel frames a code, 240 samples a frame
 
 
-def start_server(model_dir: Path, port: int, log: Path) -> subprocess.Popen:
+def start_server(model_dir: Path, port: int, log: Path, extra: tuple[str, ...] = ()) -> subprocess.Popen:
     with open(log, "wb") as out:
         return subprocess.Popen([sys.executable, "-m", "omni_engine.entrypoints.cli.main", "serve", str(model_dir),
-                                 "--port", str(port), "--served-model-name", SERVED],
+                                 "--port", str(port), "--served-model-name", SERVED, *extra],
                                 stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
 
 

@@ -156,3 +156,20 @@ def test_a_chat_that_asked_for_audio_and_got_none_is_a_failure():
     spoken = base64.b64encode(wav_bytes(0.25, 16000)).decode()
     result = _chat(openai_chat_audio, _served_stream(_delta(content="Paris"), _delta(audio={"data": spoken})))
     assert result.success and [s for _, s in result.audio_chunks] == [pytest.approx(0.25)]
+
+
+def test_a_realtime_answer_cut_at_its_max_output_tokens_counts_as_answered():
+    """A session given ``max_output_tokens`` ends ``incomplete`` when the answer reaches it, as a chat
+    ends with ``finish_reason: length``: answered. Cancelled, failed or cut for another reason: not."""
+    from types import SimpleNamespace
+
+    from omni_engine.bench.backends import answered
+
+    def response(status, reason=None):
+        return SimpleNamespace(status=status, status_details=SimpleNamespace(reason=reason) if reason else None)
+
+    assert answered(response("completed"))
+    assert answered(response("incomplete", "max_output_tokens"))
+    assert not answered(response("incomplete", "content_filter"))
+    assert not answered(response("cancelled", "turn_detected"))
+    assert not answered(response("failed"))

@@ -335,16 +335,20 @@ async def test_speech_end_to_end_equals_transformers_generate(omni, qwen3_refere
 
 
 async def test_async_chunk_streams_the_same_codes_in_pieces_from_the_first_four_frames(omni):
-    """async_chunk: code2wav gets the first 4 frames as soon as the talker has made them, then 25 at
-    a time with 25 frames of left context; the codes are the sequential run's, the joined audio has
-    its length, equals it exactly over the first piece (no context is cut there) and within 0.15
-    elsewhere (the pieces' decoder sees 25 frames back where the whole's transformer sees 72)."""
+    """async_chunk: code2wav gets the first 4 frames as soon as the talker has made them, then pieces
+    ramped up to 25 frames (4, 8, 16, then 25s) with 25 frames of left context; the codes are the
+    sequential run's, the joined audio has its length, equals it exactly over the first piece (no
+    context is cut there) and within 0.15 elsewhere (the pieces' decoder sees 25 frames back where the whole's transformer sees 72)."""
     sequential_finals, (whole,) = await _speech(omni, "audio", "speech-whole", "sequential")
     finals, pieces = await _speech(omni, "audio", "speech-chunked", "async_chunk")
     codes = finals[1].multimodal_output["codes"]
     np.testing.assert_array_equal(codes, sequential_finals[1].multimodal_output["codes"])
     frames = codes.shape[1]
-    assert frames > 4 and len(pieces) == 1 + -(-(frames - 4) // 25)
+    ends = [4]
+    while ends[-1] < frames:
+        ends.append(min(frames, ends[-1] + min(25, ends[-1])))
+    assert frames > 4 and len(pieces) == len(ends)
+    assert [p["audio"].shape[0] for p in pieces[1:-1]] == [(e - s) * 1920 for s, e in zip(ends, ends[1:-1])]
     assert pieces[0]["audio"].shape == (4 * 1920 - 555,)
     joined = np.concatenate([p["audio"] for p in pieces])
     assert joined.shape == whole["audio"].shape

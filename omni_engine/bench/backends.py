@@ -320,6 +320,14 @@ async def _send_paced(conn: Any, pcm: bytes) -> None:
         await asyncio.sleep(max(0.0, started + REALTIME_CHUNK_S * (n + 1) - time.perf_counter()))
 
 
+def answered(response: Any) -> bool:
+    """A realtime response that answered: completed, or cut at the ``max_output_tokens`` it was given
+    (as a chat with ``max_tokens`` ends with ``finish_reason: length``)."""
+    details = getattr(response, "status_details", None)
+    return response.status == "completed" or (
+        response.status == "incomplete" and getattr(details, "reason", None) == "max_output_tokens")
+
+
 async def openai_realtime(client: httpx.AsyncClient, settings: BenchSettings, request: BenchRequest) -> RequestResult:
     """A ``/v1/realtime`` session: the question streamed at the pace of speech, then silence for the
     server's VAD; times (first word, first audio, the end) from the end of the question's speech."""
@@ -350,7 +358,7 @@ async def openai_realtime(client: httpx.AsyncClient, settings: BenchSettings, re
                         break
                     elif event.type == "response.done":
                         result.latency = now
-                        result.success = event.response.status == "completed"
+                        result.success = answered(event.response)
                         if not result.success:
                             result.error = f"response {event.response.status}"
                         break

@@ -57,8 +57,11 @@ class TalkerToCode2Wav(FromFinishedSource):
 
 
 def talker2code2wav(sources: list[int], dst: int, prompt: Any = None, initial_codec_chunk_frames: int = 4,
-                    codec_chunk_frames: int = 25, codec_left_context_frames: int = 25) -> TalkerToCode2Wav:
+                    codec_chunk_frames: int = 25, codec_left_context_frames: int = 25,
+                    codec_chunk_ramp: bool = True) -> TalkerToCode2Wav:
     """The edge; the codec chunk sizes as vLLM-Omni's connector ``extra`` names them (the stage's
-    ``custom_process_input_args``, or a deploy file's ``connectors:``)."""
-    chunks = CodecChunks(initial_codec_chunk_frames, codec_chunk_frames, codec_left_context_frames)
+    ``custom_process_input_args``, or a deploy file's ``connectors:``), and whether later pieces ramp
+    up to their size (ours: ``code2wav_chunks``; false is vLLM-Omni's plan)."""
+    chunks = CodecChunks(initial_codec_chunk_frames, codec_chunk_frames, codec_left_context_frames,
+                         bool(codec_chunk_ramp))
     return TalkerToCode2Wav(sources, dst, prompt, chunks)
