@@ -377,6 +377,44 @@ def test_model_stage_is_resolved_by_the_checkpoint_s_family_or_refused_by_field(
         prepare_models(parse_pipeline_config(data, "omni.yaml"))
 
 
+async def _talker_along(client, params, request_id, mode):
+    """The talker's codes (its final output's, the stop code cut) and the order of the thinker's and
+    the talker's outputs."""
+    order, codes = [], None
+    async for output in client.generate(PROMPTS["text"][0], params, request_id, final_stage_id=[0, 1],
+                                        execution_mode=mode):
+        order.append((output.stage_id, output.finished))
+        if output.stage_id == 1 and output.finished:
+            codes = np.asarray(output.multimodal_output["codes"])
+    return codes, order
+
+
+@pytest.mark.parametrize(("thinker_tokens", "talker_tokens"), [(64, 8), (6, 40)])
+@pytest.mark.parametrize(("temperature", "seed"), [(0.0, None), (0.9, 7)])
+async def test_the_talker_starts_on_the_thinker_s_first_states_and_makes_the_codes_it_makes_after_it(
+        thinker, thinker_tokens, talker_tokens, temperature, seed):
+    """async_chunk: the talker is fed the thinker's states as the thinker writes them, never running
+    ahead of the text it speaks (code k needs reply token k), and makes every code it makes when it
+    starts after the thinker (sequential), greedy and sampled with a seed: where it stops long before
+    the thinker (its first codes come before the thinker's last token; the later states are dropped
+    for it), and where it speaks on past the reply (the text eos row once the reply is whole)."""
+    from vllm import SamplingParams
+
+    params = {0: SamplingParams(temperature=0.0, max_tokens=thinker_tokens, ignore_eos=True),
+              1: SamplingParams(temperature=temperature, seed=seed, max_tokens=talker_tokens, min_tokens=talker_tokens,
+                                repetition_penalty=1.05, stop_token_ids=[8292, 8294], detokenize=False,
+                                output_kind=_talker_params(delta=True)[1].output_kind)}
+    case = f"{thinker_tokens}-{talker_tokens}-{temperature}"
+    want, _ = await _talker_along(thinker, params, f"talker-after-{case}", "sequential")
+    codes, order = await _talker_along(thinker, params, f"talker-along-{case}", "async_chunk")
+    np.testing.assert_array_equal(codes, want)
+    assert len(codes) == talker_tokens, len(codes)
+    if thinker_tokens > talker_tokens:
+        first_talker = next(i for i, (sid, _) in enumerate(order) if sid == 1)
+        assert first_talker < order.index((0, True)), f"the talker began after the thinker had finished: {order}"
+    assert not await wait_clean(thinker)
+
+
 # ---------------------------------------------------------------- code2wav and the whole pipeline
 
 async def _speech(client, kind, request_id, voice=None, execution_mode=None):

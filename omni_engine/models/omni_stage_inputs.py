@@ -6,7 +6,7 @@
   (``engine_output_type: latent``: embeddings, hidden states, rope positions), forwarded as they
   came, so tensors in shared memory travel on as the same handles, uncopied. Each family's talker
   stage builds its model's inputs from them (its ``talker_requests``). The talker starts when the
-  thinker has finished, or (``starts_on_states``, Qwen3-Omni under async_chunk) on its first states.
+  thinker has finished, or (``starts_on_states``, under async_chunk) on its first states.
 """
 
 from __future__ import annotations
@@ -68,7 +68,7 @@ class ThinkerToTalker(FromFinishedSource):
                              f"stage {self.dst} after {self.rows} rows (out of order)")
         self.rows += int(states["input_embeds"].shape[0])
         if self.opened:
-            return [StageInput({"input_embeds": states["input_embeds"]}, continues=True)]
+            return [StageInput(reply_part(states, 0), continues=True)]
         for key, rows in self.parts.items():
             if key in states:
                 rows.append(states[key])
@@ -84,7 +84,7 @@ class ThinkerToTalker(FromFinishedSource):
             return super().on_finish(outputs, text)
         received = outputs.get(self.source) or []
         states = self.states_of(received)
-        return [StageInput({"input_embeds": states["input_embeds"][self.rows:]}, continues=True, last=True)]
+        return [StageInput(reply_part(states, self.rows), continues=True, last=True)]
 
     def input_from(self, received: list[OmniRequestOutput]) -> StageInput:
         prompt_ids = next((o.prompt_token_ids for o in received if o.prompt_token_ids), None)
@@ -104,6 +104,13 @@ class ThinkerToTalker(FromFinishedSource):
         if "positions" in states:  # the thinker's rope positions: where an image sits in its grid
             prompt["thinker_positions"] = states["positions"]
         return prompt
+
+
+def reply_part(states: dict[str, Any], start: int) -> dict[str, Any]:
+    """A later part of the reply's states, rows ``start`` on: each reply token's input embedding (what
+    Qwen3-Omni's talker reads) and its hidden state (Qwen2.5-Omni's reads their sum)."""
+    return {key: states[key][start:] if start else states[key]
+            for key in ("input_embeds", "hidden_states") if key in states}
 
 
 def cat(rows: list[Any]) -> Any:

@@ -12,7 +12,11 @@ when the request enters the batch:
 - ``reply_rows`` ``[N - 1, D]``: the same sum for each generated token but the last;
 - ``speaker_bos`` ``[1]``: the voice's text bos token (``spk_dict.pt``);
 - ``rope_prompt`` ``[3, L]`` and ``rope_from`` ``[1]``: the multimodal rope positions of the prompt
-  rows (the thinker's) and of row ``L`` (every later row one more), where the thinker sent them.
+  rows (the thinker's) and of row ``L`` (every later row one more), where the thinker sent them;
+- ``reply_final`` ``[1]``, for a request fed in parts (async_chunk: the talker starts on the
+  thinker's first reply token): 0 while the thinker still writes. Each next part's rows are added
+  to ``reply_rows`` and the file is replaced before the talker runs on them; the engine never lets
+  the talker make code ``k`` before reply row ``k`` has come (``extend``'s allowance).
 
 The request vLLM runs is ``[codec mask] * L + [codec pad, codec bos]``: placeholders whose
 embeddings the model replaces, but whose ids vLLM's repetition penalty counts, as transformers'.
@@ -63,6 +67,8 @@ class TalkerRequests:
         self._paths: dict[str, str] = {}
         self._voices: dict[str, str] = {}
         self._streamed: dict[str, int] = {}  # codes a request's partial outputs have carried
+        self._parts: dict[str, dict[str, torch.Tensor]] = {}  # a request fed in parts: its rows so far
+        self._stale: set[str] = set()  # ... whose inputs file lacks rows it has been given
         self._counter = itertools.count()
 
     @property
@@ -84,8 +90,53 @@ class TalkerRequests:
 
     def adapt(self, request_id: str, prompt: Any, params: Any) -> tuple[dict[str, Any], Any]:
         """vLLM's prompt and params for the request; its inputs file is written."""
+        return self.start(request_id, self.request_rows(request_id, prompt, params), params)
+
+    def adapt_parts(self, request_id: str, prompt: Any, params: Any) -> tuple[dict[str, Any], Any, int]:
+        """As ``adapt``, for a request whose thinker is still writing (``thinker2talker`` under
+        async_chunk): the reply rows known so far, and the codes the talker may make from them (code
+        ``k`` is made at the position that adds reply row ``k``: the prompt's last holds row 0)."""
+        rows = self.request_rows(request_id, prompt, params)
+        rows["reply_final"] = torch.tensor([0])
+        self._parts[request_id] = rows
+        vllm_prompt, params = self.start(request_id, rows, params)
+        return vllm_prompt, params, rows["reply_rows"].shape[0]
+
+    def extend(self, request_id: str, prompt: Any, last: bool) -> int | None:
+        """The thinker's next rows (``input_embeds`` and ``hidden_states``, ``[n, D]`` each); the codes
+        the talker may make now (None once the reply is whole: up to its stop code). Written when the
+        talker needs them (``write_inputs``)."""
+        rows = self._parts.get(request_id)
+        if rows is None:
+            return None
+        width = rows["reply_rows"].shape[1]
+        parts = [prompt.get(k) if isinstance(prompt, dict) else None for k in ("input_embeds", "hidden_states")]
+        if any(p is None or getattr(p, "ndim", 0) != 2 or p.shape[1] != width for p in parts) \
+                or parts[0].shape != parts[1].shape:
+            raise ValueError(f"stage {self.stage_id}: request {request_id!r}: a part of the thinker's states needs "
+                             f"input_embeds and hidden_states [rows, {width}], got "
+                             f"{[None if p is None else tuple(getattr(p, 'shape', ())) for p in parts]}")
+        embeds, hidden = (torch.as_tensor(p).to(rows["reply_rows"].dtype) for p in parts)
+        rows["reply_rows"] = torch.cat([rows["reply_rows"], hidden + embeds])
+        if last:
+            rows["reply_final"] = torch.tensor([1])
+        self._stale.add(request_id)
+        return None if last else rows["reply_rows"].shape[0]
+
+    def write_inputs(self, request_id: str) -> None:
+        """The request's inputs file, with every row known (replaced whole: a worker re-reading it
+        sees the old rows or the new, never a half-written file)."""
+        if request_id not in self._stale or request_id not in self._paths:
+            return
         from safetensors.torch import save_file
 
+        self._stale.discard(request_id)
+        path = self._paths[request_id]
+        save_file(self._parts[request_id], f"{path}.part")
+        os.replace(f"{path}.part", path)
+
+    def request_rows(self, request_id: str, prompt: Any, params: Any) -> dict[str, torch.Tensor]:
+        """The inputs file's tensors for a ``thinker2talker`` prompt, the voice's bos among them."""
         missing = [f for f in PROMPT_FIELDS if not isinstance(prompt, dict) or f not in prompt]
         if missing:
             raise ValueError(f"stage {self.stage_id}: request {request_id!r}: a talker prompt needs "
@@ -99,15 +150,21 @@ class TalkerRequests:
             raise ValueError(f"stage {self.stage_id}: request {request_id!r}: thinker states of shapes "
                              f"{tuple(embeds.shape)} and {tuple(hidden.shape)} for a {length}-token prompt")
         kept = (~torch.isin(ids, self.placeholders)).to(embeds.dtype).unsqueeze(1)
+        return {"prompt_rows": (hidden[:length] + embeds[:length] * kept).contiguous(),
+                "reply_rows": (hidden[length:] + embeds[length:]).contiguous(),
+                "speaker_bos": torch.tensor([int(speaker["bos_token"])]),
+                **self.rope_positions(prompt, length, request_id)}
+
+    def start(self, request_id: str, rows: dict[str, torch.Tensor], params: Any) -> tuple[dict[str, Any], Any]:
+        from safetensors.torch import save_file
+
         path = str(shm.SHM_DIR / f"{self.prefix}{next(self._counter)}")
-        save_file({"prompt_rows": (hidden[:length] + embeds[:length] * kept).contiguous(),
-                   "reply_rows": (hidden[length:] + embeds[length:]).contiguous(),
-                   "speaker_bos": torch.tensor([int(speaker["bos_token"])]),
-                   **self.rope_positions(prompt, length, request_id)}, path)
+        save_file(rows, path)
         self._paths[request_id] = path
         self._voices[request_id] = voice_name(params)
         params = copy.copy(params)
         params.extra_args = {**(params.extra_args or {}), INPUTS_PATH_KEY: path}
+        length = rows["prompt_rows"].shape[0]
         return {"prompt_token_ids": [self.codec_mask] * length + [self.codec_pad, self.codec_bos]}, params
 
     def rope_positions(self, prompt: dict[str, Any], length: int, request_id: str) -> dict[str, torch.Tensor]:
@@ -143,9 +200,11 @@ class TalkerRequests:
     def finish(self, request_id: str) -> None:
         self._voices.pop(request_id, None)
         self._streamed.pop(request_id, None)
+        self._parts.pop(request_id, None)
+        self._stale.discard(request_id)
         path = self._paths.pop(request_id, None)
-        if path is not None:
+        for name in (path, f"{path}.part") if path is not None else ():
             try:
-                os.unlink(path)
+                os.unlink(name)
             except FileNotFoundError:
                 pass

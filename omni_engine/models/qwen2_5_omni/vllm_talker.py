@@ -56,6 +56,11 @@ from omni_engine.models.request_tap import batch_segments
 THINKER_EMBEDDING = "thinker.model.embed_tokens.weight"
 
 
+def _whole(inputs: dict[str, torch.Tensor]) -> bool:
+    """The request's reply rows are all there (a request fed in parts has ``reply_final`` 0 until then)."""
+    return "reply_final" not in inputs or bool(inputs["reply_final"][0])
+
+
 class OmniEngineQwen2_5OmniTalker(nn.Module):
     """The talker: Qwen2 decoder over projected thinker states + codec embeddings -> codec ids."""
 
@@ -100,7 +105,7 @@ class OmniEngineQwen2_5OmniTalker(nn.Module):
         inputs_embeds = inputs_embeds.clone()
         for io, begin, end, first in batch_segments():
             if "prompt_rows" in io.inputs:
-                self._add_thinker_rows(inputs_embeds[begin:end], first, io.inputs)
+                self._add_thinker_rows(inputs_embeds[begin:end], first, io)
         return self.model(None, self.rope_positions(positions), intermediate_tensors,
                           inputs_embeds=self.thinker_to_talker_proj(inputs_embeds))
 
@@ -112,14 +117,22 @@ class OmniEngineQwen2_5OmniTalker(nn.Module):
             (begin, end, io.inputs["rope_prompt"], int(io.inputs["rope_from"][0]))
             for io, begin, end, _first in batch_segments() if "rope_prompt" in io.inputs])
 
-    def _add_thinker_rows(self, embeds: torch.Tensor, first: int, inputs: dict[str, torch.Tensor]) -> None:
+    def _add_thinker_rows(self, embeds: torch.Tensor, first: int, io: Any) -> None:
         """``embeds`` (positions ``first`` on; the codec embeddings of their ids), as transformers
         builds them: prompt rows replace the codec mask's embedding; the speaker's bos row is added
         at ``L``; reply row 0 at ``L + 1`` (with codec bos), row k with each code after, then the
         text eos row, then the text pad row for ever."""
+        inputs = io.inputs
         prompt = inputs["prompt_rows"].to(embeds.dtype)
         length = prompt.shape[0]
+        needed = first + embeds.shape[0] - length - 1  # reply rows these positions read
+        if needed > inputs["reply_rows"].shape[0] and not _whole(inputs):
+            # fed in parts: the rows these positions need came with a part since the inputs were read
+            io.reload_inputs()
+            inputs = io.inputs
         tail = torch.stack([self.thinker_row(self.text_ids[0]), self.thinker_row(self.text_ids[1])])
+        # (the text eos row follows the reply once it is whole; the engine never runs a talker fed in
+        # parts past the rows it has)
         reply = torch.cat([inputs["reply_rows"].to(embeds.dtype), tail.to(embeds.dtype)])
         positions = torch.arange(first, first + embeds.shape[0], device=embeds.device)
         in_prompt = positions < length
