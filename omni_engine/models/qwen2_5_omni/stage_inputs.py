@@ -1,7 +1,8 @@
 """Edge input processors of the Qwen2.5-Omni family (``custom_process_input_func``), client side.
 
-The talker starts when the thinker has finished (vLLM-Omni runs it so too); code2wav starts on
-the talker's first codes where the edge is ``async_chunk``.
+Under ``async_chunk`` the talker starts on the thinker's first reply token (``thinker2talker``'s
+``starts_on_states``) and code2wav on the talker's first codes; ``sequential`` starts each stage
+when the one before has finished.
 
 - ``thinker2talker`` (vLLM-Omni's name) is both families' (``omni_stage_inputs``): the thinker's
   prompt ids and states, forwarded as they came; the talker stage builds its model's inputs from
