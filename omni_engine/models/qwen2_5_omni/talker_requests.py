@@ -38,6 +38,7 @@ import torch
 
 from omni_engine.connectors import shm
 from omni_engine.models.qwen2_5_omni.speakers import load_speakers, pick_voice
+from omni_engine.models.reply_parts import ReplyParts
 from omni_engine.models.request_tap import INPUTS_PATH_KEY
 
 DEFAULT_VOICE = "Chelsie"
@@ -67,8 +68,7 @@ class TalkerRequests:
         self._paths: dict[str, str] = {}
         self._voices: dict[str, str] = {}
         self._streamed: dict[str, int] = {}  # codes a request's partial outputs have carried
-        self._parts: dict[str, dict[str, torch.Tensor]] = {}  # a request fed in parts: its rows so far
-        self._stale: set[str] = set()  # ... whose inputs file lacks rows it has been given
+        self.parts = ReplyParts()  # requests fed in parts
         self._counter = itertools.count()
 
     @property
@@ -97,43 +97,29 @@ class TalkerRequests:
         async_chunk): the reply rows known so far, and the codes the talker may make from them (code
         ``k`` is made at the position that adds reply row ``k``: the prompt's last holds row 0)."""
         rows = self.request_rows(request_id, prompt, params)
-        rows["reply_final"] = torch.tensor([0])
-        self._parts[request_id] = rows
+        known = self.parts.open(request_id, rows)
         vllm_prompt, params = self.start(request_id, rows, params)
-        return vllm_prompt, params, rows["reply_rows"].shape[0]
+        return vllm_prompt, params, known
 
     def extend(self, request_id: str, prompt: Any, last: bool) -> int | None:
         """The thinker's next rows (``input_embeds`` and ``hidden_states``, ``[n, D]`` each); the codes
         the talker may make now (None once the reply is whole: up to its stop code). Written when the
         talker needs them (``write_inputs``)."""
-        rows = self._parts.get(request_id)
-        if rows is None:
+        width = self.parts.width(request_id)
+        if width is None:
             return None
-        width = rows["reply_rows"].shape[1]
         parts = [prompt.get(k) if isinstance(prompt, dict) else None for k in ("input_embeds", "hidden_states")]
         if any(p is None or getattr(p, "ndim", 0) != 2 or p.shape[1] != width for p in parts) \
                 or parts[0].shape != parts[1].shape:
             raise ValueError(f"stage {self.stage_id}: request {request_id!r}: a part of the thinker's states needs "
                              f"input_embeds and hidden_states [rows, {width}], got "
                              f"{[None if p is None else tuple(getattr(p, 'shape', ())) for p in parts]}")
-        embeds, hidden = (torch.as_tensor(p).to(rows["reply_rows"].dtype) for p in parts)
-        rows["reply_rows"] = torch.cat([rows["reply_rows"], hidden + embeds])
-        if last:
-            rows["reply_final"] = torch.tensor([1])
-        self._stale.add(request_id)
-        return None if last else rows["reply_rows"].shape[0]
+        embeds, hidden = (torch.as_tensor(p) for p in parts)
+        return self.parts.append(request_id, hidden + embeds, last)
 
     def write_inputs(self, request_id: str) -> None:
-        """The request's inputs file, with every row known (replaced whole: a worker re-reading it
-        sees the old rows or the new, never a half-written file)."""
-        if request_id not in self._stale or request_id not in self._paths:
-            return
-        from safetensors.torch import save_file
-
-        self._stale.discard(request_id)
-        path = self._paths[request_id]
-        save_file(self._parts[request_id], f"{path}.part")
-        os.replace(f"{path}.part", path)
+        """The request's inputs file, with every row known (``reply_parts``)."""
+        self.parts.write(request_id, self._paths.get(request_id))
 
     def request_rows(self, request_id: str, prompt: Any, params: Any) -> dict[str, torch.Tensor]:
         """The inputs file's tensors for a ``thinker2talker`` prompt, the voice's bos among them."""
@@ -200,8 +186,7 @@ class TalkerRequests:
     def finish(self, request_id: str) -> None:
         self._voices.pop(request_id, None)
         self._streamed.pop(request_id, None)
-        self._parts.pop(request_id, None)
-        self._stale.discard(request_id)
+        self.parts.drop(request_id)
         path = self._paths.pop(request_id, None)
         for name in (path, f"{path}.part") if path is not None else ():
             try:

@@ -34,6 +34,7 @@ import numpy as np
 import torch
 
 from omni_engine.connectors import shm
+from omni_engine.models.reply_parts import ReplyParts
 from omni_engine.models.request_tap import INPUTS_PATH_KEY, OUTPUTS_PATH_KEY, read_rows
 
 DEFAULT_VOICE = "ethan"  # transformers' default speaker; the config names them in lower case
@@ -89,8 +90,7 @@ class TalkerRequests:
         self._paths: dict[str, tuple[str, str]] = {}
         self._voices: dict[str, str] = {}
         self._streamed: dict[str, int] = {}  # frames a request's partial outputs have carried
-        self._parts: dict[str, dict[str, torch.Tensor]] = {}  # a request fed in parts: its rows so far
-        self._stale: set[str] = set()  # ... whose inputs file lacks rows it has been given
+        self.parts = ReplyParts()  # requests fed in parts
         self._counter = itertools.count()
 
     @property
@@ -121,40 +121,27 @@ class TalkerRequests:
         (frame ``f`` needs the reply's token ``f``: the prompt's last row holds the first, and the
         step that makes frame ``f`` reads token ``f``)."""
         rows = self.request_rows(request_id, prompt, params)
-        rows["reply_final"] = torch.tensor([0])
-        self._parts[request_id] = rows
+        known = self.parts.open(request_id, rows)
         vllm_prompt, params = self.start(request_id, rows, params)
-        return vllm_prompt, params, rows["reply_rows"].shape[0]
+        return vllm_prompt, params, known
 
     def extend(self, request_id: str, prompt: Any, last: bool) -> int | None:
         """The thinker's next rows (``input_embeds`` ``[n, D]``); the frames the talker may make now
         (None once the reply is whole: up to its stop code). Written when the talker needs them."""
-        rows = self._parts.get(request_id)
-        if rows is None:
+        width = self.parts.width(request_id)
+        if width is None:
             return None
         embeds = prompt.get("input_embeds") if isinstance(prompt, dict) else None
-        width = rows["reply_rows"].shape[1]
         if embeds is None or getattr(embeds, "ndim", 0) != 2 or embeds.shape[1] != width:
             raise ValueError(f"stage {self.stage_id}: request {request_id!r}: a part of the thinker's states needs "
                              f"input_embeds [rows, {width}], got "
                              f"{None if embeds is None else tuple(getattr(embeds, 'shape', ()))}")
-        rows["reply_rows"] = torch.cat([rows["reply_rows"], torch.as_tensor(embeds).to(rows["reply_rows"].dtype)])
-        if last:
-            rows["reply_final"] = torch.tensor([1])
-        self._stale.add(request_id)
-        return None if last else rows["reply_rows"].shape[0]
+        return self.parts.append(request_id, torch.as_tensor(embeds), last)
 
     def write_inputs(self, request_id: str) -> None:
-        """The request's inputs file, with every row known (replaced whole: a worker re-reading it
-        for a recomputation sees the old rows or the new, never a half-written file)."""
-        if request_id not in self._stale or request_id not in self._paths:
-            return
-        from safetensors.torch import save_file
-
-        self._stale.discard(request_id)
-        base = self._paths[request_id][0]
-        save_file(self._parts[request_id], f"{base}.part")
-        os.replace(f"{base}.part", base)
+        """The request's inputs file, with every row known (``reply_parts``)."""
+        paths = self._paths.get(request_id)
+        self.parts.write(request_id, paths[0] if paths else None)
 
     def request_rows(self, request_id: str, prompt: Any, params: Any) -> dict[str, torch.Tensor]:
         """The inputs file's tensors for a ``thinker2talker`` prompt, the voice's speaker among them."""
@@ -239,8 +226,7 @@ class TalkerRequests:
     def finish(self, request_id: str) -> None:
         self._voices.pop(request_id, None)
         self._streamed.pop(request_id, None)
-        self._parts.pop(request_id, None)
-        self._stale.discard(request_id)
+        self.parts.drop(request_id)
         for path in self._paths.pop(request_id, ()):
             for name in (path, f"{path}.hidden", f"{path}.part"):
                 try:
