@@ -213,13 +213,14 @@ async def test_realtime_a_tool_s_output_is_answered_in_transformers_speech(serve
 
 
 @pytest.mark.asyncio(loop_scope="module")
-async def test_realtime_barge_in_cancels_the_talker_and_code2wav_work_of_the_old_turn(server):
+async def test_realtime_barge_in_cancels_the_talker_and_code2wav_work_of_the_old_turn(server, qwen3_dir):
     """Server VAD on a Qwen3-Omni session: a question spoken while the answer is still being spoken
     cancels that answer (``response.done`` cancelled, ``turn_detected``): its talker request is aborted,
     and the stages say so themselves (vLLM's scheduler of the talker and of the thinker holds nothing
     and the talker makes no more tokens), code2wav is handed no more of it, nothing more of it reaches
-    the client. The new question (a second heard turn, where the thinker takes one audio per prompt:
-    the history keeps its latest) is answered in speech, and no stage holds anything afterwards."""
+    the client. The new question is answered in speech, hearing the first one again (a second heard
+    turn: the thinker takes 4 audios a prompt; a longer history keeps its latest), and no stage holds
+    anything afterwards."""
     from tests.realtime_helpers import aclient, answer_audio, events_until, of_type, silence, spoken, stream_audio
     from tests.serve_helpers import assert_nothing_in_flight, scrape, value
 
@@ -270,4 +271,10 @@ async def test_realtime_barge_in_cancels_the_talker_and_code2wav_work_of_the_old
     second = events[-1][1].response
     assert second.id != first_id and second.status in ("completed", "incomplete"), second.status_details
     assert len(answer_audio([(t, ev) for t, ev in events if getattr(ev, "response_id", None) == second.id])) > 0
+    # The new turn's prompt holds both spoken turns (the thinker takes 4 audios a prompt) and what
+    # was said of the old answer: at least twice the first turn's prompt and the words said.
+    from transformers import AutoTokenizer
+
+    said = len(AutoTokenizer.from_pretrained(qwen3_dir).encode(cancelled.output[0].content[0].transcript or ""))
+    assert second.usage.input_tokens >= 2 * cancelled.usage.input_tokens + said, (cancelled.usage, second.usage)
     assert_nothing_in_flight(server)
