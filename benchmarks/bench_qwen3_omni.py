@@ -7,7 +7,7 @@ realtime sessions.
 
 Two ``omni-engine serve`` runs of the tiny seeded checkpoint (``prepare-model qwen3-omni-tiny``),
 one after the other in this one run: the family's config (``async_chunk``: code2wav decodes the
-first 4 frames as soon as the talker has made them, then 25 at a time) and
+first 4 frames as soon as the talker has made them, then pieces ramped up to 25) and
 ``stage_configs/qwen3_omni_moe_sequential.yaml`` (code2wav decodes all the frames at the end),
 driven by ``omni-engine bench serve --backend openai-chat-audio`` (streamed chat with ``modalities:
 [text, audio]``, each stream played by a listener at 1x). Each chat does the same work: exactly
