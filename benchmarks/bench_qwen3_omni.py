@@ -45,21 +45,14 @@ TARGETS = {"first_audio_at_1_async_over_sequential": 0.4, "p95_first_audio_at_4_
 
 
 def spoken_questions(folder: Path) -> Path:
-    """A dataset of the questions spoken by Piper (``piper-joe``, its noise off: the same audio every
-    run) as WAV files, for the realtime sessions."""
-    import numpy as np
-    from piper import PiperVoice
-    from piper.config import SynthesisConfig
-
+    """A dataset of the questions spoken by Piper as the realtime tests speak them (``piper-joe``, its
+    noise off: the same audio every run), as WAV files, for the realtime sessions."""
     from omni_engine.audio import wav_bytes
-    from omni_engine.models.prepare import prepare_model
+    from tests.realtime_helpers import spoken
 
-    voice = PiperVoice.load(next(prepare_model("piper-joe").glob("*.onnx")))
-    config = SynthesisConfig(noise_scale=0.0, noise_w_scale=0.0, normalize_audio=False)
     rows = []
     for i, question in enumerate(QUESTIONS):
-        audio = np.concatenate([c.audio_float_array for c in voice.synthesize(question, syn_config=config)])
-        (folder / f"q{i}.wav").write_bytes(wav_bytes(audio, voice.config.sample_rate))
+        (folder / f"q{i}.wav").write_bytes(wav_bytes(spoken(question) / 32768.0, 24000))
         rows.append(json.dumps({"audio": f"q{i}.wav"}) + "\n")
     path = folder / "spoken.jsonl"
     path.write_text("".join(rows))

@@ -15,6 +15,11 @@ import os
 import torch
 
 
+def reply_whole(inputs: dict[str, torch.Tensor]) -> bool:
+    """A request's inputs hold all its reply rows (one fed in parts has ``reply_final`` 0 until then)."""
+    return "reply_final" not in inputs or bool(inputs["reply_final"][0])
+
+
 class ReplyParts:
     """Requests fed in parts: their inputs-file tensors so far, and which files lack rows."""
 

@@ -50,15 +50,11 @@ from vllm.model_executor.models.utils import (
 )
 
 from omni_engine.models.qwen2_5_omni.speakers import load_speakers
+from omni_engine.models.reply_parts import reply_whole
 from omni_engine.models.talker_rope import multimodal_rope, talker_rope_channels
 from omni_engine.models.request_tap import batch_segments
 
 THINKER_EMBEDDING = "thinker.model.embed_tokens.weight"
-
-
-def _whole(inputs: dict[str, torch.Tensor]) -> bool:
-    """The request's reply rows are all there (a request fed in parts has ``reply_final`` 0 until then)."""
-    return "reply_final" not in inputs or bool(inputs["reply_final"][0])
 
 
 class OmniEngineQwen2_5OmniTalker(nn.Module):
@@ -126,7 +122,7 @@ class OmniEngineQwen2_5OmniTalker(nn.Module):
         prompt = inputs["prompt_rows"].to(embeds.dtype)
         length = prompt.shape[0]
         needed = first + embeds.shape[0] - length - 1  # reply rows these positions read
-        if needed > inputs["reply_rows"].shape[0] and not _whole(inputs):
+        if needed > inputs["reply_rows"].shape[0] and not reply_whole(inputs):
             # fed in parts: the rows these positions need came with a part since the inputs were read
             io.reload_inputs()
             inputs = io.inputs

@@ -39,6 +39,7 @@ from vllm.model_executor.models.qwen3_moe import Qwen3MoeModel
 from vllm.model_executor.models.utils import AutoWeightsLoader, WeightsMapper, maybe_prefix
 
 from omni_engine.models.qwen3_omni_moe.code_predictor import PREFIX, build_code_predictor, predict_codes
+from omni_engine.models.reply_parts import reply_whole
 from omni_engine.models.request_tap import RequestIO, RowFile, batch_segments
 from omni_engine.models.talker_rope import multimodal_rope, talker_rope_channels
 
@@ -134,7 +135,7 @@ class OmniEngineQwen3OmniMoeTalker(nn.Module):
         io.memo["prompt"] = torch.cat([user_rows, assistant])
         # tts eos follows the reply once it is whole (a talker fed the thinker's states as they come
         # is never run past the rows it has: ``talker_requests.TalkerRequests.extend``)
-        whole = io.memo["whole"] = "reply_final" not in inputs or bool(inputs["reply_final"][0])
+        whole = io.memo["whole"] = reply_whole(inputs)
         io.memo["trailing"] = torch.cat([reply[1:], self.tts_row(2).unsqueeze(0)]) if whole else reply[1:]
         return io.memo["prompt"]
 
