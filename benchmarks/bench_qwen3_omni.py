@@ -59,12 +59,22 @@ def spoken_questions(folder: Path) -> Path:
     return path
 
 
-def talker_deploy(folder: Path, talker_tokens: int) -> Path:
+# --codec-plan: how the talker -> code2wav edge cuts its pieces (custom_process_input_args)
+CODEC_PLANS = {"paced": {"codec_chunk_ramp": True, "codec_chunk_pacing": True},  # the family's default
+               "ramped": {"codec_chunk_ramp": True, "codec_chunk_pacing": False},
+               "vllm-omni": {"codec_chunk_ramp": False, "codec_chunk_pacing": False}}
+
+
+def talker_deploy(folder: Path, talker_tokens: int, codec_plan: str = "paced") -> Path:
     """A deploy file (vLLM-Omni's shape) whose talker defaults are the chats' talker: greedy, exactly
-    ``talker_tokens`` (a realtime session takes the stages' defaults)."""
+    ``talker_tokens`` (a realtime session takes the stages' defaults), and whose connector into
+    code2wav sets the codec plan (``CODEC_PLANS``)."""
+    plan = ", ".join(f"{k}: {str(v).lower()}" for k, v in CODEC_PLANS[codec_plan].items())
     path = folder / "talker_deploy.yaml"
-    path.write_text("stages:\n  - stage_id: 1\n    default_sampling_params: "
-                    f"{{temperature: 0.0, max_tokens: {talker_tokens}, min_tokens: {talker_tokens}}}\n")
+    path.write_text(f"connectors:\n  plan:\n    name: SharedMemoryConnector\n    extra: {{{plan}}}\n"
+                    "stages:\n  - stage_id: 1\n    default_sampling_params: "
+                    f"{{temperature: 0.0, max_tokens: {talker_tokens}, min_tokens: {talker_tokens}}}\n"
+                    "  - stage_id: 2\n    input_connectors: {from_stage_1: plan}\n")
     return path
 
 
@@ -147,6 +157,9 @@ def main() -> None:
     parser.add_argument("--prompts-per-level", type=int, default=8, help="requests at each concurrency")
     parser.add_argument("--thinker-tokens", type=int, default=16)
     parser.add_argument("--talker-frames", type=int, default=60)
+    parser.add_argument("--codec-plan", choices=sorted(CODEC_PLANS), default="paced",
+                        help="the talker -> code2wav pieces: ramped and paced by the listener (the family's "
+                             "default), ramped only, or vLLM-Omni's 4-then-25")
     parser.add_argument("--json", default=str(RESULTS / "bench_qwen3_omni.json"))
     args = parser.parse_args()
     from omni_engine.models.prepare import prepare_model
@@ -159,7 +172,7 @@ def main() -> None:
     dataset = work / "questions.jsonl"
     dataset.write_text("".join(json.dumps({"prompt": q}) + "\n" for q in QUESTIONS))
     talker_tokens = args.talker_frames + 1  # a frame is completed at the step after its first code
-    deploy = talker_deploy(work, talker_tokens)
+    deploy = talker_deploy(work, talker_tokens, args.codec_plan)
     sessions = levels(args.sessions)
     chunked, realtime = serve_and_bench(str(model_dir), "async_chunk", levels(args.concurrency),
                                         args.prompts_per_level, dataset, args.thinker_tokens, talker_tokens, deploy,
@@ -170,7 +183,7 @@ def main() -> None:
     runs = {"async_chunk": chunked, "sequential": whole, "async_chunk realtime": realtime}
     ratios = ratios_of(chunked, whole, realtime)
     report(runs, ratios)
-    write_json(args.json, {"machine": machine_info(), "thinker_tokens": args.thinker_tokens,
+    write_json(args.json, {"machine": machine_info(), "codec_plan": args.codec_plan, "thinker_tokens": args.thinker_tokens,
                            "talker_frames": args.talker_frames, "audio_s_per_request": args.talker_frames * 0.08,
                            "runs": runs, "ratios": ratios})
 

@@ -264,6 +264,25 @@ class FanOut:
         return [StageInput({"index": i}) for i in range(self.n)]
 
 
+class ClockedSentence:
+    """Input processor that follows its request's listener clock (``FollowsPlayback``): keeps the
+    clock in ``clocks`` under the prompt's ``tag`` and sends the next stage one sentence to speak."""
+
+    clocks: dict[str, Any] = {}
+
+    def __init__(self, sources: list[int], dst: int, prompt: Any = None) -> None:
+        self.tag = prompt.get("tag") if isinstance(prompt, dict) else None
+
+    def follow_playback(self, clock: Any) -> None:
+        ClockedSentence.clocks[self.tag] = clock
+
+    def on_output(self, output: Any, new_text: str) -> list[StageInput]:
+        return []
+
+    def on_finish(self, outputs: dict[int, list[Any]], text: dict[int, str]) -> list[StageInput]:
+        return [StageInput("A sentence to speak.")]
+
+
 class StallingVoice(_Model):
     """A voice for the listener tests: each sentence is ``seconds`` of a tone, made at once, except one
     containing ``stall_word``, which comes ``stall_s`` late (an ``asyncio.sleep``: the stage's loop

@@ -162,8 +162,10 @@ def test_vllm_omni_s_qwen3_omni_deploy_file_sets_the_codec_chunks_from_its_conne
     config = parse_pipeline_config(data, "<deployed>")
     thinker, talker, code2wav = config.stage_args
     assert config.runtime.execution_mode == "async_chunk"
+    # the family's own (ramp and pacing) kept beside the deploy file's sizes
     assert code2wav.custom_process_input_args == {"initial_codec_chunk_frames": 4, "codec_chunk_frames": 10,
-                                                  "codec_left_context_frames": 25}
+                                                  "codec_left_context_frames": 25, "codec_chunk_ramp": True,
+                                                  "codec_chunk_pacing": True}
     assert thinker.custom_process_input_args == {}
     assert talker.custom_process_input_args == {"starts_on_states": True}  # the family's, kept
     assert talker.default_sampling_params["seed"] == 42 and talker.default_sampling_params["stop_token_ids"] == [2150]

@@ -146,8 +146,12 @@ def test_a_checkpoint_whose_tokenizer_moves_a_placeholder_is_refused_by_name(qwe
 @pytest_asyncio.fixture(scope="module", loop_scope="session")
 async def omni():
     """stage_configs/qwen3_omni_moe.yaml: thinker, talker, code2wav; a request ends at the stage it
-    asks for (``final_stage_id``), and in the execution mode it asks for (async_chunk by default)."""
-    client = await start_pipeline(load_pipeline_config(OMNI_CONFIG))
+    asks for (``final_stage_id``), and in the execution mode it asks for (async_chunk by default).
+    Its codec pieces keep to the plan (no pacing): these tests compare pieces' borders and audio
+    across runs, and a paced piece's border depends on how fast the machine ran."""
+    config = load_pipeline_config(OMNI_CONFIG)
+    config.stage(2).custom_process_input_args["codec_chunk_pacing"] = False
+    client = await start_pipeline(config)
     yield client
     await client.shutdown_async()
     assert not await after_shutdown(client)
@@ -319,6 +323,34 @@ async def _speech(client, kind, request_id, mode, voice="ethan"):
             finals[output.stage_id] = output
     assert 2 in finals and pieces, f"request {request_id}: no speech"
     return finals, pieces
+
+
+def test_a_piece_s_convolutions_read_only_the_frames_they_need_and_give_the_whole_pass_s_samples(qwen3_dir):
+    """code2wav decodes a piece's transformer over all its left context but its convolutions from
+    ``decoder_context`` frames before the piece's own: the samples kept are those transformers'
+    forward over every frame of the piece gives; with a third of that context they are not (the
+    convolutions do read back that far; the measured context is the structural receptive field, of
+    which the tiny checkpoint's ConvNeXt branches, scaled by 1e-6, make the last frames negligible)."""
+    from omni_engine.models.qwen3_omni_moe.code2wav import Code2Wav
+
+    model = Code2Wav(model=str(qwen3_dir))
+    codes = torch.randint(0, tc.CODEBOOK_SIZE, (tc.CODE_GROUPS, 60), generator=torch.Generator().manual_seed(3))
+
+    def whole_pass(piece, context):  # transformers' forward on the piece, its kept samples
+        with torch.no_grad():
+            wav = model.code2wav(piece[None])[0, 0]
+        return wav[max(context * model.frame - model.tail, 0):piece.shape[1] * model.frame - model.tail].numpy()
+
+    assert 1 <= model.decoder_context < 25
+    for context, new in [(0, 4), (4, 4), (16, 16), (25, 25), (model.decoder_context + 2, 7)]:
+        piece = codes[:, 30 - context:30 + new]
+        with torch.no_grad():
+            got = model.decode(piece, context)
+        np.testing.assert_allclose(got, whole_pass(piece, context), atol=1e-5, rtol=0, err_msg=f"context {context}")
+    model.decoder_context //= 3
+    with torch.no_grad():
+        short = model.decode(codes[:, 5:45], 25)
+    assert float(np.abs(short - whole_pass(codes[:, 5:45], 25)).max()) > 1e-2
 
 
 async def test_speech_end_to_end_equals_transformers_generate(omni, qwen3_reference):

@@ -18,12 +18,13 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
     # Annotations only: a config that names these processors is checked (and serve starts its
     # stages) before anything imports vLLM, which omni_engine.outputs does.
     from omni_engine.outputs import OmniRequestOutput
+    from omni_engine.pipeline.playback_clock import PlaybackClock
 
 
 @dataclass(slots=True)
@@ -45,6 +46,14 @@ class InputProcessor(Protocol):
     def on_output(self, output: OmniRequestOutput, new_text: str) -> list[StageInput]: ...
 
     def on_finish(self, outputs: dict[int, list[OmniRequestOutput]], text: dict[int, str]) -> list[StageInput]: ...
+
+
+@runtime_checkable
+class FollowsPlayback(Protocol):
+    """A processor that paces what it sends by the request's listener (e.g. ``listener_pacing``):
+    the orchestrator hands it the request's ``PlaybackClock`` when the request ends in speech."""
+
+    def follow_playback(self, clock: PlaybackClock) -> None: ...
 
 
 class TextPassthrough:

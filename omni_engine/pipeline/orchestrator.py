@@ -230,6 +230,8 @@ class PipelineOrchestrator:
         if speaking:
             state.playback = PlaybackClock(deadline if deadline is not None else time.time(),
                                            speed_of(state.params.get(speaking[0])))
+            for inputs in state.processors.values():
+                inputs.follow_playback(state.playback)
         else:
             state.deadline = deadline
         if self.tracer is not None:

@@ -20,7 +20,7 @@ from omni_engine.stage_output import SPOKEN_TEXT
 class PlaybackClock:
     """Deadlines of one request's pieces of speech (piece k = sub-request k of a stage)."""
 
-    __slots__ = ("start", "speed", "first_audio_at", "_seconds", "_heard")
+    __slots__ = ("start", "speed", "first_audio_at", "_seconds", "_arrived")
 
     def __init__(self, start: float, speed: float = 1.0) -> None:
         """``start``: when the first piece is needed (the caller's deadline, else its arrival)."""
@@ -28,7 +28,7 @@ class PlaybackClock:
         self.speed = speed
         self.first_audio_at: float | None = None
         self._seconds: dict[int, float] = {}  # piece -> its duration: estimated, then heard
-        self._heard: set[int] = set()
+        self._arrived: dict[int, float] = {}  # piece -> when its first audio reached the caller
 
     def note_input(self, k: int, prompt: Any) -> None:
         """Piece ``k`` is submitted with ``prompt``: estimate its length from its text, if it has any
@@ -43,10 +43,18 @@ class PlaybackClock:
         """``seconds`` of piece ``k``'s audio reached the caller (in order) at ``now``."""
         if self.first_audio_at is None:
             self.first_audio_at = now
-        if k not in self._heard:
-            self._heard.add(k)
+        if k not in self._arrived:
+            self._arrived[k] = now
             self._seconds[k] = 0.0
         self._seconds[k] += seconds
+
+    def arrived_at(self, k: int) -> float | None:
+        """When piece ``k``'s first audio reached the caller (None: not yet)."""
+        return self._arrived.get(k)
+
+    def heard_seconds(self, k: int) -> float:
+        """Seconds of piece ``k``'s audio that have reached the caller."""
+        return self._seconds.get(k, 0.0) if k in self._arrived else 0.0
 
     def deadline(self, k: int) -> float:
         """When piece ``k``'s audio must reach the caller for the listener not to run dry."""

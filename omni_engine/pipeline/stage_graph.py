@@ -11,13 +11,16 @@ import functools
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from omni_engine.config import EdgeConfig, PipelineConfig
 from omni_engine.outputs import OmniRequestOutput
-from omni_engine.pipeline.input_processors import InputProcessor, StageInput, TextPassthrough
+from omni_engine.pipeline.input_processors import FollowsPlayback, InputProcessor, StageInput, TextPassthrough
 from omni_engine.pipeline.stage_context import StageContext
 from omni_engine.utils import resolve_dotted
+
+if TYPE_CHECKING:
+    from omni_engine.pipeline.playback_clock import PlaybackClock
 
 EXECUTION_MODES = ("sequential", "async_chunk")
 
@@ -45,6 +48,12 @@ class EdgeInputs:
             if src in sources:
                 return processor
         raise KeyError(f"stage {src} does not feed this stage in this request")
+
+    def follow_playback(self, clock: PlaybackClock) -> None:
+        """The request's listener clock, to each processor that paces by it (``FollowsPlayback``)."""
+        for processor, _ in self.groups:
+            if isinstance(processor, FollowsPlayback):
+                processor.follow_playback(clock)
 
     def on_finish(self, outputs: dict[int, list[OmniRequestOutput]], text: dict[int, str]) -> list[StageInput]:
         """Every group's inputs, in the order of the stage's ``engine_input_source``."""
