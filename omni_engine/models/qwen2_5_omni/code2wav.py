@@ -33,10 +33,7 @@ from omni_engine.engines.generation_model import (
     ThreadedGenerationModel,
 )
 from omni_engine.models.checkpoint_files import load_submodule
-from omni_engine.models.qwen2_5_omni.code2wav_dit import (
-    memoize_speaker_encoder,
-    sample_mel,
-)
+from omni_engine.models.qwen2_5_omni.code2wav_dit import sample_mel
 from omni_engine.models.qwen2_5_omni.speakers import load_speakers, pick_voice
 
 SAMPLE_RATE = 24000
@@ -78,7 +75,6 @@ class Code2Wav(ThreadedGenerationModel):
             raise ValueError(f"engine_args.default_voice: {exc}") from None
         self.token2wav = load_token2wav(model)
         self.dit, self.vocoder = self.token2wav.code2wav_dit_model, self.token2wav.code2wav_bigvgan_model
-        memoize_speaker_encoder(self.dit)
         self.num_codes = self.token2wav.config.dit_config.num_embeds
         self.repeats = self.dit.repeats
         self.codes_per_block = self.dit.block_size // self.repeats

@@ -3,7 +3,15 @@
 transformers' ``Qwen2_5OmniToken2WavDiTModel.sample`` draws its noise inside (one request, the
 whole of it); streaming needs each window's frames to start from the noise the whole would give
 them, and batching needs several windows at once. ``sample_mel`` is the same ODE (transformers'
-own RK4 solver and DiT forward, the same time grid and guidance), from ``noise``.
+own RK4 solver, time grid and guidance) from ``noise``.
+
+Its velocity field is ``DiTVelocity``: transformers' DiT forward with what does not change over the
+ODE's 36 evaluations computed once (``DiTVelocity.__init__``) instead of at each: the code and
+speaker embeddings, the speaker encoder (ECAPA-TDNN, ~20 convolutions: half of the forward on the
+tiny checkpoint), their share of the input projection, the rotary tables and the block masks; and,
+per distinct time (RK4 asks for three a step), the time embedding and every layer's modulation.
+What is left per evaluation is the states' projection and the transformer layers. The result
+equals transformers' forward within float error (the input projection is summed in two parts).
 """
 
 from __future__ import annotations
@@ -11,30 +19,80 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
 
-class MemoizedSpeakerEncoder(torch.nn.Module):
-    """The DiT runs its speaker encoder (ECAPA-TDNN, ~20 convolutions) on the same reference mels at
-    every ODE evaluation (36 per rendering: half of its time on the tiny checkpoint). It is a pure
-    function of them, so the last result is kept and given again for equal inputs."""
+class DiTVelocity:
+    """The guided velocity of the DiT at ``(time, states)`` for one batch of windows (the ODE's function)."""
 
-    def __init__(self, encoder: torch.nn.Module) -> None:
-        super().__init__()
-        self.encoder = encoder
-        self._last: tuple[torch.Tensor, torch.Tensor] | None = None
+    def __init__(self, dit: Any, conditioning: torch.Tensor, reference_mel: torch.Tensor, codes: torch.Tensor,
+                 guidance_scale: float) -> None:
+        from transformers.models.qwen2_5_omni.modeling_qwen2_5_omni import (
+            apply_rotary_pos_emb,
+            deinterleave_head_dim,
+        )
 
-    def forward(self, mels: torch.Tensor) -> torch.Tensor:
-        last = self._last
-        if last is not None and last[0].shape == mels.shape and torch.equal(last[0], mels):
-            return last[1]
-        encoded = self.encoder(mels)
-        self._last = (mels, encoded)
-        return encoded
+        self.rotate, self.deinterleave = apply_rotary_pos_emb, deinterleave_head_dim
+        self.dit, self.guidance_scale = dit, guidance_scale
+        self.guided = guidance_scale >= 1e-5  # transformers' threshold for classifier-free guidance
+        frames = codes.shape[1] * dit.repeats
+        speaker = conditioning.unsqueeze(1).repeat(1, frames, 1)
+        code = dit.text_embed(codes, drop_code=False)
+        reference = reference_mel
+        if self.guided:  # the unconditioned half: no code, no speaker, no reference (transformers' apply_cfg)
+            code = torch.cat([code, dit.text_embed(codes, drop_code=True)], dim=0)
+            speaker = torch.cat([speaker, torch.zeros_like(speaker)], dim=0)
+            reference = torch.cat([reference, torch.zeros_like(reference)], dim=0)
+        embed = dit.input_embed
+        encoded = embed.spk_encoder(reference).unsqueeze(1).repeat(1, frames, 1)
+        weight = embed.proj.weight
+        self.states_weight = weight[:, :dit.mel_dim]  # input_embed.proj of cat(states, encoded, code, speaker)
+        self.fixed = F.linear(torch.cat((encoded, code, speaker), dim=-1), weight[:, dit.mel_dim:], embed.proj.bias)
+        self.rows = self.fixed.shape[0]
+        positions = torch.arange(frames, device=self.fixed.device)[None].repeat(self.rows, 1)
+        self.cos, self.sin = dit.rotary_embed(self.fixed, positions)
+        block_diff = dit._create_block_diff(self.fixed)
+        self.masks = [(block_diff >= -float(layer.look_backward_block)) & (block_diff <= float(layer.look_ahead_block))
+                      for layer in dit.transformer_blocks]
+        self._by_time: dict[float, tuple[list[tuple[torch.Tensor, ...]], tuple[torch.Tensor, ...]]] = {}
 
+    def modulation(self, time_step: torch.Tensor) -> tuple[list[tuple[torch.Tensor, ...]], tuple[torch.Tensor, ...]]:
+        """Every layer's (shift, scale, gate) x 2 and the final norm's (scale, shift) at ``time_step``."""
+        key = float(time_step)
+        terms = self._by_time.get(key)
+        if terms is None:
+            dit = self.dit
+            embedded = F.silu(dit.time_embed(time_step.reshape(()).repeat(self.rows)))
+            layers = [torch.chunk(layer.attn_norm.linear(embedded), 6, dim=1) for layer in dit.transformer_blocks]
+            terms = self._by_time[key] = (layers, torch.chunk(dit.norm_out.linear(embedded), 2, dim=1))
+        return terms
 
-def memoize_speaker_encoder(dit: Any) -> None:
-    if not isinstance(dit.input_embed.spk_encoder, MemoizedSpeakerEncoder):
-        dit.input_embed.spk_encoder = MemoizedSpeakerEncoder(dit.input_embed.spk_encoder)
+    def attention(self, attn: Any, hidden: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """transformers' ``DiTAttention`` (rotary on the first head only, as the checkpoint was trained)."""
+        rows, heads = hidden.shape[0], attn.heads
+        query, key, value = (proj(hidden).view(rows, -1, heads, attn.inner_dim // heads).transpose(1, 2)
+                             for proj in (attn.to_q, attn.to_k, attn.to_v))
+        query[:, :1], key[:, :1] = self.rotate(self.deinterleave(query[:, :1]), self.deinterleave(key[:, :1]),
+                                               self.cos, self.sin)
+        out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask)
+        return attn.to_out[0](out.transpose(1, 2).reshape(rows, -1, attn.inner_dim))
+
+    def __call__(self, time_step: torch.Tensor, states: torch.Tensor) -> torch.Tensor:
+        dit = self.dit
+        layers, (scale, shift) = self.modulation(time_step)
+        hidden = F.linear(torch.cat([states, states], dim=0) if self.guided else states, self.states_weight)
+        hidden = hidden + self.fixed
+        for layer, terms, mask in zip(dit.transformer_blocks, layers, self.masks):
+            shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = terms
+            norm = layer.attn_norm.norm(hidden) * (1 + scale_msa[:, None]) + shift_msa[:, None]
+            hidden = hidden + gate_msa.unsqueeze(1) * self.attention(layer.attn, norm, mask)
+            norm = layer.ff_norm(hidden) * (1 + scale_mlp[:, None]) + shift_mlp[:, None]
+            hidden = hidden + gate_mlp.unsqueeze(1) * layer.ff(norm)
+        output = dit.proj_out(dit.norm_out.norm(hidden) * (1 + scale)[:, None, :] + shift[:, None, :])
+        if not self.guided:
+            return output
+        guided, null = torch.chunk(output, 2, dim=0)
+        return guided + (guided - null) * self.guidance_scale
 
 
 def sample_mel(dit: Any, conditioning: torch.Tensor, reference_mel: torch.Tensor, codes: torch.Tensor,
@@ -50,20 +108,9 @@ def sample_mel(dit: Any, conditioning: torch.Tensor, reference_mel: torch.Tensor
     if frames > dit.config.max_position_embeddings:
         raise ValueError(f"{codes.shape[1]} codes make {frames} mel frames, more than the DiT's "
                          f"max_position_embeddings ({dit.config.max_position_embeddings})")
-    conditioning = conditioning.unsqueeze(1).repeat(1, frames, 1)
-
-    def ode_function(time_step: torch.Tensor, states: torch.Tensor) -> torch.Tensor:
-        if guidance_scale < 1e-5:
-            return dit(hidden_states=states, speaker_embedding=conditioning, condition_vector=reference_mel,
-                       quantized_code=codes, time_step=time_step, drop_audio_conditioning=False,
-                       drop_code=False, apply_cfg=False)
-        output = dit(hidden_states=states, quantized_code=codes, speaker_embedding=conditioning,
-                     condition_vector=reference_mel, time_step=time_step, apply_cfg=True)
-        guided, null = torch.chunk(output, 2, dim=0)
-        return guided + (guided - null) * guidance_scale
-
+    velocity = DiTVelocity(dit, conditioning, reference_mel, codes, guidance_scale)
     time_grid = torch.linspace(0, 1, num_steps, dtype=conditioning.dtype)
     if sway_coefficient is not None:
         time_grid += sway_coefficient * (torch.cos(torch.pi / 2 * time_grid) - 1 + time_grid)
-    trajectory = RungeKutta4ODESolver(function=ode_function, initial_value=noise).integrate(time_grid)
+    trajectory = RungeKutta4ODESolver(function=velocity, initial_value=noise).integrate(time_grid)
     return trajectory[-1].permute(0, 2, 1)
