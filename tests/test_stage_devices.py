@@ -155,6 +155,37 @@ async def test_a_core_the_machine_lacks_fails_the_stage_naming_it():
         await MultiStageEngineClient.from_config(cpus_pipeline({0: "0", 1: missing}))
 
 
+def thread_niceness(pid: int) -> set[int]:
+    """The distinct niceness of the threads of process ``pid`` (field 19 of each thread's stat)."""
+    found = set()
+    for thread_id in os.listdir(f"/proc/{pid}/task"):
+        try:
+            stat = open(f"/proc/{pid}/task/{thread_id}/stat").read()
+        except (ProcessLookupError, FileNotFoundError):  # a thread that ended meanwhile
+            continue
+        found.add(int(stat.rpartition(")")[2].split()[16]))
+    return found
+
+
+@ASYNC
+async def test_runtime_nice_runs_every_thread_of_the_stage_at_it_and_leaves_the_others():
+    stages = [{"stage_id": sid, "stage_type": "generation", "final_output": True, "final_output_type": "tensor",
+               "engine_args": {"model_factory": "tests.models:make_env_probe", "name": "X"},
+               "runtime": {"nice": nice}} for sid, nice in ((0, 7), (1, 0))]
+    async with await MultiStageEngineClient.from_config(parse_pipeline_config({"stage_args": stages}, "<nice>")) as client:
+        assert len([o async for o in client.generate({}, None, "nice") if o.finished]) == 2
+        mine = os.getpriority(os.PRIO_PROCESS, 0)
+        assert thread_niceness(stage_pid(client, 0)) == {7}
+        assert thread_niceness(stage_pid(client, 1)) == {mine}
+
+
+def test_runtime_nice_out_of_range_is_refused_by_field():
+    with pytest.raises(ValueError, match=r"nice"):
+        parse_pipeline_config({"stage_args": [{"stage_id": 0, "stage_type": "generation", "runtime": {"nice": 25},
+                                               "engine_args": {"model_factory": "tests.models:make_env_probe",
+                                                               "name": "X"}}]}, "<nice>")
+
+
 def thread_cores(pid: int) -> list[list[int]]:
     """The distinct core sets of the threads of process ``pid``."""
     found = set()

@@ -144,6 +144,7 @@ def stage_process_spec(stage: StageConfig, connectors: ConnectorSettings, device
         connectors=connectors,
         devices=devices,
         cpus=stage.runtime.replica_cpus(replica),
+        nice=stage.runtime.nice,
         env=dict(stage.env),
         io=stage.runtime.io or "loop",
         engine_core_start=envs.engine_core_start(),

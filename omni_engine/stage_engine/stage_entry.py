@@ -67,6 +67,7 @@ def enter_stage_process(spec: StageProcessSpec) -> None:
     start_resource_tracker_apart()
     os.environ.update(spec.process_environment())
     pin_to_cpus(spec)
+    set_niceness(spec)
     logging.basicConfig(level=spec.log_level,
                         format=f"%(asctime)s stage{spec.stage_id} %(levelname)s %(name)s: %(message)s")
 
@@ -94,6 +95,21 @@ def pin_to_cpus(spec: StageProcessSpec) -> None:
             pass
     if spec.env.get("OMP_NUM_THREADS") is None:  # a spare taken for a share of another size resizes too
         os.environ["OMP_NUM_THREADS"] = str(len(spec.cpus))
+
+
+def set_niceness(spec: StageProcessSpec) -> None:
+    """Run the process at ``spec.nice``: every thread it has (Linux's niceness is per thread; a warm
+    spare taken to serve has threads already), and so every thread and process it starts later."""
+    if not spec.nice:
+        return
+    for thread_id in os.listdir("/proc/self/task"):
+        try:
+            os.setpriority(os.PRIO_PROCESS, int(thread_id), spec.nice)
+        except ProcessLookupError:  # a thread that ended meanwhile
+            pass
+        except OSError as exc:
+            raise SystemExit(f"stage {spec.stage_id}: runtime.nice {spec.nice}: cannot set it ({exc.strerror}; "
+                             "a negative niceness needs the privilege to raise priority, CAP_SYS_NICE)") from None
 
 
 def stage_process_name(spec: StageProcessSpec) -> str:
@@ -138,6 +154,7 @@ def wait_until_taken(spec: StageProcessSpec, pipe: BinaryIO) -> StageProcessSpec
     # The replica's own settings (its devices above all), before its engine touches a device.
     os.environ.update(taken.process_environment())
     pin_to_cpus(taken)
+    set_niceness(taken)
     set_process_name(stage_process_name(taken))
     logger.info("warm spare taken: serving stage %s", taken.stage_id)
     return taken
