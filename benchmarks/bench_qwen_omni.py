@@ -7,7 +7,8 @@
 ``omni-engine bench serve --backend openai-chat-audio`` (streamed chat with ``modalities: [text,
 audio]``) at each concurrency, then transformers' ``Qwen2_5OmniForConditionalGeneration.generate(
 return_audio=True)`` on the same prompts, one after another (as a script would run it), in this
-process before the server starts (three warm-up runs first). Both do the same work per request: the thinker writes exactly
+process before the server starts (three warm-up runs first; the server: one round at each concurrency
+before it is measured). Both do the same work per request: the thinker writes exactly
 ``--thinker-tokens`` tokens and the talker exactly ``--talker-codes`` codes (min = max tokens,
 greedy), so code2wav renders the same length of speech. Figures: requests/s, TTFT, time to first
 audio (TTFA; transformers: its whole time, as it returns the waveform at the end), RTF. The
@@ -116,8 +117,10 @@ def main() -> None:
     try:
         wait_healthy(proc, port, log)
         url = f"http://127.0.0.1:{port}"
-        bench(url, 2, 2, dataset, args.thinker_tokens, args.talker_codes)  # warm-up
         for n in levels:
+            # Warm-up: one round at this concurrency (a batch size the stages have not run yet pays
+            # one-time costs; measured here: the first 4 at once ~50 ms slower than the rounds after).
+            bench(url, n, n, dataset, args.thinker_tokens, args.talker_codes)
             result = bench(url, n, max(args.prompts_per_level, n), dataset, args.thinker_tokens, args.talker_codes)
             served[n] = {k: result.get(k) for k in ("completed", "failed", "request_throughput", "median_ttft_ms",
                                                       "median_ttfa_ms", "p95_ttfa_ms", "median_rtf", "median_e2el_ms",
