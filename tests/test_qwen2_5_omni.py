@@ -457,6 +457,27 @@ async def test_speech_end_to_end_equals_transformers(thinker, reference, kind, v
     np.testing.assert_allclose(audio["audio"], want, atol=1e-4, rtol=0)
 
 
+def test_the_vocoder_reads_the_frames_its_measured_context_says_and_no_more(omni_dir):
+    """BigVGAN on a piece's mel frames and ``vocoder_context`` either side gives the piece's samples
+    of a pass over the whole mel; with a third of that context it does not."""
+    from omni_engine.models.qwen2_5_omni.code2wav import Code2Wav
+
+    model = Code2Wav(model=str(omni_dir))
+    mel = torch.randn(1, 80, 120, generator=torch.Generator().manual_seed(4))
+    hop = model.hop
+
+    def piece(context):
+        with torch.no_grad():
+            audio = model.vocoder(mel[..., 50 - context:70 + context]).reshape(-1)
+        return audio[context * hop:(context + 20) * hop].numpy()
+
+    with torch.no_grad():
+        whole = model.vocoder(mel).reshape(-1)[50 * hop:70 * hop].numpy()
+    assert 1 <= model.vocoder_context < 48  # within a window's past (two DiT blocks of mel frames)
+    np.testing.assert_allclose(piece(model.vocoder_context), whole, atol=1e-5, rtol=0)
+    assert float(np.abs(piece(model.vocoder_context // 3) - whole).max()) > 1e-3
+
+
 async def _render(client, prompt, request_id):
     """code2wav's audio for one prompt sent to its stage (stage 2) alone."""
     pieces = [o.multimodal_output["audio"] async for o in client.generate(

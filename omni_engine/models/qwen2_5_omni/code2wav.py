@@ -21,6 +21,7 @@ cost) and the time-grid sway, transformers' defaults 10, 0.5, -1.
 
 from __future__ import annotations
 
+import copy
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -38,8 +39,6 @@ from omni_engine.models.qwen2_5_omni.speakers import load_speakers, pick_voice
 
 SAMPLE_RATE = 24000
 PREFIX = "token2wav."
-# Mel frames of context BigVGAN gets each side of a piece's own (Qwen's streaming ``future_size``).
-VOCODER_CONTEXT = 20
 _ARGS = {"model", "threads", "seed", "num_steps", "guidance_scale", "sway_coefficient", "default_voice"}
 
 
@@ -79,6 +78,7 @@ class Code2Wav(ThreadedGenerationModel):
         self.repeats = self.dit.repeats
         self.codes_per_block = self.dit.block_size // self.repeats
         self.hop = math.prod(self.vocoder.config.upsample_rates)  # samples per mel frame
+        self.vocoder_context = vocoder_context(self.vocoder, self.hop)
 
     def _render_batch(self, requests: list[GenerationRequest]) -> list[dict[str, Any] | Exception]:
         results: list[dict[str, Any] | Exception] = [RuntimeError("not rendered")] * len(requests)
@@ -151,11 +151,11 @@ class Code2Wav(ThreadedGenerationModel):
         return [self.vocode(mel[None], window) for mel, window in zip(mels, windows)]
 
     def vocode(self, mel: torch.Tensor, window: Window) -> np.ndarray:
-        """BigVGAN on the window's mel around its ``emit`` frames (20 frames of context each side,
-        Qwen's streaming overlap, where the window has them), the emitted frames' samples kept."""
-        frames = mel.shape[-1]
+        """BigVGAN on the window's mel around its ``emit`` frames (``vocoder_context`` frames each
+        side, where the window has them), the emitted frames' samples kept."""
+        frames, context = mel.shape[-1], self.vocoder_context
         first, last = ((p - window.offset) * self.repeats for p in window.emit)
-        lo, hi = max(first - VOCODER_CONTEXT, 0), min(last + VOCODER_CONTEXT, frames)
+        lo, hi = max(first - context, 0), min(last + context, frames)
         audio = self.vocoder(mel[..., lo:hi]).reshape(-1)
         return audio[(first - lo) * self.hop:(last - lo) * self.hop].float().numpy()
 
@@ -163,7 +163,35 @@ class Code2Wav(ThreadedGenerationModel):
         # input_kind: it speaks the talker's codes; a server does not send it text to read
         return {"model": self.model_dir, "sample_rate": SAMPLE_RATE, "voices": sorted(self.speakers),
                 "default_voice": self.default_voice, "input_kind": "codes",
-                "codes_per_block": self.codes_per_block, **self.settings}
+                "codes_per_block": self.codes_per_block, "vocoder_context": self.vocoder_context, **self.settings}
+
+
+def vocoder_context(vocoder: Any, hop: int, probe: int = 96) -> int:
+    """Mel frames BigVGAN reads on either side of a frame's samples: its receptive field, from the
+    gradients of a frame's first and last sample with respect to every mel frame (float64, on a
+    narrow twin), zero outside the frames it reads. The tiny checkpoint's vocoder reads 18; the
+    published layout's (resblock kernels 3, 7 and 11) 34, where Qwen's own streaming overlaps 20, so
+    its pieces' borders there differ from the whole's.
+
+    The field is the layout's (kernels, dilations, strides), not the weights': the twin is the same
+    class and config with the fewest channels it takes (the published width costs ~20 s here)."""
+    config = copy.deepcopy(vocoder.config)
+    config.upsample_initial_channel = 2 ** (len(config.upsample_rates) + 1)  # halved at each upsampling
+    with torch.random.fork_rng(devices=[]):  # the twin's random weights leave the process's RNG alone
+        torch.manual_seed(0)
+        model = type(vocoder)(config).double().eval()
+    mel = torch.randn(1, config.mel_dim, probe, dtype=torch.float64,
+                      generator=torch.Generator().manual_seed(0)).requires_grad_()
+    mid = probe // 2
+    with torch.enable_grad():
+        samples = model(mel).reshape(-1)
+        # one backward pass for both samples: the first reads furthest back, the last furthest on
+        (grad,) = torch.autograd.grad(samples[mid * hop] + samples[(mid + 1) * hop - 1], mel)
+    read = (grad.abs().sum(dim=1)[0] != 0).nonzero().reshape(-1)
+    reach = max(mid - int(read[0]), int(read[-1]) - mid)
+    if reach >= mid:
+        raise ValueError(f"Qwen2.5-Omni's BigVGAN reads more than {mid} mel frames around a frame")
+    return reach
 
 
 def load_token2wav(model_dir: str) -> Any:
