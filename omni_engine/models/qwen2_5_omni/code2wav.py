@@ -36,6 +36,7 @@ from omni_engine.engines.generation_model import (
 from omni_engine.models.checkpoint_files import load_submodule
 from omni_engine.models.qwen2_5_omni.code2wav_dit import sample_mel
 from omni_engine.models.qwen2_5_omni.speakers import load_speakers, pick_voice
+from omni_engine.models.receptive_field import frames_read
 
 SAMPLE_RATE = 24000
 PREFIX = "token2wav."
@@ -167,9 +168,8 @@ class Code2Wav(ThreadedGenerationModel):
 
 
 def vocoder_context(vocoder: Any, hop: int, probe: int = 96) -> int:
-    """Mel frames BigVGAN reads on either side of a frame's samples: its receptive field, from the
-    gradients of a frame's first and last sample with respect to every mel frame (float64, on a
-    narrow twin), zero outside the frames it reads. The tiny checkpoint's vocoder reads 18; the
+    """Mel frames BigVGAN reads on either side of a frame's samples: its receptive field
+    (``receptive_field.frames_read`` of a frame's first and last sample, on a narrow twin). The tiny checkpoint's vocoder reads 18; the
     published layout's (resblock kernels 3, 7 and 11) 34, where Qwen's own streaming overlaps 20, so
     its pieces' borders there differ from the whole's.
 
@@ -180,15 +180,11 @@ def vocoder_context(vocoder: Any, hop: int, probe: int = 96) -> int:
     with torch.random.fork_rng(devices=[]):  # the twin's random weights leave the process's RNG alone
         torch.manual_seed(0)
         model = type(vocoder)(config).double().eval()
-    mel = torch.randn(1, config.mel_dim, probe, dtype=torch.float64,
-                      generator=torch.Generator().manual_seed(0)).requires_grad_()
+    mel = torch.randn(1, config.mel_dim, probe, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
     mid = probe // 2
-    with torch.enable_grad():
-        samples = model(mel).reshape(-1)
-        # one backward pass for both samples: the first reads furthest back, the last furthest on
-        (grad,) = torch.autograd.grad(samples[mid * hop] + samples[(mid + 1) * hop - 1], mel)
-    read = (grad.abs().sum(dim=1)[0] != 0).nonzero().reshape(-1)
-    reach = max(mid - int(read[0]), int(read[-1]) - mid)
+    # a frame's first sample reads furthest back, its last furthest on
+    first, last = frames_read(model, mel, (mid * hop, (mid + 1) * hop - 1))
+    reach = max(mid - first, last - mid)
     if reach >= mid:
         raise ValueError(f"Qwen2.5-Omni's BigVGAN reads more than {mid} mel frames around a frame")
     return reach

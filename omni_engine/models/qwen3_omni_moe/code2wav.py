@@ -17,9 +17,10 @@ The convolutions (upsampling and decoder) are nearly all of the cost (on the tin
 from batching on a CPU. So a piece's transformer sees all its left context (its window reaches
 72 frames), but the convolutions see only the frames their receptive field needs before the
 piece's first kept sample (``decoder_context``, measured from the module at load: 10 frames on
-the tiny checkpoint), and each piece is decoded alone at its own length (padded to a batch's
-longest, a 4-frame first piece would cost as much as the 41-frame piece beside it). The samples
-kept are the ones a pass over every frame gives.
+the tiny checkpoint), and each piece is decoded at its own length, in one pass with the batch's
+pieces of the same length and context (padded to a batch's longest, a 4-frame first piece would
+cost as much as the 41-frame piece beside it). The samples kept are the ones a pass over every
+frame gives.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ from omni_engine.engines.generation_model import (
 )
 from omni_engine.models.checkpoint_files import load_submodule
 from omni_engine.models.qwen3_omni_moe.talker_requests import DEFAULT_VOICE
+from omni_engine.models.receptive_field import frames_read
 
 SAMPLE_RATE = 24000
 PREFIX = "code2wav."
@@ -153,20 +155,18 @@ def convolutions(model: Any, hidden: torch.Tensor) -> torch.Tensor:
 
 
 def decoder_context(model: Any, frame: int, tail: int, probe: int = 32) -> int:
-    """Frames of the transformer's output the convolutions read before a piece's first kept sample:
-    the gradient of that sample (``context * frame - tail``, deep inside a probe of ``probe`` frames)
-    with respect to every frame, in float64 on a copy, is zero before the earliest frame it reads."""
+    """Frames of the transformer's output the convolutions read before a piece's first kept sample
+    (``context * frame - tail``, deep inside a probe of ``probe`` frames): ``receptive_field.frames_read``
+    on a float64 copy of them."""
     convs = copy.deepcopy(torch.nn.ModuleDict({"upsample": model.upsample, "decoder": model.decoder})).double()
     device = next(model.parameters()).device
     hidden = torch.randn(1, model.config.hidden_size, probe, dtype=torch.float64,
-                         generator=torch.Generator().manual_seed(0)).to(device).requires_grad_()
+                         generator=torch.Generator().manual_seed(0)).to(device)
     context = probe - 2
-    with torch.enable_grad():
-        convolutions(convs, hidden)[0, 0, context * frame - tail].backward()
-    read = (hidden.grad.abs().sum(dim=1)[0] != 0).nonzero()
-    if not len(read) or int(read[0]) == 0:
+    first, _ = frames_read(lambda h: convolutions(convs, h), hidden, (context * frame - tail,))
+    if first == 0:
         raise ValueError(f"Qwen3-Omni's code2wav convolutions read more than {probe} frames back")
-    return context - int(read[0])
+    return context - first
 
 
 def load_code2wav(model_dir: str) -> Any:

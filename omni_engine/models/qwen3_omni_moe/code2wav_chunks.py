@@ -54,7 +54,6 @@ class CodecStream:
         self.pacer = pacer
         self.frames: np.ndarray | None = None  # [G, known]
         self.sent = 0  # frames whose audio has been asked for
-        self.pieces = 0
 
     def add(self, codes: Any, offset: int, now: float | None = None) -> list[dict[str, Any]]:
         """Frames ``codes`` ``[G, n]`` from frame ``offset`` on (at ``now``, the pacer's time); the
@@ -86,7 +85,7 @@ class CodecStream:
     def piece(self, end: int, now: float | None = None) -> dict[str, Any]:
         start = self.sent
         low = max(0, start - self.chunks.left_context)
-        self.sent, self.pieces = end, self.pieces + 1
+        self.sent = end
         if self.pacer is not None:
             self.pacer.sent(end - start, now)
         return {"codes": np.ascontiguousarray(self.frames[:, low:end]), "left_context": start - low}
