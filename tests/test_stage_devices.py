@@ -179,6 +179,14 @@ async def test_runtime_nice_runs_every_thread_of_the_stage_at_it_and_leaves_the_
         assert thread_niceness(stage_pid(client, 1)) == {mine}
 
 
+def test_runtime_nice_of_an_in_process_stage_is_refused_by_field():
+    with pytest.raises(ValueError, match=r"runtime.process: process: false cannot be combined with nice"):
+        parse_pipeline_config({"stage_args": [{"stage_id": 0, "stage_type": "generation",
+                                               "runtime": {"process": False, "nice": 5},
+                                               "engine_args": {"model_factory": "tests.models:make_env_probe",
+                                                               "name": "X"}}]}, "<nice>")
+
+
 def test_runtime_nice_out_of_range_is_refused_by_field():
     with pytest.raises(ValueError, match=r"nice"):
         parse_pipeline_config({"stage_args": [{"stage_id": 0, "stage_type": "generation", "runtime": {"nice": 25},

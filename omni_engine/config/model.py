@@ -189,8 +189,8 @@ class StageRuntimeConfig(_Base):
     # (sched_setaffinity, before anything starts its threads) and its intra-op threads follow
     # (OMP_NUM_THREADS, a Piper voice's threads). Shared out over num_replicas like devices.
     cpus: str | int | list[int] | None = None
-    # Stage processes only: the process's niceness (os.nice; 0, the default, leaves it), which its
-    # children (vLLM's EngineCore) inherit. On a few CPU cores, a stage whose work waits on a
+    # Stage processes only: the process's niceness (set on its threads, os.setpriority; 0, the
+    # default, leaves it), which its children (vLLM's EngineCore) inherit. On a few CPU cores, a stage whose work waits on a
     # listener's clock (code2wav) gets the cores first when the LLM stages beside it run niced.
     # Negative values need the privilege to raise priority (CAP_SYS_NICE).
     nice: Annotated[int, msgspec.Meta(ge=-20, le=19)] = 0

@@ -157,6 +157,8 @@ def _check_in_process(stage: StageConfig, field_path: str, report: Report) -> No
         refused.append("devices (they are given to a process through its environment)")
     if runtime.cpus is not None:
         refused.append("cpus (a thread runs where its process does)")
+    if runtime.nice:
+        refused.append("nice (a thread runs at its process's priority)")
     if stage.env:
         refused.append("env (a thread shares the client's environment)")
     if runtime.transport != "ipc" or runtime.host is not None:

@@ -57,7 +57,7 @@ class StageProcessSpec(msgspec.Struct):
     devices: DeviceAssignment | None = None
     # CPU cores the process runs on (runtime.cpus, this replica's share); None: wherever the OS likes.
     cpus: tuple[int, ...] | None = None
-    # The process's niceness (runtime.nice), added first thing; 0: left as it is.
+    # The process's niceness (runtime.nice), set first thing; 0: left as it is.
     nice: int = 0
     # Extra environment for the stage (e.g. VLLM_CPU_KVCACHE_SPACE); applied first thing.
     env: dict[str, str] = msgspec.field(default_factory=dict)
