@@ -19,6 +19,7 @@ import heapq
 import itertools
 import time
 from collections import deque
+from collections.abc import Callable, Hashable
 from typing import Any, Generic, TypeVar
 
 # A request without a deadline is due this long after it arrived: it yields to speech needed
@@ -60,6 +61,30 @@ class EdfQueue(Generic[T]):
         """The earliest item and its deadline (IndexError when empty)."""
         deadline, _, item = heapq.heappop(self._heap)
         return item, deadline
+
+    def pop_batch(self, limit: int, key: Callable[[T], Hashable] | None = None,
+                  live: Callable[[T], bool] | None = None) -> list[tuple[T, float]]:
+        """Up to ``limit`` items and their deadlines, earliest first: the earliest ``live`` one and
+        then only those whose ``key`` equals its own. The others keep their places (and their order
+        among equal deadlines); items that are not ``live`` are dropped."""
+        batch: list[tuple[T, float]] = []
+        passed: list[tuple[float, int, T]] = []
+        first: Hashable = None
+        while self._heap and len(batch) < limit:
+            entry = heapq.heappop(self._heap)
+            deadline, _, item = entry
+            if live is not None and not live(item):
+                continue
+            if key is not None:
+                this = key(item)
+                if batch and this != first:
+                    passed.append(entry)
+                    continue
+                first = this
+            batch.append((item, deadline))
+        for entry in passed:
+            heapq.heappush(self._heap, entry)
+        return batch
 
     def __len__(self) -> int:
         return len(self._heap)

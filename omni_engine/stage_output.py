@@ -18,6 +18,11 @@ from typing import Any
 # audio learns from this exactly what was said, whatever the cut.
 SPOKEN_TEXT = "transcript"
 
+# A piece's prompt key for how many seconds of speech it will give, where that is known before it is
+# made (a codec piece: its codes times the codec's frame time). The orchestrator's playback clock
+# then gives the pieces after it their real deadlines, not its own, before any audio exists.
+SPOKEN_SECONDS = "spoken_seconds"
+
 # The RequestOutput attributes that travel on the wire, in wire order. Adding
 # a field means appending here; never reorder (older peers decode by position).
 REQUEST_OUTPUT_FIELDS: tuple[str, ...] = (

@@ -110,6 +110,30 @@ def make_tensor_sink(delay: float = 0.0) -> TensorSink:
     return TensorSink(delay)
 
 
+class KeyedBatches(_Model):
+    """Renders in one pass only prompts of one ``"shape"`` (``batch_key``), as a vocoder's windows;
+    records each batch's request ids. A prompt's ``"hold"`` (an asyncio.Event) keeps its batch
+    running until set, so that requests queue behind it. A prompt without a shape cannot be keyed."""
+
+    def __init__(self) -> None:
+        self.batches: list[list[str]] = []
+
+    def batch_key(self, request: GenerationRequest) -> Any:
+        return request.prompt["shape"]
+
+    async def generate(self, requests: list[GenerationRequest]) -> list[Any]:
+        self.batches.append([r.request_id for r in requests])
+        for r in requests:
+            if "hold" in r.prompt:
+                await r.prompt["hold"].wait()
+        return [{"shape": r.prompt["shape"]} if "shape" in r.prompt else ValueError(f"request {r.request_id!r}: no shape")
+                for r in requests]
+
+
+def make_keyed_batches() -> KeyedBatches:
+    return KeyedBatches()
+
+
 class ForwardTensor:
     """Input processor: the source's tensor goes on as the next stage's prompt
     (with the request's ``"sink_delay"``, if it has one, as the sink's ``"delay"``)."""

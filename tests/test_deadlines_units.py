@@ -21,6 +21,7 @@ from omni_engine.deadlines import (
     estimate_speech_seconds,
 )
 from omni_engine.pipeline.playback_clock import PlaybackClock, speed_of
+from omni_engine.stage_output import SPOKEN_SECONDS
 
 
 # ------------------------------------------------------------------ deadlines
@@ -122,3 +123,26 @@ def test_a_piece_with_no_estimate_counts_zero_seconds():
 ])
 def test_speed_of_reads_the_speed_and_falls_back_to_normal(params, speed):
     assert speed_of(params) == speed
+
+
+def test_pop_batch_takes_the_earliest_and_then_only_its_key_the_others_keep_their_places():
+    queue: EdfQueue[str] = EdfQueue()
+    for item, deadline in [("a1", 1.0), ("b2", 2.0), ("b2'", 2.0), ("a3", 3.0), ("gone", 0.5), ("a4", 4.0)]:
+        queue.push(item, deadline)
+    batch = queue.pop_batch(2, key=lambda item: item[0], live=lambda item: item != "gone")
+    assert batch == [("a1", 1.0), ("a3", 3.0)]  # "gone" dropped; a4 past the limit
+    assert queue.pop_batch(8, key=lambda item: item[0]) == [("b2", 2.0), ("b2'", 2.0)]  # order kept
+    assert queue.pop_batch(8) == [("a4", 4.0)] and not queue
+
+
+def test_a_codec_piece_s_stated_length_sets_the_deadlines_after_it():
+    """A piece that says how long it will be (``SPOKEN_SECONDS``, a codec piece's codes) moves the
+    pieces after it back by that, before any audio exists; speech speed does not scale it."""
+    clock = PlaybackClock(100.0, speed=2.0)
+    clock.note_input(0, {"codes": [1, 2], SPOKEN_SECONDS: 0.24})
+    clock.note_input(1, {"codes": [3], SPOKEN_SECONDS: True})  # not a length: no estimate
+    clock.note_input(2, {"codes": [4], SPOKEN_SECONDS: -1.0})
+    assert clock.deadline(1) == pytest.approx(100.24)
+    assert clock.deadline(3) == pytest.approx(100.24)
+    clock.heard(0, 0.3, now=101.0)  # the real audio replaces the stated length
+    assert clock.deadline(1) == pytest.approx(101.3)

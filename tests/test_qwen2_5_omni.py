@@ -36,6 +36,7 @@ from omni_engine.models.qwen2_5_omni import checkpoint
 from omni_engine.models.qwen2_5_omni.code2wav_chunks import CodeStream
 from omni_engine.models.qwen2_5_omni.processor import VIDEO_UNSUPPORTED
 from omni_engine.pipeline.stage_specs import prepare_models
+from omni_engine.stage_output import SPOKEN_SECONDS
 from tests.helpers import kill_and_wait_restarted
 from tests.qwen_omni_reference import (
     MAX_TOKENS,
@@ -499,6 +500,8 @@ async def test_long_speech_streamed_in_windows_joins_into_the_whole(thinker, ref
     pieces += stream.finish(codes, "Ethan")
     assert [(p["offset"], len(p["codes"]), p["emit"]) for p in pieces] == [
         (0, 24, [0, 12]), (0, 60, [12, 48]), (24, 72, [48, 84]), (60, 72, [84, 120]), (96, 54, [120, 150])]
+    # Each piece states the seconds it speaks (50 codes a second), which the playback clock orders by.
+    assert [p[SPOKEN_SECONDS] for p in pieces] == pytest.approx([0.24, 0.72, 0.72, 0.72, 0.6])
     whole, *parts = await asyncio.gather(_render(thinker, {"codes": codes, "voice": "Ethan"}, "whole"),
                                          *(_render(thinker, p, f"piece-{k}") for k, p in enumerate(pieces)))
     np.testing.assert_allclose(whole, reference_wav(reference, list(codes), "Ethan"), atol=1e-4, rtol=0)

@@ -9,7 +9,9 @@ The queue is served earliest deadline first (``omni_engine.deadlines``): a piece
 whose listener is about to run dry goes before one that is needed later. A model that renders
 one request at a time anyway (``renders_alone``: eSpeak, Piper) is handed one at a time, so the
 next pick is made after every piece and each answer leaves as soon as it exists, instead of a
-batch of eight answering when its last is done.
+batch of eight answering when its last is done. A model that batches only requests of one shape
+(``batch_key``: a vocoder's windows of one length) is handed, with the earliest, only the queued
+requests of its key, for the same reason.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import asyncio
 import functools
 import logging
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Hashable, Sequence
 from typing import Any
 
 from omni_engine.deadlines import DeadlineStats, EdfQueue, effective_deadline
@@ -130,12 +132,21 @@ class GenerationStageEngine(StageEngine):
                     await self._run_batch(batch)
 
     def _take_batch(self) -> list[_Pending]:
-        batch: list[_Pending] = []
-        while self._queue and len(batch) < self._batch_limit:
-            pending, _ = self._queue.pop()
-            if not pending.future.done():
-                batch.append(pending)
-        return batch
+        """The earliest-deadline request and, up to the batch limit, the next earliest that the model
+        renders in the same pass as it (``batch_key``). A model that renders a batch as several
+        passes returns every answer after the last, so a stream's first piece taken with seven later
+        pieces of other lengths waited for all of them; taken by key, it leaves after its own pass,
+        and the next batch is picked by deadline again."""
+        key = self._batch_key if hasattr(self.model, "batch_key") else None
+        return [pending for pending, _ in self._queue.pop_batch(
+            self._batch_limit, key, live=lambda pending: not pending.future.done())]
+
+    def _batch_key(self, pending: _Pending) -> Hashable:
+        """The model's ``batch_key``; a request it cannot key goes alone (rendering it names the error)."""
+        try:
+            return self.model.batch_key(pending.request)  # type: ignore[union-attr]
+        except Exception:  # noqa: BLE001 - _render_batch reports what is wrong with it
+            return object()
 
     async def _run_batch(self, batch: list[_Pending]) -> None:
         assert self.model is not None

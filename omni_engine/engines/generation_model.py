@@ -42,6 +42,10 @@ class GenerationModel(Protocol):
     # Optional (default False): True for a model that renders a batch one request after another
     # anyway; the engine then hands it one request at a time, earliest deadline first.
     # renders_alone: bool
+    # Optional: ``batch_key(request) -> Hashable``, for a model that renders in one pass only
+    # requests of one key (windows of one length); the engine then batches the earliest-deadline
+    # request with queued requests of its key alone, so each pass's answers leave when it ends.
+    # def batch_key(self, request: GenerationRequest) -> Hashable: ...
 
     async def generate(self, requests: list[GenerationRequest]) -> list[dict[str, Any] | Exception]: ...
 

@@ -4,7 +4,7 @@ A request whose final stage speaks is cut into pieces on its way (the LLM's sent
 phonemized and voiced as sub-request k of its stage). The listener plays at 1x from the first
 audio on, so piece k is needed when pieces 0..k-1 have played: at the first audio's arrival plus
 their durations, or before any audio, at the request's start plus their estimated durations
-(from their text, ``deadlines.estimate_speech_seconds``). Each estimate gives way to the real
+(from their text, ``deadlines.estimate_speech_seconds``, or as a codec piece states it). Each estimate gives way to the real
 duration as that piece's audio reaches the caller. The orchestrator stamps every sub-request
 with its piece's deadline, and every stage on the way serves earliest first.
 """
@@ -14,7 +14,7 @@ from __future__ import annotations
 from typing import Any
 
 from omni_engine.deadlines import estimate_speech_seconds
-from omni_engine.stage_output import SPOKEN_TEXT
+from omni_engine.stage_output import SPOKEN_SECONDS, SPOKEN_TEXT
 
 
 class PlaybackClock:
@@ -31,9 +31,13 @@ class PlaybackClock:
         self._arrived: dict[int, float] = {}  # piece -> when its first audio reached the caller
 
     def note_input(self, k: int, prompt: Any) -> None:
-        """Piece ``k`` is submitted with ``prompt``: estimate its length from its text, if it has any
-        and no stage before gave one."""
+        """Piece ``k`` is submitted with ``prompt``: its length as the prompt states it
+        (``SPOKEN_SECONDS``), else estimated from its text, if it has any and no stage before gave one."""
         if k in self._seconds:
+            return
+        seconds = prompt.get(SPOKEN_SECONDS) if isinstance(prompt, dict) else None
+        if isinstance(seconds, (int, float)) and not isinstance(seconds, bool) and seconds >= 0:
+            self._seconds[k] = float(seconds)  # a codec piece's own length: no speed, no estimate
             return
         text = prompt if isinstance(prompt, str) else prompt.get(SPOKEN_TEXT) if isinstance(prompt, dict) else None
         if isinstance(text, str):

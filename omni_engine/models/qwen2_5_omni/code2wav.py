@@ -13,7 +13,8 @@ window's frames start from the same rows, so pieces agree with the whole where t
 allows. Without a seed every window draws its own.
 
 A batch's windows of equal length and speaker-reference length go through the DiT together (one
-ODE for all: the DiT's per-evaluation overhead is shared); each is vocoded alone (BigVGAN is no
+ODE for all: the DiT's per-evaluation overhead is shared; ``batch_key`` has the engine batch only
+those); each is vocoded alone (BigVGAN is no
 faster batched on a CPU). ``num_steps``, ``guidance_scale`` and ``sway_coefficient`` are the ODE
 solver's steps (each costs four DiT passes), the classifier-free guidance weight (0 halves the
 cost) and the time-grid sway, transformers' defaults 10, 0.5, -1.
@@ -103,6 +104,13 @@ class Code2Wav(ThreadedGenerationModel):
                 for window in windows:
                     results[window.index] = exc
         return results
+
+    def batch_key(self, request: GenerationRequest) -> tuple[int, tuple[int, ...]]:
+        """What windows must share to go through one DiT pass: their length and their speaker
+        reference's (the groups of ``_render_batch``); the engine batches by it."""
+        prompt = request.prompt
+        speaker = pick_voice(self.speakers, prompt.get("voice") or self.default_voice)
+        return np.asarray(prompt["codes"]).size, tuple(speaker["ref_mel"].shape)
 
     def window_of(self, index: int, request: GenerationRequest) -> Window:
         """The request's window, checked; every error names the request and the field."""

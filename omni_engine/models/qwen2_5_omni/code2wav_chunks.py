@@ -24,6 +24,8 @@ from typing import Any
 
 import numpy as np
 
+from omni_engine.stage_output import SPOKEN_SECONDS
+
 
 @dataclass(frozen=True, slots=True)
 class ChunkPlan:
@@ -32,6 +34,9 @@ class ChunkPlan:
     chunk_blocks: int = 3
     past_blocks: int = 2
     future_blocks: int = 1
+    # Seconds of speech a code gives (2 mel frames of 240 samples at 24 kHz, the published and the
+    # tiny checkpoint's token2wav): a piece's stated length, which orders it by its listener's need.
+    seconds_per_code: float = 0.02
 
     def emit_end(self, index: int) -> int:
         """Where piece ``index``'s own codes end (before the end of the request)."""
@@ -57,7 +62,8 @@ class ChunkPlan:
 def piece_prompt(codes: np.ndarray, voice: Any, start: int, end: int, plan: ChunkPlan) -> dict[str, Any]:
     """code2wav's prompt for the audio of codes ``[start, end)`` out of the ``codes`` known."""
     lo, hi = plan.window(start, end, len(codes))
-    return {"codes": np.ascontiguousarray(codes[lo:hi]), "voice": voice, "offset": lo, "emit": [start, end]}
+    return {"codes": np.ascontiguousarray(codes[lo:hi]), "voice": voice, "offset": lo, "emit": [start, end],
+            SPOKEN_SECONDS: (end - start) * plan.seconds_per_code}
 
 
 class CodeStream:
