@@ -20,7 +20,7 @@ import asyncio
 import functools
 import logging
 import time
-from collections.abc import AsyncIterator, Hashable, Sequence
+from collections.abc import AsyncIterator, Callable, Hashable, Sequence
 from typing import Any
 
 from omni_engine.deadlines import DeadlineStats, EdfQueue, effective_deadline
@@ -68,6 +68,7 @@ class GenerationStageEngine(StageEngine):
         self.model: GenerationModel | None = None
         self._queue: EdfQueue[_Pending] = EdfQueue()
         self._batch_limit = max_batch_size  # 1 for a model that renders alone (set at start)
+        self._key: Callable[[_Pending], Hashable] | None = None  # the model's batch_key, if any (set at start)
         self.deadlines = DeadlineStats()
         self._pending: dict[str, _Pending] = {}
         self._wakeup = asyncio.Event()
@@ -88,6 +89,8 @@ class GenerationStageEngine(StageEngine):
         self.model = model
         if getattr(model, "renders_alone", False):
             self._batch_limit = 1
+        if hasattr(model, "batch_key"):
+            self._key = self._batch_key
         self._batcher = asyncio.create_task(self._run_batches(), name=f"stage{self.stage_id}-batcher")
 
     def submit(self, request_id: str, prompt: Any, sampling_params: Any,
@@ -137,9 +140,8 @@ class GenerationStageEngine(StageEngine):
         passes returns every answer after the last, so a stream's first piece taken with seven later
         pieces of other lengths waited for all of them; taken by key, it leaves after its own pass,
         and the next batch is picked by deadline again."""
-        key = self._batch_key if hasattr(self.model, "batch_key") else None
         return [pending for pending, _ in self._queue.pop_batch(
-            self._batch_limit, key, live=lambda pending: not pending.future.done())]
+            self._batch_limit, self._key, live=lambda pending: not pending.future.done())]
 
     def _batch_key(self, pending: _Pending) -> Hashable:
         """The model's ``batch_key``; a request it cannot key goes alone (rendering it names the error)."""

@@ -4,8 +4,8 @@ A request whose final stage speaks is cut into pieces on its way (the LLM's sent
 phonemized and voiced as sub-request k of its stage). The listener plays at 1x from the first
 audio on, so piece k is needed when pieces 0..k-1 have played: at the first audio's arrival plus
 their durations, or before any audio, at the request's start plus their estimated durations
-(from their text, ``deadlines.estimate_speech_seconds``, or as a codec piece states it). Each estimate gives way to the real
-duration as that piece's audio reaches the caller. The orchestrator stamps every sub-request
+(from their text, ``deadlines.estimate_speech_seconds``, or as a codec piece states it). Each
+estimate gives way to the real duration as that piece's audio reaches the caller. The orchestrator stamps every sub-request
 with its piece's deadline, and every stage on the way serves earliest first.
 """
 

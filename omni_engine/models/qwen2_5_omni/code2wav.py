@@ -14,8 +14,7 @@ allows. Without a seed every window draws its own.
 
 A batch's windows of equal length and speaker-reference length go through the DiT together (one
 ODE for all: the DiT's per-evaluation overhead is shared; ``batch_key`` has the engine batch only
-those); each is vocoded alone (BigVGAN is no
-faster batched on a CPU). ``num_steps``, ``guidance_scale`` and ``sway_coefficient`` are the ODE
+those); each is vocoded alone (BigVGAN is no faster batched on a CPU). ``num_steps``, ``guidance_scale`` and ``sway_coefficient`` are the ODE
 solver's steps (each costs four DiT passes), the classifier-free guidance weight (0 halves the
 cost) and the time-grid sway, transformers' defaults 10, 0.5, -1.
 """
@@ -94,8 +93,7 @@ class Code2Wav(ThreadedGenerationModel):
             if window.codes.numel() == 0:
                 results[i] = {"audio": np.zeros(0, np.float32), "sample_rate": SAMPLE_RATE}
                 continue
-            key = (window.codes.numel(), tuple(window.speaker["ref_mel"].shape))
-            groups.setdefault(key, []).append(window)
+            groups.setdefault(pass_key(window.codes.numel(), window.speaker), []).append(window)
         for windows in groups.values():
             try:
                 for window, audio in zip(windows, self.render(windows)):
@@ -109,8 +107,8 @@ class Code2Wav(ThreadedGenerationModel):
         """What windows must share to go through one DiT pass: their length and their speaker
         reference's (the groups of ``_render_batch``); the engine batches by it."""
         prompt = request.prompt
-        speaker = pick_voice(self.speakers, prompt.get("voice") or self.default_voice)
-        return np.asarray(prompt["codes"]).size, tuple(speaker["ref_mel"].shape)
+        return pass_key(np.asarray(prompt["codes"]).size,
+                        pick_voice(self.speakers, prompt.get("voice") or self.default_voice))
 
     def window_of(self, index: int, request: GenerationRequest) -> Window:
         """The request's window, checked; every error names the request and the field."""
@@ -173,6 +171,12 @@ class Code2Wav(ThreadedGenerationModel):
         return {"model": self.model_dir, "sample_rate": SAMPLE_RATE, "voices": sorted(self.speakers),
                 "default_voice": self.default_voice, "input_kind": "codes",
                 "codes_per_block": self.codes_per_block, "vocoder_context": self.vocoder_context, **self.settings}
+
+
+def pass_key(codes: int, speaker: dict[str, Any]) -> tuple[int, tuple[int, ...]]:
+    """Windows go through one DiT pass when they share this: their number of codes and their
+    speaker reference's shape (``batch_key`` before the batch, ``_render_batch``'s groups in it)."""
+    return codes, tuple(speaker["ref_mel"].shape)
 
 
 def vocoder_context(vocoder: Any, hop: int, probe: int = 96) -> int:
