@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import json
 import threading
 import time
@@ -74,6 +75,16 @@ def unequal_queues(rank: int, world: int, port: int, out: str, steps: int) -> No
     dist.all_gather(gathered, flat)
     Path(out, f"rank{rank}.json").write_text(json.dumps(
         {"records": records, "params_equal": all(torch.equal(g, gathered[0]) for g in gathered)}))
+    del learner  # its DDP module must go before the group (leave_group)
+    leave_group()
+
+
+def leave_group() -> None:
+    """Collects what the caller dropped, then leaves the group. A DDP reducer left to the
+    interpreter's exit outlives the gloo group, and its teardown aborted a rank now and then
+    (SIGABRT in ``mp.spawn``); ``ActorLearnerRun.close`` drops its module first for the same reason."""
+    gc.collect()
+    dist.barrier()
     dist.destroy_process_group()
 
 
@@ -108,7 +119,7 @@ def fence_order(rank: int, world: int, port: int, out: str, fail_push: bool) -> 
     except RuntimeError as exc:
         times["result"] = f"raised: {exc}"
     Path(out, f"rank{rank}.json").write_text(json.dumps(times))
-    dist.destroy_process_group()
+    leave_group()
 
 
 def live_ddp_modules() -> int:

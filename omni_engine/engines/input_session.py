@@ -12,8 +12,10 @@ None: up to its ``max_tokens``): a talker may make a frame only once the thinker
 frame is known. A chunk is yielded only when the previous one has run out and the allowance has
 grown, so a talker that keeps up with its thinker costs one chunk per thinker token, and one that
 falls behind takes everything known in one chunk. The session ends on the stop token or the request's
-``max_tokens``; vLLM then ends the stream with no final output of its own, so the engine makes it
-(``final_output``).
+``max_tokens``; vLLM then ends the stream with no final output of its own, so the engine makes the
+output it ended on the final one (``ended_output``): a consumer then knows its tokens are the last
+(a token-less final after a partial left code2wav's edge cutting the last codes into a piece of
+their own). ``final_output`` stays for a stream vLLM ends without the session seeing an end.
 """
 
 from __future__ import annotations
@@ -107,6 +109,16 @@ class InputSession:
             completion.token_ids = list(self.tokens)
             completion.logprobs = None  # (a chunk's; the whole request's are not kept)
         return output
+
+    def ended_output(self, output: Any) -> Any:
+        """vLLM's output on which the request ended (``finish_reason`` set by ``observe``) as its
+        final one: finished, its tokens kept, the session's finish reason."""
+        final = copy.copy(output)
+        final.finished = True
+        final.outputs = [copy.copy(c) for c in output.outputs]
+        for completion in final.outputs:
+            completion.finish_reason = self.finish_reason
+        return final
 
     def final_output(self, last: Any) -> Any:
         """vLLM's last output of the request as its final one: finished, no new tokens, the

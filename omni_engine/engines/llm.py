@@ -239,6 +239,7 @@ class LLMStageEngine(StageEngine):
         if not self.vllm_traces:
             trace_headers = None
         output = None
+        ended = False  # a request fed in parts: its session has ended (its final output is out)
         try:
             async for output in outputs or self.engine.generate(prompt, params, request_id, priority=priority,
                                                                 trace_headers=trace_headers):
@@ -249,12 +250,16 @@ class LLMStageEngine(StageEngine):
                     if self.on_work_started is not None:
                         self.on_work_started(request_id, scheduled_at(output))
                 if session is not None:
+                    if ended:
+                        continue  # (vLLM has nothing after the output the session ended on)
                     observe_chunk(session, output)
+                    if session.finish_reason is not None:
+                        output, ended = session.ended_output(output), True
                     if (asked := session.as_asked(output)) is None:
                         continue
                     output = asked
                 yield self._stage_output(request_id, output, versions, positions)
-            if session is not None and output is not None and not output.finished:
+            if session is not None and output is not None and not ended and not output.finished:
                 # vLLM ends a stream fed in parts with no final output of its own
                 yield self._stage_output(request_id, session.final_output(output), versions, positions)
         except EngineDeadError as exc:
