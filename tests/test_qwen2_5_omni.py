@@ -475,7 +475,9 @@ def test_the_vocoder_reads_the_frames_its_measured_context_says_and_no_more(omni
     with torch.no_grad():
         whole = model.vocoder(mel).reshape(-1)[50 * hop:70 * hop].numpy()
     assert 1 <= model.vocoder_context < 48  # within a window's past (two DiT blocks of mel frames)
-    np.testing.assert_allclose(piece(model.vocoder_context), whole, atol=1e-5, rtol=0)
+    # float error only: a shorter pass sums in another order (up to 1.3e-5 measured on an AVX2 EPYC,
+    # under 1e-5 on AVX-512 machines); a piece short of context is off by over 1e-3
+    np.testing.assert_allclose(piece(model.vocoder_context), whole, atol=5e-5, rtol=0)
     assert float(np.abs(piece(model.vocoder_context // 3) - whole).max()) > 1e-3
 
 
