@@ -512,6 +512,29 @@ async def test_long_speech_streamed_in_windows_joins_into_the_whole(thinker, ref
     assert not await wait_clean(thinker)
 
 
+async def test_a_talker_fed_in_parts_ends_on_its_last_code_so_the_rest_of_the_speech_is_one_piece(thinker):
+    """The output on which a talker fed in parts ends is its final one, its last code in it: the
+    edge knows then that no code follows and renders everything not yet spoken as one window (60
+    codes: [0, 12) once 24 were known, then [12, 60)). A final output after the last code's partial
+    left the edge cutting [12, 48) when the 60th came, then [48, 60) again from 36 codes."""
+    from vllm import SamplingParams
+
+    params = {0: SamplingParams(temperature=0.0, max_tokens=16, min_tokens=16),
+              1: SamplingParams(temperature=0.0, max_tokens=60, min_tokens=60, stop_token_ids=[8292, 8294],
+                                detokenize=False, output_kind=_talker_params(delta=True)[1].output_kind)}
+    talker, pieces = [], []
+    async for output in thinker.generate(PROMPTS["text"][0], params, "ends-on-its-last-code", final_stage_id=[1, 2],
+                                         execution_mode="async_chunk"):
+        if output.stage_id == 1:
+            talker.append((len(output.outputs[0].token_ids), output.finished))
+        elif "audio" in output.multimodal_output:
+            pieces.append(len(output.multimodal_output["audio"]) // (2 * 240))
+    assert talker[-1][1] and talker[-1][0] >= 1, f"the final output has no code of its own: {talker[-3:]}"
+    assert sum(n for n, _ in talker) == 60
+    assert pieces == [12, 48], pieces
+    assert not await wait_clean(thinker)
+
+
 async def test_a_window_that_does_not_fit_is_refused_by_field_and_the_stage_serves_on(thinker):
     codes = np.arange(30, dtype=np.int64)
     with pytest.raises(StageRequestError, match=r"request 'misfit'.*offset 6 and emit \[6, 30\) do not fit 30 codes"
