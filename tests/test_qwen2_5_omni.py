@@ -338,6 +338,29 @@ def test_the_talker_places_its_rows_as_transformers_talker_rope_does(reference):
     torch.testing.assert_close(got, torch.cat(want, dim=1), rtol=0, atol=0)
 
 
+async def test_sampling_params_list_given_by_name_reaches_each_stage(thinker):
+    """vLLM-Omni's ``generate(..., sampling_params_list=[...])`` keyword: each entry is its stage's
+    params (it went with vLLM's unused extras before, and every stage ran its defaults); given
+    beside ``sampling_params`` it is refused, naming both."""
+    from vllm import SamplingParams
+
+    final = None
+    async for output in thinker.generate(PROMPTS["text"][0], None, "params-list-by-name", final_stage_id=1,
+                                         sampling_params_list=[SamplingParams(temperature=0.0, max_tokens=3),
+                                                               _talker_params()[1]]):
+        final = output
+    assert 0 < len(final.outputs[0].token_ids) <= TALKER_TOKENS
+    async for output in thinker.generate(PROMPTS["text"][0], None, "params-list-thinker", final_stage_id=0,
+                                         sampling_params_list=[SamplingParams(temperature=0.0, max_tokens=3)]):
+        final = output
+    assert len(final.outputs[0].token_ids) == 3  # (the stage's default: 128)
+    with pytest.raises(TypeError, match="both sampling_params and sampling_params_list"):
+        async for _ in thinker.generate(PROMPTS["text"][0], SamplingParams(max_tokens=3), "params-both",
+                                        sampling_params_list=[None]):
+            pass
+    assert not await wait_clean(thinker)
+
+
 async def test_an_unknown_voice_is_refused_by_name_and_nothing_is_left(thinker):
     with pytest.raises(StageRequestError, match=r"unknown voice 'Nobody'; this checkpoint's voices: Chelsie, Ethan"):
         await _talker_codes(thinker, "text", "talker-nobody", voice="Nobody")

@@ -182,6 +182,9 @@ class MultiStageEngineClient(EngineClient):
         request on every stage. A dead stage fails only the requests that need
         it (the orchestrator checks the stages a request uses).
 
+        ``sampling_params_list=[...]`` (vLLM-Omni's ``AsyncOmni`` keyword) is that list, given by
+        name; with ``sampling_params`` too it is refused.
+
         ``deadline`` (``time.time()`` seconds) is when the first output is needed; every stage
         serves earliest deadline first, and a request that ends in speech gets one per piece of
         speech from it (or from now): when the listener, playing at 1x, would run dry.
@@ -200,6 +203,8 @@ class MultiStageEngineClient(EngineClient):
         """
         if lora_request is not None:
             raise VLLMValidationError("LoRA adapters are not supported by omni_engine pipelines", parameter="model")
+        if "sampling_params_list" in kwargs:  # vLLM-Omni's keyword: taken, never left among the unused ones
+            sampling_params = per_stage_params(sampling_params, kwargs.pop("sampling_params_list"))
         if isinstance(prompt, EngineCoreRequest):
             prompt, sampling_params = engine_core_request_to_prompt(prompt)
         self._check_running(any_stage_dead=False)
@@ -649,3 +654,12 @@ def _payload(request: Any, field: str) -> Any:
 
 
 __all__ = ["MultiStageEngineClient", "StageDeadError", "WeightUpdateError"]
+
+
+def per_stage_params(sampling_params: Any, sampling_params_list: Sequence[Any] | None) -> Any:
+    """``generate``'s params where the caller named ``sampling_params_list``: that list (a keyword
+    this client would otherwise accept unused, as it does vLLM's server's extras)."""
+    if sampling_params is not None:
+        raise TypeError("generate() got both sampling_params and sampling_params_list: give the per-stage "
+                        "list alone (one entry per stage, in stage order; None for a stage's defaults)")
+    return None if sampling_params_list is None else list(sampling_params_list)
