@@ -653,9 +653,6 @@ def _payload(request: Any, field: str) -> Any:
     return getattr(request, field) if hasattr(request, field) else request
 
 
-__all__ = ["MultiStageEngineClient", "StageDeadError", "WeightUpdateError"]
-
-
 def per_stage_params(sampling_params: Any, sampling_params_list: Sequence[Any] | None) -> Any:
     """``generate``'s params where the caller named ``sampling_params_list``: that list (a keyword
     this client would otherwise accept unused, as it does vLLM's server's extras)."""
@@ -663,3 +660,7 @@ def per_stage_params(sampling_params: Any, sampling_params_list: Sequence[Any] |
         raise TypeError("generate() got both sampling_params and sampling_params_list: give the per-stage "
                         "list alone (one entry per stage, in stage order; None for a stage's defaults)")
     return None if sampling_params_list is None else list(sampling_params_list)
+
+
+__all__ = ["MultiStageEngineClient", "StageDeadError", "WeightUpdateError"]
+

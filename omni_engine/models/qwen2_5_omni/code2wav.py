@@ -14,9 +14,9 @@ allows. Without a seed every window draws its own.
 
 A batch's windows of equal length and speaker-reference length go through the DiT together (one
 ODE for all: the DiT's per-evaluation overhead is shared; ``batch_key`` has the engine batch only
-those), and spans of equal length through BigVGAN together. ``num_steps``, ``guidance_scale`` and ``sway_coefficient`` are the ODE
-solver's steps (each costs four DiT passes), the classifier-free guidance weight (0 halves the
-cost) and the time-grid sway, transformers' defaults 10, 0.5, -1.
+those), and spans of equal length through BigVGAN together. ``num_steps``, ``guidance_scale`` and
+``sway_coefficient`` are the ODE solver's steps (each costs four DiT passes), the classifier-free
+guidance weight (0 halves the cost) and the time-grid sway, transformers' defaults 10, 0.5, -1.
 """
 
 from __future__ import annotations
@@ -167,7 +167,7 @@ class Code2Wav(ThreadedGenerationModel):
         by_length: dict[int, list[int]] = {}
         for i, (lo, hi, _, _) in enumerate(spans):
             by_length.setdefault(hi - lo, []).append(i)
-        for length, members in by_length.items():
+        for members in by_length.values():
             batch = torch.stack([mels[i, :, spans[i][0]:spans[i][1]] for i in members])
             samples = self.vocoder(batch).reshape(len(members), -1)
             for row, i in enumerate(members):

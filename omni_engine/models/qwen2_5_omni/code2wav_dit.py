@@ -8,9 +8,11 @@ own RK4 solver, time grid and guidance) from ``noise``.
 Its velocity field is ``DiTVelocity``: transformers' DiT forward with what does not change over the
 ODE's 36 evaluations computed once (``DiTVelocity.__init__``) instead of at each: the code and
 speaker embeddings, the speaker encoder (ECAPA-TDNN, ~20 convolutions: half of the forward on the
-tiny checkpoint), their share of the input projection, the rotary tables and the block masks (additive, one per layout); and,
-per distinct time (RK4 asks for three a step), the time embedding and every layer's modulation.
-What is left per evaluation is the states' projection and the transformer layers. The result
+tiny checkpoint), their share of the input projection, the rotary tables and the block masks
+(additive, one per layout); and, per distinct time (RK4 asks for three a step), the time embedding
+and every layer's modulation. What is left per evaluation is the states' projection and the
+transformer layers, whose q, k and v are one projection with the first head's rotary folded in
+(``DiTLayer``). The result
 equals transformers' forward within float error (the input projection is summed in two parts).
 """
 
