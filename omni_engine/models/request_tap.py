@@ -155,29 +155,48 @@ class RequestIO:
         outputs = extra.get(OUTPUTS_PATH_KEY)
         self.outputs = RowFile(outputs) if isinstance(outputs, str) else None
         self.memo: dict[str, Any] = {}
-        self.inputs: dict[str, torch.Tensor] = {}
+        self.side_files: dict[str, RowFile] = {}
         self.inputs_path = extra.get(INPUTS_PATH_KEY)
-        self.reload_inputs()
 
-    def reload_inputs(self) -> None:
-        """(Re)read the request's inputs file: a request fed in parts has its file replaced, whole,
-        with more rows before each part runs."""
-        if not isinstance(self.inputs_path, str):
-            return
-        from safetensors.torch import load_file
+    def side_file(self, suffix: str) -> RowFile:
+        """Another row file of the request's (``<row file>.<suffix>``), closed with the others."""
+        if suffix not in self.side_files:
+            self.side_files[suffix] = RowFile(f"{self.outputs.path}.{suffix}")
+        return self.side_files[suffix]
 
-        try:
-            self.inputs = load_file(self.inputs_path)
-        except Exception as exc:  # noqa: BLE001  (safetensors raises its own error types)
-            # Removed by an abort that raced the request's admission (its output goes nowhere),
-            # or damaged: the model leaves a request without inputs alone; the engine goes on.
-            logger.warning("inputs %s not read: %s", self.inputs_path, exc)
+    @property
+    def inputs(self) -> dict[str, torch.Tensor]:
+        """The tensors the request brought (its inputs file, read at the first use and kept in its
+        memo, which outlives a re-entry into the batch: ``RequestTap.KEPT_MEMO``)."""
+        if "inputs" not in self.memo:
+            self.memo["inputs"] = {}
+            if isinstance(self.inputs_path, str):
+                from safetensors.torch import load_file
+
+                try:
+                    self.memo["inputs"] = load_file(self.inputs_path)
+                except Exception as exc:  # noqa: BLE001  (safetensors raises its own error types)
+                    # Removed by an abort that raced the request's admission (its output goes nowhere),
+                    # or damaged: the model leaves a request without inputs alone; the engine goes on.
+                    logger.warning("inputs %s not read: %s", self.inputs_path, exc)
+        return self.memo["inputs"]
+
+    @property
+    def key(self) -> str | None:
+        """What names the request across its stays in the batch (a request fed in parts re-enters
+        it at every part): the path of its inputs file, or of its row file; None for a request with
+        only states out. The stage removes both when the request ends."""
+        if isinstance(self.inputs_path, str):
+            return self.inputs_path
+        return self.outputs.path if self.outputs is not None else None
 
     def close(self) -> None:
         if self.states is not None:
             self.states.close()
         if self.outputs is not None:
             self.outputs.close()
+        for side in self.side_files.values():
+            side.close()
 
 
 class RequestTap(RequestKeyedLogitsProcessor):
@@ -187,14 +206,16 @@ class RequestTap(RequestKeyedLogitsProcessor):
     # The worker's tap (one engine per worker process); the model's forward finds it here.
     current: ClassVar[RequestTap | None] = None
     # What of a request's memo outlives its leaving the batch: a request fed in parts leaves and
-    # re-enters it at every part (vLLM re-adds it), and its sampler's draws must go on, not restart.
-    KEPT_MEMO = ("generator",)
-    KEPT_REQUESTS = 256  # bounded: an ended request's kept memo is dropped in time
+    # re-enters it at every part (vLLM re-adds it), and its sampler's draws must go on, not restart;
+    # nor should a part cost the whole request so far (its inputs read again, its prompt and reply
+    # rows made again: O(answer) a part), so what a model made of them is kept too.
+    KEPT_MEMO = ("generator", "inputs", "prompt", "reply", "last_hidden", "last_frame")
+    KEPT_REQUESTS = 64  # bounded: a kept memo is dropped in time, its request ended or not
 
     def __init__(self, vllm_config: Any, *runner_args: Any) -> None:
         super().__init__(vllm_config, *runner_args)
         self.kept: OrderedDict[str, dict[str, Any]] = OrderedDict()
-        # by output path: vLLM adds a re-added request's new row before it removes the old one
+        # by ``RequestIO.key``: vLLM adds a re-added request's new row before it removes the old one
         self.live: dict[str, RequestIO] = {}
         RequestTap.current = self
 
@@ -203,12 +224,11 @@ class RequestTap(RequestKeyedLogitsProcessor):
         if STATES_PATH_KEY not in extra and INPUTS_PATH_KEY not in extra:
             return None
         io = RequestIO(request.params)
-        if io.outputs is not None:
-            path = io.outputs.path
-            before = self.live.get(path)
-            kept = self.kept.pop(path, None) or (before.memo if before is not None else {})
-            io.memo.update({key: kept[key] for key in self.KEPT_MEMO if key in kept})
-            self.live[path] = io
+        if (key := io.key) is not None:
+            before = self.live.get(key)
+            kept = self.kept.pop(key, None) or (before.memo if before is not None else {})
+            io.memo.update({name: kept[name] for name in self.KEPT_MEMO if name in kept})
+            self.live[key] = io
         return io
 
     def apply_rows(self, logits: torch.Tensor, rows: Sequence[int], requests: Sequence[LiveRequest]) -> torch.Tensor:
@@ -217,14 +237,26 @@ class RequestTap(RequestKeyedLogitsProcessor):
     def release(self, request: LiveRequest) -> None:
         io = request.state
         io.close()
-        if io.outputs is None or self.live.get(io.outputs.path) is not io:
+        key = io.key
+        if key is None or self.live.get(key) is not io:
             return  # (re-added already: its successor holds what it kept)
-        del self.live[io.outputs.path]
-        kept = {key: io.memo[key] for key in self.KEPT_MEMO if key in io.memo}
+        del self.live[key]
+        kept = {name: io.memo[name] for name in self.KEPT_MEMO if name in io.memo}
         if kept:
-            self.kept[io.outputs.path] = kept
-            while len(self.kept) > self.KEPT_REQUESTS:
-                self.kept.popitem(last=False)
+            self.kept[key] = kept
+            self.sweep_kept()
+
+    def sweep_kept(self) -> None:
+        """Drop the oldest kept memo if its request has ended (the stage removed its file), else move
+        it last: one file looked at per release, so an ended request's memo goes within as many
+        releases as memos are kept; and never more than ``KEPT_REQUESTS``."""
+        oldest = next(iter(self.kept))
+        if os.path.exists(oldest):
+            self.kept.move_to_end(oldest)
+        else:
+            del self.kept[oldest]
+        while len(self.kept) > self.KEPT_REQUESTS:
+            self.kept.popitem(last=False)
 
 
 def batch_segments() -> Iterator[tuple[RequestIO, int, int, int]]:

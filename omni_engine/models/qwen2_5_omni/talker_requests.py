@@ -14,8 +14,8 @@ when the request enters the batch:
 - ``rope_prompt`` ``[3, L]`` and ``rope_from`` ``[1]``: the multimodal rope positions of the prompt
   rows (the thinker's) and of row ``L`` (every later row one more), where the thinker sent them;
 - ``reply_final`` ``[1]``, for a request fed in parts (async_chunk: the talker starts on the
-  thinker's first reply token): 0 while the thinker still writes. Each next part's rows are added
-  to ``reply_rows`` and the file is replaced before the talker runs on them; the engine never lets
+  thinker's first reply token): 0 while the thinker still writes. Each next part's rows are
+  appended to a row file beside it before the talker runs on them (``reply_parts``); the engine never lets
   the talker make code ``k`` before reply row ``k`` has come (``extend``'s allowance).
 
 The request vLLM runs is ``[codec mask] * L + [codec pad, codec bos]``: placeholders whose
@@ -38,7 +38,7 @@ import torch
 
 from omni_engine.connectors import shm
 from omni_engine.models.qwen2_5_omni.speakers import load_speakers, pick_voice
-from omni_engine.models.reply_parts import ReplyParts
+from omni_engine.models.reply_parts import ReplyParts, reply_files
 from omni_engine.models.request_tap import INPUTS_PATH_KEY
 
 DEFAULT_VOICE = "Chelsie"
@@ -118,7 +118,7 @@ class TalkerRequests:
         return self.parts.append(request_id, hidden + embeds, last)
 
     def write_inputs(self, request_id: str) -> None:
-        """The request's inputs file, with every row known (``reply_parts``)."""
+        """The reply rows given since the talker last ran, appended beside its inputs (``reply_parts``)."""
         self.parts.write(request_id, self._paths.get(request_id))
 
     def request_rows(self, request_id: str, prompt: Any, params: Any) -> dict[str, torch.Tensor]:
@@ -188,7 +188,7 @@ class TalkerRequests:
         self._streamed.pop(request_id, None)
         self.parts.drop(request_id)
         path = self._paths.pop(request_id, None)
-        for name in (path, f"{path}.part") if path is not None else ():
+        for name in (path, *reply_files(path)) if path is not None else ():
             try:
                 os.unlink(name)
             except FileNotFoundError:

@@ -50,7 +50,7 @@ from vllm.model_executor.models.utils import (
 )
 
 from omni_engine.models.qwen2_5_omni.speakers import load_speakers
-from omni_engine.models.reply_parts import reply_whole
+from omni_engine.models.reply_parts import ReplyRows
 from omni_engine.models.talker_rope import multimodal_rope, talker_rope_channels
 from omni_engine.models.request_tap import batch_segments
 
@@ -121,21 +121,22 @@ class OmniEngineQwen2_5OmniTalker(nn.Module):
         inputs = io.inputs
         prompt = inputs["prompt_rows"].to(embeds.dtype)
         length = prompt.shape[0]
+        if "reply" not in io.memo:  # (kept while the request lives: a part adds only its own rows)
+            io.memo["reply"] = ReplyRows(inputs, io.inputs_path, lambda rows: rows.to(embeds.device, embeds.dtype))
+        reply: ReplyRows = io.memo["reply"]
         needed = first + embeds.shape[0] - length - 1  # reply rows these positions read
-        if needed > inputs["reply_rows"].shape[0] and not reply_whole(inputs):
-            # fed in parts: the rows these positions need came with a part since the inputs were read
-            io.reload_inputs()
-            inputs = io.inputs
-        tail = torch.stack([self.thinker_row(self.text_ids[0]), self.thinker_row(self.text_ids[1])])
+        if needed > reply.count and not reply.whole:
+            # fed in parts: the rows these positions need came with a part since they were read
+            reply.more()
         # (the text eos row follows the reply once it is whole; the engine never runs a talker fed in
         # parts past the rows it has)
-        reply = torch.cat([inputs["reply_rows"].to(embeds.dtype), tail.to(embeds.dtype)])
+        tail = torch.stack([self.thinker_row(self.text_ids[0]), self.thinker_row(self.text_ids[1])]).to(embeds.dtype)
         positions = torch.arange(first, first + embeds.shape[0], device=embeds.device)
         in_prompt = positions < length
         embeds[in_prompt] = prompt[positions[in_prompt]]
         embeds[positions == length] += self.thinker_row(int(inputs["speaker_bos"][0])).to(embeds.dtype)
         after = positions > length
-        embeds[after] += reply[(positions[after] - length - 1).clamp(max=reply.shape[0] - 1)]
+        embeds[after] += reply.gather(positions[after] - length - 1, tail)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
         logits = self.logits_processor(self.codec_head, hidden_states)

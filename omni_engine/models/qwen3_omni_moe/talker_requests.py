@@ -34,7 +34,7 @@ import numpy as np
 import torch
 
 from omni_engine.connectors import shm
-from omni_engine.models.reply_parts import ReplyParts
+from omni_engine.models.reply_parts import ReplyParts, reply_files
 from omni_engine.models.request_tap import INPUTS_PATH_KEY, OUTPUTS_PATH_KEY, read_rows
 
 DEFAULT_VOICE = "ethan"  # transformers' default speaker; the config names them in lower case
@@ -139,7 +139,7 @@ class TalkerRequests:
         return self.parts.append(request_id, torch.as_tensor(embeds), last)
 
     def write_inputs(self, request_id: str) -> None:
-        """The request's inputs file, with every row known (``reply_parts``)."""
+        """The reply rows given since the talker last ran, appended beside its inputs (``reply_parts``)."""
         paths = self._paths.get(request_id)
         self.parts.write(request_id, paths[0] if paths else None)
 
@@ -228,7 +228,7 @@ class TalkerRequests:
         self._streamed.pop(request_id, None)
         self.parts.drop(request_id)
         for path in self._paths.pop(request_id, ()):
-            for name in (path, f"{path}.hidden", f"{path}.part"):
+            for name in (path, f"{path}.hidden", *reply_files(path)):
                 try:
                     os.unlink(name)
                 except FileNotFoundError:

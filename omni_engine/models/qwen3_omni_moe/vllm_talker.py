@@ -39,7 +39,7 @@ from vllm.model_executor.models.qwen3_moe import Qwen3MoeModel
 from vllm.model_executor.models.utils import AutoWeightsLoader, WeightsMapper, maybe_prefix
 
 from omni_engine.models.qwen3_omni_moe.code_predictor import PREFIX, build_code_predictor, predict_codes
-from omni_engine.models.reply_parts import reply_whole
+from omni_engine.models.reply_parts import ReplyRows
 from omni_engine.models.request_tap import RequestIO, RowFile, batch_segments
 from omni_engine.models.talker_rope import multimodal_rope, talker_rope_channels
 
@@ -51,9 +51,7 @@ SUPPRESSED_TAIL = 1024  # transformers suppresses the vocabulary's last 1024 ids
 
 def hidden_file(io: RequestIO) -> RowFile:
     """The request's second row file: per frame, the hidden state that made its first code."""
-    if "hidden_file" not in io.memo:
-        io.memo["hidden_file"] = RowFile(f"{io.outputs.path}.hidden")
-    return io.memo["hidden_file"]
+    return io.side_file("hidden")
 
 
 class ResizeMLP(nn.Module):
@@ -126,29 +124,29 @@ class OmniEngineQwen3OmniMoeTalker(nn.Module):
         codec = self.embed_input_ids(torch.tensor(
             [config.codec_nothink_id, config.codec_think_bos_id, config.codec_think_eos_id,
              int(inputs["speaker"][0]), config.codec_pad_id, config.codec_bos_id], device=user.device))
-        reply = self.text_projection(inputs["reply_rows"].to(dtype))
+        # the reply's rows, projected once each (those of a request fed in parts as they come)
+        reply = io.memo["reply"] = ReplyRows(inputs, io.inputs_path, lambda rows: self.text_projection(
+            rows.to(self.tts_rows.device, dtype)))
         pad, bos = self.tts_row(0), self.tts_row(1)
         assistant = torch.cat([
             self.text_projection(inputs["assistant_rows"].to(dtype)),   # <|im_start|> assistant \n
             pad + codec[0:1], pad + codec[1:2], pad + codec[2:3], pad + codec[3:4],
-            bos + codec[4:5], reply[0:1] + codec[5:6]])
+            bos + codec[4:5], reply.rows[0:1] + codec[5:6]])
         io.memo["prompt"] = torch.cat([user_rows, assistant])
-        # tts eos follows the reply once it is whole (a talker fed the thinker's states as they come
-        # is never run past the rows it has: ``talker_requests.TalkerRequests.extend``)
-        whole = io.memo["whole"] = reply_whole(inputs)
-        io.memo["trailing"] = torch.cat([reply[1:], self.tts_row(2).unsqueeze(0)]) if whole else reply[1:]
         return io.memo["prompt"]
 
     def trailing_row(self, io: RequestIO, frame: int) -> torch.Tensor:
-        trailing = io.memo["trailing"]
-        if frame >= trailing.shape[0] and not io.memo["whole"]:
-            # fed in parts: the thinker's rows this frame needs came with a part since the inputs
-            # were read (whether vLLM re-adds the request to the batch at a part or not)
-            io.reload_inputs()
-            io.memo.pop("prompt")
-            self.prompt_rows(io)
-            trailing = io.memo["trailing"]
-        return trailing[frame] if frame < trailing.shape[0] else self.tts_row(0)
+        """The text row added to frame ``frame``'s codes: the reply's token ``frame + 1``, then tts eos
+        (once the reply is whole), then tts pad for ever."""
+        reply: ReplyRows = io.memo["reply"]
+        if frame + 1 >= reply.count and not reply.whole:
+            # fed in parts: the thinker's rows this frame needs came with a part since they were read
+            # (whether vLLM re-adds the request to the batch at a part or not); a talker fed in parts
+            # is never run past the rows it has (``talker_requests.TalkerRequests.extend``)
+            reply.more()
+        if frame + 1 < reply.count:
+            return reply.rows[frame + 1]
+        return self.tts_row(2 if reply.whole and frame + 1 == reply.count else 0)
 
     def build_embeds(self, input_ids: torch.Tensor, embeds: torch.Tensor, segments: list[Any]) -> None:
         """Each tapped request's rows of ``embeds``: its prompt rows, and for each later row (frame
