@@ -129,17 +129,3 @@ def test_what_a_model_made_outlives_a_re_entry_and_goes_when_the_request_ends(ta
     assert request.state.inputs
     tap.release(request)
     assert path not in tap.kept and other in tap.kept
-
-
-def test_a_request_s_row_files_are_closed_when_it_leaves_the_batch(tap, tmp_path):
-    path = str(tmp_path / "inputs")
-    save_file({"reply_rows": torch.ones(1, 4)}, path)
-    request = enter(tap, path)
-    request.state.outputs.write(0, torch.zeros(4))
-    request.state.side_file("hidden").write(0, torch.zeros(4))
-    fds = [request.state.outputs.fd, request.state.side_file("hidden").fd]
-    assert all(fd is not None for fd in fds)
-    tap.release(request)
-    for fd in fds:
-        with pytest.raises(OSError):
-            os.fstat(fd)

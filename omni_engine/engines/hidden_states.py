@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from omni_engine.connectors import shm
-from omni_engine.models.request_tap import STATE_KINDS, STATES_PATH_KEY, TAP_CLASS
+from omni_engine.models.request_tap import STATE_KINDS, STATES_PATH_KEY, TAP_CLASS, create_files
 
 __all__ = ["LATENT", "StateFiles", "TokenCount", "configure_request_tap"]
 
@@ -106,6 +106,12 @@ class StateFiles:
     def tag(self, params: Any, request_id: str) -> Any:
         """``params`` (already the stage's own copy) asking for the request's states."""
         path = str(shm.SHM_DIR / f"{self.prefix}{next(self._counter)}")
+        try:
+            create_files(*(f"{path}.{kind}" for kind in STATE_KINDS))  # (the worker only opens them)
+        except OSError as exc:
+            _unlink(path)
+            raise RuntimeError(f"stage {self.stage_id}: request {request_id!r}: its state files could not be "
+                               f"made in {shm.SHM_DIR}: {exc}") from None
         self._paths[request_id] = path
         params.extra_args = {**(params.extra_args or {}), STATES_PATH_KEY: path}
         return params
@@ -144,10 +150,12 @@ class StateFiles:
         try:
             size = os.path.getsize(path)
         except FileNotFoundError:
+            size = 0
+        if size == 0 and rows > 0:
             raise RuntimeError(
                 f"stage {self.stage_id}: engine_output_type {LATENT} needs a model that records its states "
                 f"(omni_engine.models.request_tap.record); {arch} wrote none for request {request_id!r}"
-            ) from None
+            )
         row_bytes = width * 4
         if size != rows * row_bytes:
             raise RuntimeError(f"stage {self.stage_id}: request {request_id!r} has {size / row_bytes:g} rows of "

@@ -48,11 +48,30 @@ TAP_CLASS = "omni_engine.models.request_tap:RequestTap"
 STATE_KINDS = ("embeds", "hidden", "positions")
 
 
+def create_files(*paths: str) -> None:
+    """Create (empty) the files a worker will write a request's rows to: the stage does, when it
+    names them, and the worker only opens them. So a write racing the request's end (an abort
+    while its step runs) finds its files removed and stops, instead of creating them again where
+    nothing would remove them."""
+    for path in paths:
+        os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600))
+
+
+def open_existing(path: str, flags: int) -> int | None:
+    """An fd on ``path``, which the stage created; None if it has been removed (the request ended)."""
+    try:
+        return os.open(path, flags)
+    except FileNotFoundError:
+        logger.debug("%s: removed (its request has ended); its rows are not written", path)
+        return None
+
+
 class StateFile:
-    """The files one request's rows are written to (opened on its first rows).
+    """The files one request's rows are written to (created by the stage: ``create_files``).
 
     A write that fails (``/dev/shm`` full) is logged and ends this request's writes only: the
     stage then finds its rows short and fails that request, naming it; vLLM's engine goes on.
+    Files already removed (the request ended) end its writes quietly.
     """
 
     def __init__(self, path: str) -> None:
@@ -66,8 +85,14 @@ class StateFile:
             return
         try:
             if not self.fds:
-                self.fds = tuple(os.open(f"{self.path}.{kind}", os.O_WRONLY | os.O_CREAT, 0o600)
-                                 for kind in STATE_KINDS)
+                fds = [open_existing(f"{self.path}.{kind}", os.O_WRONLY) for kind in STATE_KINDS]
+                if None in fds:
+                    for fd in fds:
+                        if fd is not None:
+                            os.close(fd)
+                    self.failed = True
+                    return
+                self.fds = tuple(fds)
             for fd, part in zip(self.fds, rows):
                 data = part.detach().to(torch.float32).contiguous().cpu().numpy()
                 os.pwrite(fd, data.tobytes(), position * data.shape[1] * 4)
@@ -85,8 +110,9 @@ class RowFile:
     """Fixed-width rows of one request, at their index (``pwrite``: a recomputed row lands on itself).
 
     For what a model of ours makes beside the sampled token (Qwen3-Omni's talker: a frame's residual
-    codes and the hidden state that made it); the stage process reads them with ``read_rows``
-    when an output arrives, as it reads states. A failed write is logged and ends this file's writes.
+    codes and the hidden state that made it); the stage process creates the file (``create_files``)
+    and reads it with ``read_rows`` when an output arrives, as it reads states. A failed write is
+    logged and ends this file's writes; a file already removed (the request ended) ends them quietly.
     """
 
     def __init__(self, path: str) -> None:
@@ -100,7 +126,10 @@ class RowFile:
         data = row.detach().contiguous().cpu().numpy()
         try:
             if self.fd is None:
-                self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
+                self.fd = open_existing(self.path, os.O_RDWR)
+                if self.fd is None:
+                    self.failed = True
+                    return
             os.pwrite(self.fd, data.tobytes(), index * data.nbytes)
         except OSError as exc:
             self.failed = True

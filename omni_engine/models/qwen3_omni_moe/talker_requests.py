@@ -35,7 +35,7 @@ import torch
 
 from omni_engine.connectors import shm
 from omni_engine.models.reply_parts import ReplyParts, reply_files
-from omni_engine.models.request_tap import INPUTS_PATH_KEY, OUTPUTS_PATH_KEY, read_rows
+from omni_engine.models.request_tap import INPUTS_PATH_KEY, OUTPUTS_PATH_KEY, create_files, read_rows
 
 DEFAULT_VOICE = "ethan"  # transformers' default speaker; the config names them in lower case
 # vLLM-Omni's words for it: the talker takes its rows by chat turn, which a raw prompt lacks.
@@ -43,6 +43,9 @@ COMPLETIONS_REFUSAL = ("Qwen3-Omni requires chat template structure for thinker-
                        "Use /v1/chat/completions instead.")
 PROMPT_FIELDS = ("thinker_prompt_token_ids", "input_embeds", "hidden_states")
 ASSISTANT_ROWS = 9
+# The model's second row file, beside its codes' (``<codes>.hidden``): per frame, the hidden state
+# that made its first code (``vllm_talker.hidden_file``).
+HIDDEN_SUFFIX = "hidden"
 
 
 def voice_name(params: Any) -> str:
@@ -161,6 +164,7 @@ class TalkerRequests:
 
         base = str(shm.SHM_DIR / f"{self.prefix}{next(self._counter)}")
         save_file(rows, base)
+        create_files(f"{base}.codes", f"{base}.codes.{HIDDEN_SUFFIX}")  # the worker's row files
         self._paths[request_id] = (base, f"{base}.codes")
         self._voices[request_id] = voice_name(params).lower()
         params = copy.copy(params)
@@ -228,7 +232,7 @@ class TalkerRequests:
         self._streamed.pop(request_id, None)
         self.parts.drop(request_id)
         for path in self._paths.pop(request_id, ()):
-            for name in (path, f"{path}.hidden", *reply_files(path)):
+            for name in (path, f"{path}.{HIDDEN_SUFFIX}", *reply_files(path)):
                 try:
                     os.unlink(name)
                 except FileNotFoundError:

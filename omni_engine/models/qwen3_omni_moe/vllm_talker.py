@@ -39,6 +39,7 @@ from vllm.model_executor.models.qwen3_moe import Qwen3MoeModel
 from vllm.model_executor.models.utils import AutoWeightsLoader, WeightsMapper, maybe_prefix
 
 from omni_engine.models.qwen3_omni_moe.code_predictor import PREFIX, build_code_predictor, predict_codes
+from omni_engine.models.qwen3_omni_moe.talker_requests import HIDDEN_SUFFIX
 from omni_engine.models.reply_parts import ReplyRows
 from omni_engine.models.request_tap import RequestIO, RowFile, batch_segments
 from omni_engine.models.talker_rope import multimodal_rope, talker_rope_channels
@@ -51,7 +52,7 @@ SUPPRESSED_TAIL = 1024  # transformers suppresses the vocabulary's last 1024 ids
 
 def hidden_file(io: RequestIO) -> RowFile:
     """The request's second row file: per frame, the hidden state that made its first code."""
-    return io.side_file("hidden")
+    return io.side_file(HIDDEN_SUFFIX)
 
 
 class ResizeMLP(nn.Module):
