@@ -239,7 +239,7 @@ class RequestTap(RequestKeyedLogitsProcessor):
     # nor should a part cost the whole request so far (its inputs read again, its prompt and reply
     # rows made again: O(answer) a part), so what a model made of them is kept too.
     KEPT_MEMO = ("generator", "inputs", "prompt", "reply", "last_hidden", "last_frame")
-    KEPT_REQUESTS = 64  # bounded: a kept memo is dropped in time, its request ended or not
+    KEPT_REQUESTS = 256  # bounded: a kept memo is dropped in time, its request ended or not
 
     def __init__(self, vllm_config: Any, *runner_args: Any) -> None:
         super().__init__(vllm_config, *runner_args)
