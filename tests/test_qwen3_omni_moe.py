@@ -354,6 +354,29 @@ def test_a_piece_s_convolutions_read_only_the_frames_they_need_and_give_the_whol
     assert float(np.abs(short - whole_pass(codes[:, 5:45], 25)).max()) > 1e-2
 
 
+def test_code2wav_is_handed_only_the_pieces_of_one_pass(qwen3_dir):
+    """Pieces of one length and left context share a pass; the stage's batcher (``batch_key``) hands
+    code2wav the earliest piece with only those, so a first piece never waits for other lengths'
+    passes (``test_generation_engine``'s keyed batching). A prompt without codes goes alone."""
+    from omni_engine.engines.generation_model import GenerationRequest
+    from omni_engine.models.qwen3_omni_moe.code2wav import Code2Wav
+
+    model = Code2Wav(model=str(qwen3_dir))
+
+    def key(frames, context=None, as_tensor=False):
+        codes = torch.zeros(tc.CODE_GROUPS, frames, dtype=torch.long)
+        prompt = {"codes": codes if as_tensor else codes.numpy()}
+        if context is not None:
+            prompt["left_context"] = context
+        return model.batch_key(GenerationRequest("r", prompt))
+
+    assert key(4) == key(4, 0, as_tensor=True) == (4, 0)
+    assert key(41, 25) == key(41, 25, as_tensor=True) != key(41, 24)
+    assert len({key(4), key(8, 4), key(16, 12), key(41, 25)}) == 4
+    with pytest.raises(KeyError):
+        model.batch_key(GenerationRequest("r", {}))
+
+
 async def test_speech_end_to_end_equals_transformers_generate(omni, qwen3_reference):
     """Sequential: thinker ids, every code of every frame, and code2wav's waveform (one pass over
     all the frames), each as transformers' ``generate`` makes it."""
