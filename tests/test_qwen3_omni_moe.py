@@ -371,10 +371,40 @@ def test_code2wav_is_handed_only_the_pieces_of_one_pass(qwen3_dir):
         return model.batch_key(GenerationRequest("r", prompt))
 
     assert key(4) == key(4, 0, as_tensor=True) == (4, 0)
-    assert key(41, 25) == key(41, 25, as_tensor=True) != key(41, 24)
-    assert len({key(4), key(8, 4), key(16, 12), key(41, 25)}) == 4
+    assert key(20, 10) == key(20, 10, as_tensor=True) != key(20, 9)
+    assert len({key(4), key(8, 4), key(16, 12), key(20, 10)}) == 4
+    # A piece whose convolutions see more than half a pass's frames goes alone (its request id keys it).
+    assert key(41, 25) == (41, 25, "r") and key(28) == (28, 0, "r") and key(24) == (24, 0)
     with pytest.raises(KeyError):
         model.batch_key(GenerationRequest("r", {}))
+
+
+def test_code2wav_passes_run_only_the_shapes_warmed_at_start(qwen3_dir):
+    """oneDNN builds a convolution's kernels on the first pass of each input shape (~2x a later
+    pass), so code2wav pads a piece to a multiple of ``LENGTH_STEP`` frames, passes 1, 2, 4 or 8
+    pieces at a time, and makes those shapes at start: every piece of the default plan (ramped
+    pieces, a last piece of any length, early pieces for a listener), 1 to 8 of them at once, then
+    runs in shapes already made; a pass never holds more than ``pass_frames`` frames."""
+    from omni_engine.models.qwen3_omni_moe.code2wav import Code2Wav, pass_sizes
+    from omni_engine.models.qwen3_omni_moe.code2wav_chunks import CodecStream
+
+    assert pass_sizes(7, 12) == [4, 2, 1] and pass_sizes(8, 3) == [2, 2, 2, 2] and pass_sizes(3, 0) == [1, 1, 1]
+    assert pass_sizes(16, 100) == [8, 8] and pass_sizes(0, 4) == []
+    model = Code2Wav(model=str(qwen3_dir))
+    warmed = set(model.shapes)
+    assert {(1, 4), (8, 4), (1, 36)} <= warmed
+    codes = np.zeros((tc.CODE_GROUPS, 120), dtype=np.int64)
+    pieces = CodecStream().finish(codes[:, :83])  # 4, 4, 8, 16, 25, 25, then the last 1
+    stream = CodecStream()
+    for end in (3, 9, 14, 40, 58):  # frames as a paced talker hands them, and early pieces of them
+        pieces += stream.add(codes[:, :end], 0) + [stream.piece(end)]
+    assert len({(p["codes"].shape[1], p["left_context"]) for p in pieces}) >= 10
+    for piece in pieces:
+        for count in range(1, 9):
+            model.render([(torch.as_tensor(piece["codes"]), piece["left_context"])] * count)
+    assert model.shapes == warmed, f"shapes made after start: {sorted(model.shapes - warmed)}"
+    assert all(count * frames <= model.pass_frames or count == 1 for count, frames in model.shapes)
+    assert not Code2Wav(model=str(qwen3_dir), warm_up=False).shapes
 
 
 async def test_speech_end_to_end_equals_transformers_generate(omni, qwen3_reference):

@@ -21,6 +21,18 @@ the tiny checkpoint), and each piece is decoded at its own length, in one pass w
 pieces of the same length and context (padded to a batch's longest, a 4-frame first piece would
 cost as much as the 41-frame piece beside it). The samples kept are the ones a pass over every
 frame gives.
+
+Shapes. oneDNN builds its convolution kernels for each input shape on the first pass of that shape
+and caches them: a first pass costs ~2.2x a later one (one 35-frame piece 104 ms, then 46). A
+stream's pieces come in many lengths (a last piece, or one sent early for its listener, is any
+length), and batch size is part of the shape, so a server's first rounds paid it again and again,
+all streams at once. So the convolutions take a piece's frames right-padded to a multiple of
+``LENGTH_STEP`` (the padding is after every kept sample: the convolutions are causal but for the
+one-frame tail already cut), in passes of 1, 2, 4 or 8 pieces, and ``warm_up`` makes each such
+shape once at start, up to the default plan's longest piece. On a CPU a pass of several long
+pieces is slower than the pieces one by one (their activations outgrow the caches: 4 pieces of 32
+frames 190 ms together, 156 alone): a pass holds at most ``pass_frames`` frames, and a piece too
+long to pair goes alone (``batch_key``).
 """
 
 from __future__ import annotations
@@ -39,20 +51,24 @@ from omni_engine.engines.generation_model import (
     ThreadedGenerationModel,
 )
 from omni_engine.models.checkpoint_files import load_submodule
+from omni_engine.models.qwen3_omni_moe.code2wav_chunks import CodecChunks
 from omni_engine.models.qwen3_omni_moe.talker_requests import DEFAULT_VOICE
 from omni_engine.models.receptive_field import frames_read
 
 SAMPLE_RATE = 24000
 PREFIX = "code2wav."
-_ARGS = {"model", "threads"}
+LENGTH_STEP = 4  # the convolutions' input is padded to a multiple of this many frames (module docstring)
+_ARGS = {"model", "threads", "pass_frames", "warm_up"}
 
 
 class Code2Wav(ThreadedGenerationModel):
     output_type = "audio"
     renders_alone = False  # one pass for a batch's pieces of one key (``batch_key``)
 
-    def __init__(self, *, model: str, threads: int = 1) -> None:
+    def __init__(self, *, model: str, threads: int = 1, pass_frames: int = 48, warm_up: bool = True) -> None:
         super().__init__("code2wav")
+        if pass_frames < LENGTH_STEP:
+            raise ValueError(f"code2wav: pass_frames {pass_frames} must be >= {LENGTH_STEP}")
         torch.set_num_threads(threads)
         self.model_dir = model
         self.code2wav = load_code2wav(model)
@@ -65,6 +81,10 @@ class Code2Wav(ThreadedGenerationModel):
         self.frame = int(math.prod(list(config.upsample_rates) + list(config.upsampling_ratios)))
         self.tail = self.frame - self.pass_length(1)  # samples a pass cannot give without the next frame
         self.decoder_context = decoder_context(self.code2wav, self.frame, self.tail)
+        self.pass_frames = pass_frames  # the most frames (pieces x padded length) one convolution pass takes
+        self.shapes: set[tuple[int, int]] = set()  # (pieces, padded frames) the convolutions have run
+        if warm_up:
+            self.warm_up(CodecChunks().size + self.decoder_context)
 
     @torch.no_grad()
     def pass_length(self, frames: int) -> int:
@@ -91,13 +111,17 @@ class Code2Wav(ThreadedGenerationModel):
                     results[i] = exc
         return results
 
-    def batch_key(self, request: GenerationRequest) -> tuple[int, int]:
+    def batch_key(self, request: GenerationRequest) -> tuple[Any, ...]:
         """What pieces must share to go through one pass: their frames and left context (``render``'s
-        groups). The engine then hands the model, with the earliest-deadline piece, only those of its
-        key: a batch of several passes answers after its last, so a stream's 4-frame first piece taken
-        with seven 41-frame pieces waited ~300 ms for their passes (a 41-frame pass ~37 ms each here)."""
+        groups); a piece too long to share a pass (``pass_frames``) is keyed alone. The engine then
+        hands the model, with the earliest-deadline piece, only those of its key: a batch of several
+        passes answers after its last, so a stream's 4-frame first piece taken with seven 41-frame
+        pieces waited ~300 ms for their passes (a 41-frame pass ~37 ms each here)."""
         prompt = request.prompt
-        return int(np.shape(prompt["codes"])[-1]), int(prompt.get("left_context", 0))
+        frames, context = int(np.shape(prompt["codes"])[-1]), int(prompt.get("left_context", 0))
+        if 2 * self.padded(self.conv_frames(frames, context)) > self.pass_frames:
+            return frames, context, request.request_id
+        return frames, context
 
     def piece_of(self, request: GenerationRequest) -> tuple[torch.Tensor, int]:
         """The request's codes ``[G, frames]`` and left context, checked; errors name the request and field."""
@@ -121,16 +145,35 @@ class Code2Wav(ThreadedGenerationModel):
 
     @torch.no_grad()
     def render(self, pieces: list[tuple[torch.Tensor, int]]) -> list[np.ndarray]:
-        """Pieces of the same frames and context in one pass (4 first pieces: 14 ms together, 24 one
-        by one); no padding, so a short piece never pays for a long one."""
+        """Pieces of the same frames and context in shared passes (4 first pieces: 14 ms together, 24
+        one by one) of 1, 2, 4 or 8 pieces (``pass_sizes``); a short piece never pays for a long one."""
         out: list[np.ndarray | None] = [None] * len(pieces)
         groups: dict[tuple[int, int], list[int]] = {}
         for i, (codes, context) in enumerate(pieces):
             groups.setdefault((codes.shape[1], context), []).append(i)
-        for (_, context), rows in groups.items():
-            for i, audio in zip(rows, self.decode(torch.stack([pieces[i][0] for i in rows]), context)):
-                out[i] = audio
+        for (frames, context), rows in groups.items():
+            for size in pass_sizes(len(rows), self.pass_frames // self.padded(self.conv_frames(frames, context))):
+                batch, rows = rows[:size], rows[size:]
+                for i, audio in zip(batch, self.decode(torch.stack([pieces[i][0] for i in batch]), context)):
+                    out[i] = audio
         return out  # type: ignore[return-value]
+
+    def conv_frames(self, frames: int, context: int) -> int:
+        """Frames of a piece (``frames`` with ``context`` of them left context) its convolutions see."""
+        return frames - max(context - self.decoder_context, 0)
+
+    @staticmethod
+    def padded(frames: int) -> int:
+        return -(-frames // LENGTH_STEP) * LENGTH_STEP
+
+    @torch.no_grad()
+    def warm_up(self, longest: int) -> None:
+        """Run each convolution shape ``render`` makes for pieces of up to ``longest`` frames once, so
+        no served piece pays oneDNN's first pass (module docstring): ~1 s on the tiny checkpoint."""
+        for frames in range(LENGTH_STEP, self.padded(longest) + 1, LENGTH_STEP):
+            fit = self.pass_frames // frames
+            for size in sorted({1, *(2 ** k for k in range(4) if 2 ** k <= fit)}):
+                self.decode(torch.zeros(size, self.groups, frames, dtype=torch.long), 0)
 
     def decode(self, codes: torch.Tensor, context: int) -> list[np.ndarray]:
         """Pieces' audio (codes ``[B, G, frames]``, each with ``context`` frames of left context):
@@ -140,7 +183,11 @@ class Code2Wav(ThreadedGenerationModel):
         hidden = model.code_embedding(codes + model.code_offset).mean(1)
         hidden = model.pre_transformer(inputs_embeds=hidden).last_hidden_state.permute(0, 2, 1)
         skip = max(context - self.decoder_context, 0)
-        wavs = convolutions(model, hidden[..., skip:])[:, 0]
+        hidden = hidden[..., skip:]
+        padded = self.padded(hidden.shape[-1])
+        self.shapes.add((hidden.shape[0], padded))
+        # Right padding changes no kept sample: every one of them is before the last frame's tail.
+        wavs = convolutions(model, torch.nn.functional.pad(hidden, (0, padded - hidden.shape[-1])))[:, 0]
         end = (codes.shape[-1] - skip) * self.frame - self.tail
         start = max((context - skip) * self.frame - self.tail, 0)
         return [wav[start:end].float().numpy() for wav in wavs]
@@ -150,6 +197,17 @@ class Code2Wav(ThreadedGenerationModel):
         return {"model": self.model_dir, "sample_rate": SAMPLE_RATE, "input_kind": "codes",
                 "voices": self.voices, "default_voice": DEFAULT_VOICE if DEFAULT_VOICE in self.voices else
                 (self.voices or [None])[0], "code_groups": self.groups, "samples_per_frame": self.frame}
+
+
+def pass_sizes(pieces: int, fit: int) -> list[int]:
+    """``pieces`` split into passes of 1, 2, 4 or 8 (the shapes ``warm_up`` makes), none over ``fit``."""
+    largest = 1 << (min(max(fit, 1), 8).bit_length() - 1)
+    sizes = []
+    while pieces:
+        size = min(largest, 1 << (pieces.bit_length() - 1))
+        sizes.append(size)
+        pieces -= size
+    return sizes
 
 
 def convolutions(model: Any, hidden: torch.Tensor) -> torch.Tensor:
