@@ -32,8 +32,10 @@ from vllm.sampling_params import RequestOutputKind
 class InputSession:
     """One request fed in parts: what it may make, what it has made, and its chunks for vLLM."""
 
-    def __init__(self, stage_id: int, request_id: str) -> None:
+    def __init__(self, stage_id: int, request_id: str, lead: Any = None) -> None:
         self.where = f"stage {stage_id}: request {request_id!r}"
+        self.lead = lead  # the stage's LeadLimit, if any (lead_limit.py): when a chunk may start, how long
+        self.first_at: float | None = None  # when its first token came (the lead limit's clock)
         self.allowed: int | None = 0
         self.prepare: Callable[[], None] | None = None  # called before each chunk (the adapter writes its inputs)
         self.pending: list[tuple[Any, bool]] = []  # parts that came before the first was taken
@@ -71,7 +73,11 @@ class InputSession:
                 await self._changed.wait()
             if self.finish_reason:
                 return
-            more = self._limit() - self._granted
+            if self.lead is not None:
+                await self.lead.admit(self)
+                if self.finish_reason:
+                    return
+            more = (self._limit() if self.lead is None else self.lead.chunk(self, self._limit())) - self._granted
             if self.prepare is not None:
                 self.prepare()
             chunk = copy.copy(params)
@@ -84,11 +90,14 @@ class InputSession:
     def observe(self, token_ids: Sequence[int], finish_reason: str | None) -> None:
         """An output's new tokens; ``finish_reason``: its chunk ended (vLLM's "length" at the chunk's
         bound, "stop" at a stop token; any other, or a chunk cut short, ends the request)."""
+        before = self.made
         if token_ids:
             self.made += len(token_ids)
             self.last_token = int(token_ids[-1])
             self.tokens.extend(token_ids)
         if finish_reason is None:
+            if self.lead is not None:
+                self.lead.observed(self, before)
             return
         if finish_reason == "stop" or (self.last_token in self.stop_ids):
             self.finish_reason = "stop"
@@ -96,6 +105,8 @@ class InputSession:
             self.finish_reason = "length"
         elif finish_reason != "length" or self.made < self._granted:
             self.finish_reason = finish_reason  # (the model's length bound, an error): it ends here
+        if self.lead is not None:
+            self.lead.observed(self, before)
         self._changed.set()
 
     def as_asked(self, output: Any) -> Any | None:

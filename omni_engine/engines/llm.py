@@ -22,6 +22,7 @@ from omni_engine.deadlines import DeadlineStats, effective_deadline
 from omni_engine.engines.base import StageEngine, StageEngineError
 from omni_engine.engines.engine_core_watch import EngineCoreWatch, engine_core_processes
 from omni_engine.engines.hidden_states import StateFiles, TokenCount, configure_request_tap
+from omni_engine.engines.lead_limit import lead_limit_of
 from omni_engine.engines.mm_prompt import vllm_prompt
 from omni_engine.logits.mixing_wiring import THETA_KEY
 from omni_engine.logits.slot_table import tag_request
@@ -63,6 +64,9 @@ class LLMStageEngine(StageEngine):
         # thinker states into tensors its model reads through the worker's RequestTap); its
         # output_extras go on final outputs, its partial_extras (if it has them) on the others.
         self.output_latent, self.adapter_class = configure_request_tap(stage_id, self.engine_args)
+        # lead_limit: requests fed in parts that lead their listeners wait while another's first
+        # audio is being made (engines/lead_limit.py).
+        self.lead_limit = lead_limit_of(stage_id, self.engine_args)
         self.state_files: StateFiles | None = None
         self.adapter: Any = None
         # Request-keyed processors (omni_engine.logits) find the pipeline's request id in the
@@ -195,7 +199,9 @@ class LLMStageEngine(StageEngine):
         if input_stream:
             from omni_engine.engines.input_session import InputSession
 
-            self.sessions[request_id] = InputSession(self.stage_id, request_id)
+            session = self.sessions[request_id] = InputSession(self.stage_id, request_id, self.lead_limit)
+            if self.lead_limit is not None:
+                self.lead_limit.opened(session)
 
     def extend_input(self, request_id: str, prompt: Any, *, last: bool) -> None:
         session = self.sessions.get(request_id)
@@ -207,7 +213,9 @@ class LLMStageEngine(StageEngine):
         session.allow(self.adapter.extend(request_id, prompt, last))
 
     def close_request(self, request_id: str) -> None:
-        self.sessions.pop(request_id, None)
+        session = self.sessions.pop(request_id, None)
+        if session is not None and self.lead_limit is not None:
+            self.lead_limit.closed(session)
         self.streamed_states.pop(request_id, None)
 
     async def generate(self, request_id: str, prompt: Any, sampling_params: Any,

@@ -80,9 +80,9 @@ def with_engine_flags(config: PipelineConfig, flags: Mapping[str, Any], where: s
     return config.replace(stage_args=stages)
 
 
-# An llm stage's engine_args that its stage engine takes itself (omni_engine.engines.hidden_states),
+# An llm stage's engine_args that its stage engine takes itself (engines.hidden_states, engines.lead_limit),
 # which vLLM's AsyncEngineArgs does not know: the server's frontend builds its config without them.
-STAGE_ENGINE_KEYS = ("engine_output_type", "request_adapter")
+STAGE_ENGINE_KEYS = ("engine_output_type", "request_adapter", "lead_limit")
 
 
 def build_text_stage_config(stage: StageConfig,
