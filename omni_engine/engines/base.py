@@ -41,6 +41,9 @@ class StageEngine(abc.ABC):
         # A traced request's W3C trace headers, for an engine that hands them on (vLLM's own
         # request span); taken (popped) by that engine, dropped by the stage when the request ends.
         self.trace_headers: dict[str, dict[str, str]] = {}
+        # A request's LoRA adapter (vLLM's LoRARequest), for an engine that runs them (``USES_VLLM``);
+        # taken (popped) by that engine when the request starts, dropped by the stage when it ends.
+        self.lora_requests: dict[str, Any] = {}
         # Set by the stage once the engine has started: the engine calls it when it can no longer
         # serve and no request would tell (a process it depends on died while idle, or under a
         # utility call). The stage sends DEAD and exits.

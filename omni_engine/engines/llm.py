@@ -244,13 +244,15 @@ class LLMStageEngine(StageEngine):
         versions: list[str] = []
         started = False  # (its start is reported once, at its first output)
         trace_headers = self.trace_headers.pop(request_id, None) if self.trace_headers else None
+        lora_request = self.lora_requests.pop(request_id, None) if self.lora_requests else None
         if not self.vllm_traces:
             trace_headers = None
         output = None
         ended = False  # a request fed in parts: its session has ended (its final output is out)
         try:
             async for output in outputs or self.engine.generate(prompt, params, request_id, priority=priority,
-                                                                trace_headers=trace_headers):
+                                                                trace_headers=trace_headers,
+                                                                lora_request=lora_request):
                 if not started:
                     started = True
                     self.deadlines.started(request_id, due)

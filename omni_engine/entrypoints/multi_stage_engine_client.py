@@ -30,6 +30,7 @@ from omni_engine.errors import StageDeadError, StageRequestError
 from omni_engine.loop_context import LoopContext, loop_context, running_loop
 from omni_engine.metrics import OrchestratorMetrics, PipelineObserver
 from omni_engine.outputs import OmniRequestOutput
+from omni_engine.pipeline.lora import lora_requests_by_stage, lora_stage_ids
 from omni_engine.pipeline.orchestrator import PipelineOrchestrator
 from omni_engine.pipeline.stage_context import StageContext
 from omni_engine.pipeline.stage_clients import Placement, Progress, StageClientFactory, start_pipeline
@@ -185,6 +186,10 @@ class MultiStageEngineClient(EngineClient):
         ``sampling_params_list=[...]`` (vLLM-Omni's ``AsyncOmni`` keyword) is that list, given by
         name; with ``sampling_params`` too it is refused.
 
+        ``lora_request`` (vLLM's ``LoRARequest``) runs the entry (or text) stage with that adapter; a
+        mapping ``{stage_id: LoRARequest}`` names the stage of each. A stage must set
+        ``engine_args.enable_lora``, else the request is refused naming it (``pipeline.lora``).
+
         ``deadline`` (``time.time()`` seconds) is when the first output is needed; every stage
         serves earliest deadline first, and a request that ends in speech gets one per piece of
         speech from it (or from now): when the listener, playing at 1x, would run dry.
@@ -201,8 +206,6 @@ class MultiStageEngineClient(EngineClient):
         text stage's default ``stop`` (vLLM's handlers fill the other defaults:
         ``served_defaults``).
         """
-        if lora_request is not None:
-            raise VLLMValidationError("LoRA adapters are not supported by omni_engine pipelines", parameter="model")
         if "sampling_params_list" in kwargs:  # vLLM-Omni's keyword: taken, never left among the unused ones
             sampling_params = per_stage_params(sampling_params, kwargs.pop("sampling_params_list"))
         if isinstance(prompt, EngineCoreRequest):
@@ -218,12 +221,19 @@ class MultiStageEngineClient(EngineClient):
             prompt = wire_multimodal_input(prompt, request_id)
         if not self._resumed.is_set():
             await self._resumed.wait()
-        params = self.sampling_params_by_stage(
-            sampling_params, entry_stage_id if entry_stage_id is not None else self.text_stage_id)
+        entry = entry_stage_id if entry_stage_id is not None else self.text_stage_id
+        params = self.sampling_params_by_stage(sampling_params, entry)
+        loras = None
+        if lora_request is not None:
+            try:
+                default = entry if entry is not None else self.orchestrator.stage_order[0]
+                loras = lora_requests_by_stage(lora_request, default, self.lora_stage_ids, request_id)
+            except ValueError as exc:
+                raise VLLMValidationError(str(exc), parameter="model") from None
         trace_headers = kwargs.get("trace_headers") or REQUEST_TRACE_HEADERS.get() if self.tracer else None
         stream = self.orchestrator.stream_request(
             request_id, prompt, params, self.metrics, final_stage_id, execution_mode, entry_stage_id, trace_headers,
-            deadline)
+            deadline, loras)
         versions = RESPONSE_VERSIONS.get()  # an HTTP response's weight-version header (None elsewhere)
         try:
             async for output in stream:
@@ -576,8 +586,22 @@ class MultiStageEngineClient(EngineClient):
     async def stop_profile(self) -> None:
         await self._call_stages("stop_profile", llm_only=True)
 
+    @property
+    def lora_stage_ids(self) -> list[int]:
+        """The llm stages that run LoRA adapters (``engine_args.enable_lora``)."""
+        return lora_stage_ids(ctx.stage_config for ctx in self.stage_contexts if ctx.stage_config is not None)
+
     async def add_lora(self, lora_request: Any) -> bool:
-        return all(await self._call_stages("add_lora", llm_only=True, lora_request=lora_request))
+        """Load an adapter into the stages that run adapters, every replica of each (vLLM's
+        ``--lora-modules`` and ``/v1/load_lora_adapter`` call it before the adapter is served)."""
+        stages = self.lora_stage_ids
+        if not stages:
+            raise ValueError(f"LoRA adapter {lora_request.lora_name!r}: no llm stage of this pipeline runs adapters "
+                             f"(set engine_args.enable_lora on the stage it is for)")
+        try:
+            return all(await self._call_stages("add_lora", stage_ids=stages, lora_request=lora_request))
+        except Exception as exc:  # (vLLM's message says what is wrong with it, ours which adapter)
+            raise RuntimeError(f"LoRA adapter {lora_request.lora_name!r} ({lora_request.lora_path}): {exc}") from exc
 
     async def release_kv_cache_memory(self) -> None:
         raise NotImplementedError("release_kv_cache_memory is not supported by omni_engine pipelines")

@@ -186,6 +186,7 @@ class PipelineOrchestrator:
         entry_stage_id: int | None = None,
         trace_headers: Mapping[str, str] | None = None,
         deadline: float | None = None,
+        lora_requests: Mapping[int, Any] | None = None,
     ) -> ClientRequestState:
         """Register the request and send it to its entry stage(s).
 
@@ -199,7 +200,8 @@ class PipelineOrchestrator:
         ``trace_headers``: the caller's W3C trace context, which the request's spans continue
         (when the orchestrator has a ``tracer``). ``deadline``: when its (first) output is needed,
         ``time.time()`` seconds; a request that ends in speech is stamped per piece (``PlaybackClock``)
-        from it, or from now.
+        from it, or from now. ``lora_requests``: stage id -> the LoRA adapter (vLLM's LoRARequest)
+        that stage's sub-requests run with (an llm stage with ``enable_lora``).
         """
         if request_id in self._requests:
             raise ValueError(f"request id {request_id!r} is already in the pipeline")
@@ -236,6 +238,8 @@ class PipelineOrchestrator:
             state.deadline = deadline
         if self.tracer is not None:
             state.trace = self.tracer.start_request(request_id, trace_headers)
+        if lora_requests:
+            state.lora_requests = dict(lora_requests)
         self._requests[request_id] = state
         self._idle.clear()
         self.start()
@@ -292,7 +296,8 @@ class PipelineOrchestrator:
         await client.submit_request(sub_id, inp.prompt, params, end_on_finish=False, group=state.request_id,
                                     trace=trace.submitting(sid) if trace is not None else None,
                                     deadline=state.deadline_of(k, inp.prompt), input_stream=inp.opens_stream,
-                                    stream_states=self._streams_states(state, sid))
+                                    stream_states=self._streams_states(state, sid),
+                                    lora_request=state.lora_requests.get(sid))
         nbytes = client.bytes_sent - sent_before
         self.events.submitted(state, sid, nbytes)
         if trace is not None:
@@ -512,10 +517,11 @@ class PipelineOrchestrator:
         entry_stage_id: int | None = None,
         trace_headers: Mapping[str, str] | None = None,
         deadline: float | None = None,
+        lora_requests: Mapping[int, Any] | None = None,
     ) -> AsyncGenerator[OmniRequestOutput, None]:
         """Submit and stream the request's final outputs; leaving early aborts it."""
         state = await self.submit_request(request_id, prompt, params_by_stage, final_stage_id, metrics,
-                                          execution_mode, entry_stage_id, trace_headers, deadline)
+                                          execution_mode, entry_stage_id, trace_headers, deadline, lora_requests)
         try:
             while True:
                 item = await state.queue.get()

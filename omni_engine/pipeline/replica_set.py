@@ -62,6 +62,7 @@ class _Submission:
     trace: dict[str, str] | None = None
     deadline: float | None = None
     stream_states: bool = False
+    lora_request: Any = None
 
 
 @dataclass(slots=True)
@@ -252,7 +253,8 @@ class StageReplicaSet:
     async def submit_request(self, request_id: str, prompt: Any, sampling_params: Any = None, *,
                              end_on_finish: bool = True, group: str | None = None,
                              trace: dict[str, str] | None = None, deadline: float | None = None,
-                             input_stream: bool = False, stream_states: bool = False) -> None:
+                             input_stream: bool = False, stream_states: bool = False,
+                             lora_request: Any = None) -> None:
         """Send a GENERATE to the replica chosen for it (see ``BaseStageClient.submit_request``).
         A request whose input comes in parts is not resubmitted: another replica would lack them."""
         self._check_alive()
@@ -267,11 +269,12 @@ class StageReplicaSet:
             self._manual_end.add(request_id)
         if self.retry is RetryPolicy.BEFORE_FIRST_OUTPUT and not input_stream:
             self._retryable[request_id] = _Submission(prompt, sampling_params, end_on_finish, trace, deadline,
-                                                          stream_states)
+                                                          stream_states, lora_request)
         try:
             await self.replicas[index].submit_request(request_id, prompt, sampling_params,
                                                       end_on_finish=end_on_finish, trace=trace, deadline=deadline,
-                                                      input_stream=input_stream, stream_states=stream_states)
+                                                      input_stream=input_stream, stream_states=stream_states,
+                                                      lora_request=lora_request)
         except BaseException:
             if self._owner.get(request_id) == index:  # not taken over by a retry (the replica died sending)
                 self._forget(request_id)
@@ -403,7 +406,8 @@ class StageReplicaSet:
         try:
             await replica.submit_request(rid, submission.prompt, submission.sampling_params,
                                          end_on_finish=submission.end_on_finish, trace=submission.trace,
-                                         deadline=submission.deadline, stream_states=submission.stream_states)
+                                         deadline=submission.deadline, stream_states=submission.stream_states,
+                                         lora_request=submission.lora_request)
             if resubmission.abort is not None:
                 await replica.abort_request([rid], keep_final=resubmission.abort)
         except Exception as exc:  # noqa: BLE001 - the request fails, naming why

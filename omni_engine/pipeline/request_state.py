@@ -99,6 +99,8 @@ class ClientRequestState:
     # sub-request; a request that ends in speech has a clock instead, a deadline per piece.
     deadline: float | None = None
     playback: PlaybackClock | None = None
+    # Stage id -> the LoRA adapter (vLLM's LoRARequest) its sub-requests run with.
+    lora_requests: dict[int, Any] = field(default_factory=dict)
 
     def deadline_of(self, k: int, prompt: Any) -> float | None:
         """The deadline of sub-request ``k`` (of any stage) whose input is ``prompt``."""

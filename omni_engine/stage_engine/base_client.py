@@ -180,7 +180,8 @@ class BaseStageClient:
     async def submit_request(self, request_id: str, prompt: Any, sampling_params: Any = None, *,
                              end_on_finish: bool = True, group: str | None = None,
                              trace: dict[str, str] | None = None, deadline: float | None = None,
-                             input_stream: bool = False, stream_states: bool = False) -> None:
+                             input_stream: bool = False, stream_states: bool = False,
+                             lora_request: Any = None) -> None:
         """Send a GENERATE; outputs come from ``get_output_async``.
 
         With ``end_on_finish`` False what the transport holds for the request
@@ -193,12 +194,14 @@ class BaseStageClient:
         the output is needed (``time.time()`` seconds); the stage serves earliest first.
         ``input_stream``: more of the request's input follows (``extend_request``).
         ``stream_states``: its partial outputs carry the states written since the last one.
+        ``lora_request``: vLLM's LoRARequest the request runs with (an llm stage with ``enable_lora``).
         """
         self._check_alive()
         if request_id in self._requests:
             raise ValueError(f"stage {self.stage_id}: request id {request_id!r} is already in flight")
         msg = StageGenerateRequest(request_id, prompt, sampling_params, self._loop.time(), trace, deadline,
-                                   InputStream.OPEN if input_stream else InputStream.NONE, stream_states)
+                                   InputStream.OPEN if input_stream else InputStream.NONE, stream_states,
+                                   lora_request)
         self._requests.add(request_id)
         self.submitted += 1
         self.resources.begin(request_id)

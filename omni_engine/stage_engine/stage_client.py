@@ -78,14 +78,16 @@ class StageClient(Protocol):
     async def submit_request(self, request_id: str, prompt: Any, sampling_params: Any = None, *,
                              end_on_finish: bool = True, group: str | None = None,
                              trace: dict[str, str] | None = None, deadline: float | None = None,
-                             input_stream: bool = False, stream_states: bool = False) -> None:
+                             input_stream: bool = False, stream_states: bool = False,
+                             lora_request: Any = None) -> None:
         """Send a GENERATE. With ``end_on_finish`` False what the request holds (shared-memory
         slots of its outputs) stays held after it finishes, until ``end_request``. ``group``: the
         request a sub-request belongs to (a replica set may keep a group on one replica).
         ``trace``: W3C trace headers; the final output then carries the stage's ``stage_timing``.
         ``deadline``: when the output is needed (``time.time()`` seconds): earliest first.
         ``input_stream``: more input follows (``extend_request``); ``stream_states``: partial
-        outputs carry the states written since the last one."""
+        outputs carry the states written since the last one. ``lora_request``: vLLM's LoRARequest
+        (an llm stage with ``enable_lora``)."""
 
     async def extend_request(self, request_id: str, prompt: Any, *, last: bool) -> bool:
         """Append to the input of an ``input_stream`` request, on the replica running it; ``last``

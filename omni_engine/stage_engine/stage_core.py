@@ -219,6 +219,13 @@ class StageEngineCore:
             self._send_error(f"stage {self.stage_id}: GENERATE for request {rid!r} refused: that request id is "
                              "already running", rid, DUPLICATE_REQUEST)
             return
+        if req.lora_request is not None:
+            if not self.engine.USES_VLLM:
+                self._request_failed(rid, ValueError(
+                    f"lora_request {getattr(req.lora_request, 'lora_name', req.lora_request)!r}: this stage's "
+                    f"engine ({type(self.engine).__name__}) runs no LoRA adapters; an llm stage with "
+                    "engine_args.enable_lora does"))
+                return
         if req.trace is not None:
             self._trace(req)
         if req.input_stream is InputStream.OPEN or req.stream_states:
@@ -229,6 +236,8 @@ class StageEngineCore:
                 self._request_failed(rid, exc)
                 return
             self._opened.add(rid)
+        if req.lora_request is not None:
+            self.engine.lora_requests[rid] = req.lora_request
         aborted_before = self._aborting.get(rid)
         # An engine that answers once takes the request without a task (``StageEngine.submit``);
         # a request whose id is still ending an aborted stream waits for it in a task.
@@ -308,6 +317,8 @@ class StageEngineCore:
     def _request_done(self, rid: str, task: asyncio.Future) -> None:
         if self._requests.get(rid) is task:
             del self._requests[rid]
+            if self.engine.lora_requests:  # (not taken: it failed or was aborted before it started)
+                self.engine.lora_requests.pop(rid, None)
         if rid in self._opened and rid not in self._requests:
             self._opened.discard(rid)
             self.engine.close_request(rid)

@@ -78,6 +78,8 @@ class StageGenerateRequest(msgspec.Struct, array_like=True, omit_defaults=True, 
     # Partial outputs carry the states written since the last one (an llm stage with
     # engine_output_type latent whose consumer starts on its first states).
     stream_states: bool = False
+    # vLLM's LoRARequest for an llm stage started with ``enable_lora``: the adapter this request runs with.
+    lora_request: Any = None
 
 
 class StageAbortRequest(msgspec.Struct, array_like=True, gc=False):

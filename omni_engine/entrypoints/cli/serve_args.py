@@ -45,7 +45,6 @@ UNSUPPORTED_SERVER_FLAGS: dict[str, str] = {
     "dp_supervisor_probe_interval_s": "stages are not vLLM data-parallel engines",
     "dp_supervisor_probe_timeout_s": "stages are not vLLM data-parallel engines",
     "dp_supervisor_probe_failure_threshold": "stages are not vLLM data-parallel engines",
-    "lora_modules": "LoRA adapters are not served through a pipeline yet",
     "tokens_only": "a pipeline serves the OpenAI API, not the tokens-only endpoints",
     "enable_scale_out": "a pipeline serves the OpenAI API, not the scale-out endpoints",
     "model": "the positional argument names what is served; a pipeline's models are set in its config "

@@ -36,6 +36,7 @@ from omni_engine.entrypoints.openai.served_pipeline import (
     chat_engine_input,
     engine_client,
     error_response,
+    lora_request_of,
     served_names,
     speech_dict,
     speech_params,
@@ -94,7 +95,8 @@ async def _audio_chat(request: ChatCompletionRequest, raw_request: Request, moda
                                       _extra(request, "sampling_params_list"))
     except RequestRefused as refused:
         return refused.response
-    stream = client.generate(engine_input, params, request_id, modalities=modalities)
+    stream = client.generate(engine_input, params, request_id, modalities=modalities,
+                             lora_request=lora_request_of(raw_request, request.model))
     if request.stream:
         return StreamingResponse(_stream_chunks(request, stream, request_id, model_name, fmt, prompt_len),
                                  media_type="text/event-stream")

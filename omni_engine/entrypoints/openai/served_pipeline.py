@@ -70,6 +70,13 @@ def unserved_model(client: Any, model: str | None) -> list[str] | None:
     return names if model and names and model not in names else None
 
 
+def lora_request_of(connection: HTTPConnection, model: str | None) -> Any:
+    """The LoRA adapter a request's ``model`` names (vLLM's ``--lora-modules`` or a loaded one: its
+    ``LoRARequest``); None for the base model. vLLM's chat route resolves its own the same way."""
+    models = getattr(connection.app.state, "openai_serving_models", None)
+    return models.lora_requests.get(model) if models is not None and model else None
+
+
 def check_model(client: Any, model: str | None) -> JSONResponse | None:
     """OpenAI's 404 for a ``model`` this server does not serve; None when it does (or none was named)."""
     if unserved_model(client, model) is not None:
