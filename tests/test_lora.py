@@ -1,5 +1,6 @@
 """LoRA adapters through a pipeline: ``omni-engine serve`` with vLLM's ``--enable-lora`` and
-``--lora-modules`` on the speech pipeline (SmolLM2 -> eSpeak NG). A request naming the adapter
+``--lora-modules`` on the speech pipeline (SmolLM2 -> eSpeak NG), and an adapter on Qwen2.5-Omni's
+thinker. A request naming the adapter
 gets the adapted model's answer, which transformers gives with the adapter merged into the
 weights, and the speech stage speaks it; a request for the base model at the same time gets the
 base answer. A seeded random adapter of SmolLM2's layout stands in for a trained one."""
@@ -10,6 +11,7 @@ import asyncio
 import json
 import re
 from pathlib import Path
+from typing import Any
 
 import pytest
 import requests
@@ -50,19 +52,11 @@ def make_adapter(base: Path, folder: Path, seed: int = 0, scale: float = 0.08) -
 
 
 def transformers_answer(base: Path, adapter: Path | None) -> str:
-    """transformers' greedy answer, with the adapter merged into the weights (W + alpha/r * B A)."""
-    from safetensors.torch import load_file
+    """transformers' greedy answer, with the adapter merged into the weights (``merged``)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(base)
-    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32).eval()
-    if adapter is not None:
-        weights = load_file(adapter / "adapter_model.safetensors")
-        with torch.no_grad():
-            for name, module in model.named_modules():
-                key = f"base_model.model.{name}"
-                if f"{key}.lora_A.weight" in weights:
-                    module.weight += ALPHA / RANK * weights[f"{key}.lora_B.weight"] @ weights[f"{key}.lora_A.weight"]
+    model = merged(AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32).eval(), adapter)
     ids = tokenizer.apply_chat_template([{"role": "user", "content": QUESTION}], add_generation_prompt=True,
                                         return_tensors="pt", return_dict=True)
     with torch.no_grad():
@@ -182,3 +176,85 @@ async def test_a_stage_that_runs_no_adapters_fails_a_request_that_brings_one_and
             if done:
                 assert len(done[0].multimodal_output["audio"]) > 1000
                 break
+
+
+def omni_adapter(model_dir: Path, folder: Path) -> Path:
+    """A peft-layout adapter for Qwen2.5-Omni's thinker (q and v of its language model's layers)."""
+    from safetensors.torch import save_file
+
+    text = json.loads((model_dir / "config.json").read_text())["thinker_config"]["text_config"]
+    hidden, heads, kv_heads = text["hidden_size"], text["num_attention_heads"], text["num_key_value_heads"]
+    head_dim = text.get("head_dim") or hidden // heads
+    generator = torch.Generator().manual_seed(1)
+    tensors = {}
+    for layer in range(text["num_hidden_layers"]):
+        for name, rows in (("q_proj", heads * head_dim), ("v_proj", kv_heads * head_dim)):
+            prefix = f"base_model.model.thinker.model.layers.{layer}.self_attn.{name}"
+            tensors[f"{prefix}.lora_A.weight"] = torch.randn(RANK, hidden, generator=generator) * 0.3
+            tensors[f"{prefix}.lora_B.weight"] = torch.randn(rows, RANK, generator=generator) * 0.3
+    folder.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, folder / "adapter_model.safetensors")
+    (folder / "adapter_config.json").write_text(json.dumps({
+        "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": RANK, "lora_alpha": ALPHA, "lora_dropout": 0.0,
+        "target_modules": ["q_proj", "v_proj"], "bias": "none", "fan_in_fan_out": False, "modules_to_save": None,
+        "use_rslora": False}))
+    return folder
+
+
+def merged(model: torch.nn.Module, adapter: Path | None) -> torch.nn.Module:
+    """``model`` with the adapter merged into its weights (W + alpha/r * B A), in place."""
+    from safetensors.torch import load_file
+
+    if adapter is not None:
+        weights = load_file(adapter / "adapter_model.safetensors")
+        with torch.no_grad():
+            for name, module in model.named_modules():
+                key = f"base_model.model.{name}"
+                if f"{key}.lora_A.weight" in weights:
+                    module.weight += ALPHA / RANK * weights[f"{key}.lora_B.weight"] @ weights[f"{key}.lora_A.weight"]
+    return model
+
+
+async def test_an_adapter_on_qwen2_5_omni_s_thinker_gives_transformers_adapted_tokens(omni_dir, tmp_path):
+    """The same machinery on a multimodal thinker (vLLM's Qwen2.5-Omni thinker under our architecture):
+    with the adapter and without, in one batch, each request's greedy ids are transformers' thinker's
+    with the adapter merged and without."""
+    from transformers import Qwen2_5OmniForConditionalGeneration
+    from vllm import SamplingParams
+    from vllm.lora.request import LoRARequest
+
+    from omni_engine.config import parse_pipeline_config, read_pipeline_yaml
+    from omni_engine.models.qwen2_5_omni.processor import load_processor
+    from tests.qwen_omni_reference import chat
+    from tests.stress.checks import after_shutdown
+    from tests.stress.pipeline import REPO, start_pipeline
+
+    adapter = omni_adapter(omni_dir, tmp_path / "omni-lora")
+    data = read_pipeline_yaml(REPO / "stage_configs" / "qwen2_5_omni_thinker.yaml")
+    data["stage_args"][0]["engine_args"].update(enable_lora=True, max_lora_rank=RANK, max_loras=2)
+    prompt = chat("What is the capital of France?")
+    client = await start_pipeline(parse_pipeline_config(data, "qwen2_5_omni_thinker_lora"))
+    try:
+        async def ids(request_id: str, lora: Any) -> list[int]:
+            final = None
+            async for output in client.generate(prompt, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
+                                                request_id, lora_request=lora):
+                final = output
+            return list(final.outputs[0].token_ids)
+
+        got_adapter, got_base = await asyncio.gather(ids("omni-lora", LoRARequest("omni-style", 1, str(adapter))),
+                                                     ids("omni-base", None))
+    finally:
+        await client.shutdown_async()
+    assert not await after_shutdown(client)
+    processor = load_processor(omni_dir)
+    inputs = processor(text=prompt, return_tensors="pt")
+    want = {}
+    for name, with_adapter in (("base", None), ("adapter", adapter)):
+        model = merged(Qwen2_5OmniForConditionalGeneration.from_pretrained(str(omni_dir), dtype=torch.float32).eval(),
+                       with_adapter)
+        with torch.no_grad():
+            out = model.thinker.generate(**inputs, max_new_tokens=12, min_new_tokens=12, do_sample=False)
+        want[name] = out[0, inputs["input_ids"].shape[1]:].tolist()
+    assert want["adapter"] != want["base"]
+    assert (got_adapter, got_base) == (want["adapter"], want["base"])
