@@ -1,13 +1,14 @@
 """LoRA adapters through a pipeline: ``omni-engine serve`` with vLLM's ``--enable-lora`` and
 ``--lora-modules`` on the speech pipeline (SmolLM2 -> eSpeak NG), and an adapter on Qwen2.5-Omni's
-thinker. A request naming the adapter
-gets the adapted model's answer, which transformers gives with the adapter merged into the
-weights, and the speech stage speaks it; a request for the base model at the same time gets the
-base answer. A seeded random adapter of SmolLM2's layout stands in for a trained one."""
+thinker. A request naming the adapter gets the adapted model's answer, which transformers gives
+with the adapter merged into the weights, and the speech stage speaks it; a request for the base
+model at the same time gets the base answer. Seeded random adapters of the models' layouts stand
+in for trained ones."""
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import re
 from pathlib import Path
@@ -28,31 +29,33 @@ QUESTION = "What is the capital of France?"
 RANK, ALPHA, TOKENS = 8, 16, 16
 
 
-def make_adapter(base: Path, folder: Path, seed: int = 0, scale: float = 0.08) -> Path:
-    """A peft-layout LoRA adapter for ``base`` (rank 8 on every layer's q and v projections), seeded."""
+def write_adapter(folder: Path, text: dict[str, Any], layers: str, seed: int, scale: float) -> Path:
+    """A seeded peft-layout LoRA adapter (rank ``RANK`` on every layer's q and v projections) for a
+    model whose text config is ``text`` and whose layers are named ``<layers>.<i>``."""
     from safetensors.torch import save_file
 
-    config = json.loads((base / "config.json").read_text())
-    hidden, heads = config["hidden_size"], config["num_attention_heads"]
-    kv = config["num_key_value_heads"] * hidden // heads
+    hidden, heads = text["hidden_size"], text["num_attention_heads"]
+    head_dim = text.get("head_dim") or hidden // heads
     generator = torch.Generator().manual_seed(seed)
     tensors = {}
-    for layer in range(config["num_hidden_layers"]):
-        for name, rows in (("q_proj", hidden), ("v_proj", kv)):
-            prefix = f"base_model.model.model.layers.{layer}.self_attn.{name}"
+    for layer in range(text["num_hidden_layers"]):
+        for name, rows in (("q_proj", heads * head_dim), ("v_proj", text["num_key_value_heads"] * head_dim)):
+            prefix = f"base_model.model.{layers}.{layer}.self_attn.{name}"
             tensors[f"{prefix}.lora_A.weight"] = torch.randn(RANK, hidden, generator=generator) * scale
             tensors[f"{prefix}.lora_B.weight"] = torch.randn(rows, RANK, generator=generator) * scale
     folder.mkdir(parents=True, exist_ok=True)
     save_file(tensors, folder / "adapter_model.safetensors")
     (folder / "adapter_config.json").write_text(json.dumps({
         "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": RANK, "lora_alpha": ALPHA, "lora_dropout": 0.0,
-        "target_modules": ["q_proj", "v_proj"], "bias": "none", "fan_in_fan_out": False,
-        "base_model_name_or_path": str(base), "modules_to_save": None, "use_rslora": False}))
+        "target_modules": ["q_proj", "v_proj"], "bias": "none", "fan_in_fan_out": False, "modules_to_save": None,
+        "use_rslora": False}))
     return folder
 
 
+@functools.cache
 def transformers_answer(base: Path, adapter: Path | None) -> str:
-    """transformers' greedy answer, with the adapter merged into the weights (``merged``)."""
+    """transformers' greedy answer, with the adapter merged into the weights (``merged``); once
+    per model and adapter (several tests compare with it)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(base)
@@ -66,7 +69,8 @@ def transformers_answer(base: Path, adapter: Path | None) -> str:
 
 @pytest.fixture(scope="module")
 def adapter(tmp_path_factory, smollm2_path):
-    return make_adapter(smollm2_path, tmp_path_factory.mktemp("lora") / ADAPTER)
+    config = json.loads((smollm2_path / "config.json").read_text())
+    return write_adapter(tmp_path_factory.mktemp("lora") / ADAPTER, config, "model.layers", seed=0, scale=0.08)
 
 
 @pytest.fixture(scope="module")
@@ -178,29 +182,6 @@ async def test_a_stage_that_runs_no_adapters_fails_a_request_that_brings_one_and
                 break
 
 
-def omni_adapter(model_dir: Path, folder: Path) -> Path:
-    """A peft-layout adapter for Qwen2.5-Omni's thinker (q and v of its language model's layers)."""
-    from safetensors.torch import save_file
-
-    text = json.loads((model_dir / "config.json").read_text())["thinker_config"]["text_config"]
-    hidden, heads, kv_heads = text["hidden_size"], text["num_attention_heads"], text["num_key_value_heads"]
-    head_dim = text.get("head_dim") or hidden // heads
-    generator = torch.Generator().manual_seed(1)
-    tensors = {}
-    for layer in range(text["num_hidden_layers"]):
-        for name, rows in (("q_proj", heads * head_dim), ("v_proj", kv_heads * head_dim)):
-            prefix = f"base_model.model.thinker.model.layers.{layer}.self_attn.{name}"
-            tensors[f"{prefix}.lora_A.weight"] = torch.randn(RANK, hidden, generator=generator) * 0.3
-            tensors[f"{prefix}.lora_B.weight"] = torch.randn(rows, RANK, generator=generator) * 0.3
-    folder.mkdir(parents=True, exist_ok=True)
-    save_file(tensors, folder / "adapter_model.safetensors")
-    (folder / "adapter_config.json").write_text(json.dumps({
-        "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": RANK, "lora_alpha": ALPHA, "lora_dropout": 0.0,
-        "target_modules": ["q_proj", "v_proj"], "bias": "none", "fan_in_fan_out": False, "modules_to_save": None,
-        "use_rslora": False}))
-    return folder
-
-
 def merged(model: torch.nn.Module, adapter: Path | None) -> torch.nn.Module:
     """``model`` with the adapter merged into its weights (W + alpha/r * B A), in place."""
     from safetensors.torch import load_file
@@ -229,7 +210,8 @@ async def test_an_adapter_on_qwen2_5_omni_s_thinker_gives_transformers_adapted_t
     from tests.stress.checks import after_shutdown
     from tests.stress.pipeline import REPO, start_pipeline
 
-    adapter = omni_adapter(omni_dir, tmp_path / "omni-lora")
+    text = json.loads((omni_dir / "config.json").read_text())["thinker_config"]["text_config"]
+    adapter = write_adapter(tmp_path / "omni-lora", text, "thinker.model.layers", seed=1, scale=0.3)
     data = read_pipeline_yaml(REPO / "stage_configs" / "qwen2_5_omni_thinker.yaml")
     data["stage_args"][0]["engine_args"].update(enable_lora=True, max_lora_rank=RANK, max_loras=2)
     prompt = chat("What is the capital of France?")
