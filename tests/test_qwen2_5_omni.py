@@ -504,6 +504,45 @@ def test_the_vocoder_reads_the_frames_its_measured_context_says_and_no_more(omni
     assert float(np.abs(piece(model.vocoder_context // 3) - whole).max()) > 1e-3
 
 
+def test_the_vocoder_gives_transformers_bigvgan_waveform(omni_dir):
+    """code2wav's BigVGAN (``code2wav_vocoder``: the anti-aliased activations as shifted sums, in a
+    buffer with their padding) gives transformers' waveform for a batch of mels, within float error."""
+    from omni_engine.models.qwen2_5_omni.code2wav import load_token2wav
+    from omni_engine.models.qwen2_5_omni.code2wav_vocoder import Vocoder
+
+    bigvgan = load_token2wav(str(omni_dir)).code2wav_bigvgan_model
+    mel = torch.randn(3, 80, 40, generator=torch.Generator().manual_seed(5)) - 4
+    with torch.no_grad():
+        want = bigvgan(mel).reshape(3, -1)
+    got = Vocoder(bigvgan)(mel)
+    assert got.shape == want.shape == (3, 40 * 240)
+    assert float(want.abs().max()) > 0.05, "silent"
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("length", [1, 2, 7, 300])
+def test_an_anti_aliased_activation_equals_transformers_at_every_length(length):
+    """One activation against transformers' module with SnakeBeta parameters away from their zero
+    init: the phases' taps, the clamped reads at both ends (a signal of one sample included)."""
+    from transformers.models.qwen2_5_omni.modeling_qwen2_5_omni import (
+        Qwen2_5OmniAntiAliasedActivation1d,
+        Qwen2_5OmniSnakeBeta,
+    )
+
+    from omni_engine.models.qwen2_5_omni.code2wav_vocoder import AntiAliasedSnake
+
+    generator = torch.Generator().manual_seed(length)
+    module = Qwen2_5OmniAntiAliasedActivation1d(activation=Qwen2_5OmniSnakeBeta(5))
+    with torch.no_grad():
+        module.act.alpha.copy_(torch.randn(5, generator=generator))
+        module.act.beta.copy_(torch.randn(5, generator=generator))
+        x = torch.randn(2, 5, length, generator=generator) * 3
+        want = module(x)
+    got = AntiAliasedSnake(module)(x)
+    assert got.shape == want.shape == (2, 5, length)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
 async def _render(client, prompt, request_id):
     """code2wav's audio for one prompt sent to its stage (stage 2) alone."""
     pieces = [o.multimodal_output["audio"] async for o in client.generate(

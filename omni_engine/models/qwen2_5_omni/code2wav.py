@@ -17,6 +17,8 @@ ODE for all: the DiT's per-evaluation overhead is shared; ``batch_key`` has the 
 those), and spans of equal length through BigVGAN together. ``num_steps``, ``guidance_scale`` and
 ``sway_coefficient`` are the ODE solver's steps (each costs four DiT passes), the classifier-free
 guidance weight (0 halves the cost) and the time-grid sway, transformers' defaults 10, 0.5, -1.
+The DiT's velocity and BigVGAN run as ``code2wav_dit`` and ``code2wav_vocoder`` compute them (the
+checkpoint's modules, with what transformers recomputes at every call computed once).
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from omni_engine.engines.generation_model import (
 )
 from omni_engine.models.checkpoint_files import load_submodule
 from omni_engine.models.qwen2_5_omni.code2wav_dit import sample_mel
+from omni_engine.models.qwen2_5_omni.code2wav_vocoder import Vocoder
 from omni_engine.models.qwen2_5_omni.speakers import load_speakers, pick_voice
 from omni_engine.models.receptive_field import frames_read
 
@@ -74,12 +77,13 @@ class Code2Wav(ThreadedGenerationModel):
         except ValueError as exc:
             raise ValueError(f"engine_args.default_voice: {exc}") from None
         self.token2wav = load_token2wav(model)
-        self.dit, self.vocoder = self.token2wav.code2wav_dit_model, self.token2wav.code2wav_bigvgan_model
+        self.dit, bigvgan = self.token2wav.code2wav_dit_model, self.token2wav.code2wav_bigvgan_model
+        self.vocoder = Vocoder(bigvgan)
         self.num_codes = self.token2wav.config.dit_config.num_embeds
         self.repeats = self.dit.repeats
         self.codes_per_block = self.dit.block_size // self.repeats
-        self.hop = math.prod(self.vocoder.config.upsample_rates)  # samples per mel frame
-        self.vocoder_context = vocoder_context(self.vocoder, self.hop)
+        self.hop = math.prod(bigvgan.config.upsample_rates)  # samples per mel frame
+        self.vocoder_context = vocoder_context(bigvgan, self.hop)
 
     def _render_batch(self, requests: list[GenerationRequest]) -> list[dict[str, Any] | Exception]:
         results: list[dict[str, Any] | Exception] = [RuntimeError("not rendered")] * len(requests)
@@ -169,7 +173,7 @@ class Code2Wav(ThreadedGenerationModel):
             by_length.setdefault(hi - lo, []).append(i)
         for members in by_length.values():
             batch = torch.stack([mels[i, :, spans[i][0]:spans[i][1]] for i in members])
-            samples = self.vocoder(batch).reshape(len(members), -1)
+            samples = self.vocoder(batch)
             for row, i in enumerate(members):
                 lo, _, first, last = spans[i]
                 audio[i] = samples[row, (first - lo) * self.hop:(last - lo) * self.hop].float().numpy()
